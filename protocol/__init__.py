@@ -1,0 +1,1 @@
+"""dpool.protocol"""

@@ -1,0 +1,59 @@
+"""The on-disk checkpoint layout, as a contract between the trainer (which writes it) and the daemon
+(which reports what it holds without importing the trainer or MLX).
+
+    RUN_DIR/checkpoints/step-<N>/manifest.json     written last: a checkpoint exists only once it is there
+    RUN_DIR/checkpoints/step-<N>/model.safetensors
+    RUN_DIR/checkpoints/step-<N>/optimizer.safetensors
+    RUN_DIR/checkpoints/.tmp-step-<N>-<pid>/       being written; renamed into place when complete
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import orjson
+
+STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return checkpoint_root(run_dir) / f"step-{step}"
+
+
+def listed_steps(run_dir: str | os.PathLike[str]) -> list[int]:
+    """Steps that have a complete-looking checkpoint (a manifest), newest first. Not verified."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        m = STEP_DIR_RE.match(entry.name)
+        if m and (entry / MANIFEST).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def read_manifest(run_dir: str | os.PathLike[str], step: int) -> dict | None:
+    """The manifest of one checkpoint, or None when it is missing or unreadable."""
+    try:
+        data = orjson.loads((step_dir(run_dir, step) / MANIFEST).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def newest_step(run_dir: str | os.PathLike[str], job_hash: str | None = None) -> int | None:
+    """The newest step whose manifest is readable (and of `job_hash`, when given). Cheap: no checksums."""
+    for step in listed_steps(run_dir):
+        manifest = read_manifest(run_dir, step)
+        if manifest is not None and (job_hash is None or manifest.get("job_hash") == job_hash):
+            return step
+    return None

@@ -1,0 +1,314 @@
+"""The job file: typed, validated, hashed.
+
+`load_job(path)` reads a `job.toml` into a frozen `JobSpec`, one dataclass per section. Unknown keys,
+wrong types and out-of-range values raise `JobFileError`, whose message names the file, the key, the
+value given and what is allowed, on one line. Shared by dpctl (validation at submit), the
+coordinator (admission) and the trainer (everything else); no MLX here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be used; the message is meant for the user as it is."""
+
+    def __init__(self, source: str, key: str, given: Any, allowed: str) -> None:
+        self.source, self.key, self.given, self.allowed = source, key, given, allowed
+        shown = "missing" if given is _MISSING else f"= {given!r}"
+        super().__init__(f"{source}: {key} {shown}: {allowed}")
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+# ---------------------------------------------------------------------------------------------
+# Field checks: each returns an error message (what is allowed) or None.
+
+
+def _int(lo: int | None = None, hi: int | None = None):
+    def check(v: Any) -> str | None:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+        if ok and (lo is None or v >= lo) and (hi is None or v <= hi):
+            return None
+        rng = f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
+        return f"must be an integer{rng if lo is not None else ''}"
+
+    return check
+
+
+def _float(lo: float, hi: float | None = None, *, lo_open: bool = False):
+    def check(v: Any) -> str | None:
+        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        if ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi):
+            return None
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        return f"must be a number {low}" + (f" and <= {hi}" if hi is not None else "")
+
+    return check
+
+
+def _choice(*allowed: str):
+    def check(v: Any) -> str | None:
+        return None if v in allowed else "must be one of " + ", ".join(repr(a) for a in allowed)
+
+    return check
+
+
+def _str():
+    def check(v: Any) -> str | None:
+        return None if isinstance(v, str) and v else "must be a non-empty string"
+
+    return check
+
+
+def _opt(inner):
+    def check(v: Any) -> str | None:
+        return None if v is None else inner(v)
+
+    return check
+
+
+def _spec(check, doc: str, default: Any = _MISSING):
+    """A dataclass field with a validator and a docstring kept in its metadata."""
+    meta = {"check": check, "doc": doc}
+    if default is _MISSING:
+        return field(metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkersSpec:
+    min: int = _spec(_int(1), "the job stays queued until this many worker slots are free", 1)
+    max: int = _spec(_int(1), "the most worker slots the job takes", 8)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    kind: str = _spec(_choice("gpt", "mlx_lm"), "'gpt' (built in) or 'mlx_lm' (a local model directory)", "gpt")
+    layers: int = _spec(_int(1, 256), "transformer blocks", 4)
+    dim: int = _spec(_int(8, 16384), "model width", 128)
+    heads: int = _spec(_int(1, 256), "attention heads; must divide dim", 4)
+    context: int = _spec(_int(2, 65536), "tokens per sequence", 128)
+    positions: str = _spec(_choice("rope", "learned"), "position encoding", "rope")
+    path: str | None = _spec(_opt(_str()), "kind = 'mlx_lm': a local Hugging Face-format directory", None)
+    lora_rank: int | None = _spec(_opt(_int(1, 1024)), "kind = 'mlx_lm': train LoRA adapters of this rank only", None)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    source: str = _spec(_str(), "'stdlib' or a path/glob of .txt/.jsonl files", "stdlib")
+    val_fraction: float = _spec(_float(0.0, 0.5, lo_open=True), "fraction of documents held out", 0.05)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    steps: int = _spec(_int(1), "optimizer steps", 2000)
+    global_batch: int = _spec(_int(1), "sequences per optimizer step, whatever the number of workers", 64)
+    micro_batch: int | str = _spec(
+        lambda v: None
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+        else "must be 'auto' or an integer >= 1",
+        "the most sequences per forward/backward; accumulation fills the share",
+        "auto",
+    )
+    lr: float = _spec(_float(0.0, 10.0, lo_open=True), "peak learning rate", 3e-4)
+    warmup_steps: int = _spec(_int(0), "linear warm-up steps", 100)
+    weight_decay: float = _spec(_float(0.0, 10.0), "AdamW decoupled weight decay", 0.1)
+    grad_clip: float = _spec(_float(0.0), "clip the global gradient norm to this (0: off)", 1.0)
+    seed: int = _spec(_int(0, 2**31 - 1), "seeds weights, data order and sampling", 1234)
+    log_every_steps: int = _spec(_int(1), "a metrics row every this many steps", 10)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointSpec:
+    every_steps: int = _spec(_int(1), "a checkpoint every this many steps", 50)
+    keep: int = _spec(_int(1, 1000), "newest checkpoints kept per rank", 3)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EvalSpec:
+    every_steps: int = _spec(_int(1), "validation loss every this many steps", 100)
+    batches: int = _spec(_int(1), "held-out batches (of global_batch sequences) per evaluation", 20)
+    sample_every_steps: int = _spec(_int(1), "a generated text sample every this many steps", 200)
+    sample_tokens: int = _spec(_int(1, 100000), "tokens per sample", 200)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoverySpec:
+    max_restarts: int = _spec(_int(0), "crash restarts allowed before the job fails (membership changes are free)", 10)
+    start_timeout_s: float = _spec(_float(1.0), "deadline for a group's start and first step", 120.0)
+    step_timeout_floor_s: float = _spec(_float(0.5), "the per-step progress deadline never goes below this", 10.0)
+
+
+SECTIONS: dict[str, type] = {
+    "workers": WorkersSpec,
+    "model": ModelSpec,
+    "data": DataSpec,
+    "train": TrainSpec,
+    "checkpoint": CheckpointSpec,
+    "eval": EvalSpec,
+    "recovery": RecoverySpec,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSpec:
+    name: str
+    workers: WorkersSpec = dataclasses.field(default_factory=WorkersSpec)
+    model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    data: DataSpec = dataclasses.field(default_factory=DataSpec)
+    train: TrainSpec = dataclasses.field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
+    eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
+    recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
+    base_dir: str = "."  # where relative data paths are resolved (the job file's folder)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as plain data (what travels on the wire and into SQLite)."""
+        return dataclasses.asdict(self)
+
+    @property
+    def micro_batch_max(self) -> int:
+        """The micro batch bound in sequences ('auto' picks one that keeps activations small)."""
+        mb = self.train.micro_batch
+        if isinstance(mb, int):
+            return mb
+        # 'auto': ~64k tokens of activations per micro batch, at most the global batch.
+        return max(1, min(self.train.global_batch, 65536 // self.model.context))
+
+    def training_hash(self) -> str:
+        """Hash of everything that shapes the loss curve; checkpoints of another hash are refused."""
+        train = dataclasses.asdict(self.train)
+        train.pop("log_every_steps")
+        train.pop("micro_batch")  # accumulation does not change the math
+        body = {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data), "train": train}
+        body["data"]["source"] = self.resolved_source()
+        return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def resolved_source(self) -> str:
+        if self.data.source == "stdlib":
+            return "stdlib"
+        return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(self.data.source)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading.
+
+
+def _build(cls: type, table: Any, prefix: str, source: str) -> Any:
+    if not isinstance(table, dict):
+        raise JobFileError(source, prefix, table, "must be a table")
+    known = {f.name: f for f in fields(cls)}
+    for key in table:
+        if key not in known:
+            raise JobFileError(source, f"{prefix}.{key}", table[key], "unknown key; allowed: " + ", ".join(known))
+    values = {}
+    for name, f in known.items():
+        if name not in table:
+            if f.default is dataclasses.MISSING:
+                raise JobFileError(source, f"{prefix}.{name}", _MISSING, "required")
+            continue
+        err = f.metadata["check"](table[name])
+        if err:
+            raise JobFileError(source, f"{prefix}.{name}", table[name], err)
+        values[name] = float(table[name]) if f.type == "float" else table[name]
+    return cls(**values)
+
+
+def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None = None) -> JobSpec:
+    """Validate a parsed TOML document (or the dict of `JobSpec.to_dict`, which carries base_dir)."""
+    data = dict(data)
+    carried = data.pop("base_dir", None)
+    base_dir = base_dir or (carried if isinstance(carried, str) else ".")
+    for key in data:
+        if key != "name" and key not in SECTIONS:
+            raise JobFileError(source, key, data[key], "unknown key; allowed: name, " + ", ".join(SECTIONS))
+    name = data.get("name", _MISSING)
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
+    sections = {key: _build(cls, data.get(key, {}), key, source) for key, cls in SECTIONS.items()}
+    spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
+    _cross_check(spec, source)
+    return spec
+
+
+def _cross_check(spec: JobSpec, source: str) -> None:
+    m, t, w = spec.model, spec.train, spec.workers
+    if m.dim % m.heads:
+        raise JobFileError(source, "model.heads", m.heads, f"must divide model.dim = {m.dim}")
+    if (m.dim // m.heads) % 2 and m.positions == "rope":
+        raise JobFileError(source, "model.dim", m.dim, "dim / heads must be even for rotary positions")
+    if w.max < w.min:
+        raise JobFileError(source, "workers.max", w.max, f"must be >= workers.min = {w.min}")
+    if t.global_batch < w.min:
+        raise JobFileError(
+            source, "train.global_batch", t.global_batch, f"must be >= workers.min = {w.min} (every worker needs a sequence)"
+        )
+    if t.warmup_steps > t.steps:
+        raise JobFileError(source, "train.warmup_steps", t.warmup_steps, f"must be <= train.steps = {t.steps}")
+    if m.kind == "mlx_lm":
+        if not m.path:
+            raise JobFileError(source, "model.path", _MISSING, "required when model.kind = 'mlx_lm'")
+        if not os.path.isdir(os.path.join(spec.base_dir, os.path.expanduser(m.path))):
+            raise JobFileError(source, "model.path", m.path, "must be an existing model directory")
+    elif m.path is not None or m.lora_rank is not None:
+        key = "model.path" if m.path is not None else "model.lora_rank"
+        raise JobFileError(source, key, m.path if m.path is not None else m.lora_rank, "only for model.kind = 'mlx_lm'")
+    if spec.data.source != "stdlib" and not data_files(spec):
+        raise JobFileError(source, "data.source", spec.data.source, "no .txt or .jsonl files match this path or glob")
+
+
+def data_files(spec: JobSpec) -> list[str]:
+    """The data files a non-stdlib source names, sorted (a file, a folder, or a glob)."""
+    src = spec.resolved_source()
+    if os.path.isdir(src):
+        matches = [str(p) for p in Path(src).rglob("*") if p.is_file()]
+    else:
+        matches = glob.glob(src, recursive=True)
+    return sorted(p for p in matches if p.endswith((".txt", ".jsonl")) and os.path.isfile(p))
+
+
+def load_job(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a job file; raises JobFileError (one line, for the user)."""
+    path = str(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise JobFileError(path, "file", path, "no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise JobFileError(path, "toml", str(e), "must be valid TOML") from None
+    return parse_job(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def describe() -> str:
+    """Every key with its default and meaning, for `--help` and the README."""
+    lines = ["name  (required)  [a-z0-9-]{1,63}"]
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]")
+        for f in fields(cls):
+            lines.append(f"  {f.name} = {f.default!r}  # {f.metadata['doc']}")
+    return "\n".join(lines)
