@@ -1,0 +1,80 @@
+"""Planning a group: which slots, which ranks, which shares, which ring addresses. Pure functions.
+
+The blueprint (`GroupPlan`, frozen) is kept apart from what runs (`WorkerGroup` in the pool):
+a plan is decided once per generation and never edited; a new membership is a new plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    node: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class FreeSlot:
+    """A slot that could take a rank, with the newest checkpoint of the job it holds (or None)."""
+
+    node: str
+    index: int
+    holds_step: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPlan:
+    job: str
+    generation: int
+    ranks: tuple[Slot, ...]  # rank r runs on ranks[r]
+    shares: tuple[int, ...]  # sequences of each global batch computed by rank r
+    hostfile: tuple[tuple[str, ...], ...]  # MLX ring hostfile: one ["ip:port"] per rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def nodes(self) -> list[str]:
+        return sorted({s.node for s in self.ranks})
+
+    def ranks_on(self, node: str) -> list[tuple[int, Slot]]:
+        return [(r, s) for r, s in enumerate(self.ranks) if s.node == node]
+
+
+def choose_slots(free: Sequence[FreeSlot], lo: int, hi: int) -> list[Slot] | None:
+    """Up to `hi` slots (None when fewer than `lo` are free), in rank order.
+
+    Which: slots holding the newest checkpoint of the job first (no copy needed to resume), then one
+    slot per node before a second on any node (nodes are the unit of compute). Rank order is
+    stable: rank 0 on the slot holding the newest checkpoint (it loads and broadcasts it), the
+    others by (node name, slot index), so a re-plan of the same membership gives the same ranks.
+    """
+    if len(free) < lo:
+        return None
+    newest = max((f.holds_step for f in free if f.holds_step is not None), default=None)
+
+    def preference(f: FreeSlot) -> tuple[int, int, int, str]:
+        holds = f.holds_step if f.holds_step is not None else -1
+        return (0 if newest is not None and holds == newest else 1, -holds, f.index, f.node)
+
+    chosen = sorted(free, key=preference)[:hi]
+    first = chosen[0] if newest is not None and chosen[0].holds_step == newest else None
+    rest = sorted((f for f in chosen if f is not first), key=lambda f: (f.node, f.index))
+    ordered = ([first] if first is not None else []) + rest
+    return [Slot(f.node, f.index) for f in ordered]
+
+
+def equal_shares(global_batch: int, world_size: int) -> list[int]:
+    """The global batch in `world_size` contiguous shares that differ by at most one sequence."""
+    if world_size < 1 or global_batch < world_size:
+        raise ValueError(f"cannot split {global_batch} sequences over {world_size} workers")
+    q, r = divmod(global_batch, world_size)
+    return [q + 1 if i < r else q for i in range(world_size)]
+
+
+def ring_hostfile(ranks: Sequence[Slot], endpoints: Mapping[Slot, str]) -> list[list[str]]:
+    """The hostfile `mlx.launch --backend ring` would write: one ["ip:port"] per rank."""
+    return [[endpoints[s]] for s in ranks]

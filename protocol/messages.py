@@ -1,0 +1,701 @@
+"""dpool's control-plane messages: the envelope, the message types, their bodies.
+
+Every message is two ZeroMQ frames (a ROUTER prepends the peer's routing id, which is not ours):
+
+    frame 0  header  msgpack array  ["dpool", VERSION, type: str, id: int]
+    frame 1  body    msgpack map    {field: value, ...}   (the message's dataclass fields)
+
+`protocol/README.md` is the written contract: who sends each message and what it gets back. Here
+every type is one frozen dataclass; `to_frames(msg_id)` encodes it and `decode(frames)` turns bytes
+back into a `Message` or raises `ProtocolError`, whose `code` goes into the `error` reply. Decoding
+never trusts its input: frame count and size are capped, maps must have string keys
+(`strict_map_key`), every field is type-checked, unknown fields are refused, and no pickle or other
+code-carrying format is ever used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL = "dpool"
+VERSION = 1
+MAX_HEADER_BYTES = 256
+MAX_BODY_BYTES = 4 * 1024 * 1024  # a frame above this is refused before it is parsed
+MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + MAX_BODY_BYTES  # zmq.MAXMSGSIZE on listening sockets
+PAGE_LIMIT = 2000  # the most rows one query reply carries; clients page with `after`
+
+
+class MsgType(enum.StrEnum):
+    """Every message type on the wire. The prefix says who sends it (README: "Messages")."""
+
+    ERROR = "error"
+    # dpctl -> coordinator, each with its reply
+    SUBMIT = "submit"
+    SUBMITTED = "submitted"
+    STATUS = "status"
+    STATUS_REPLY = "status.reply"
+    NODES = "nodes"
+    NODES_REPLY = "nodes.reply"
+    METRICS = "metrics"
+    METRICS_REPLY = "metrics.reply"
+    EVENTS = "events"
+    EVENTS_REPLY = "events.reply"
+    SAMPLES = "samples"
+    SAMPLES_REPLY = "samples.reply"
+    LOGS = "logs"
+    LOGS_REPLY = "logs.reply"
+    CANCEL = "cancel"
+    CANCEL_REPLY = "cancel.reply"
+    # dpd (node agent) -> coordinator
+    NODE_REGISTER = "node.register"
+    NODE_REGISTERED = "node.registered"  # coordinator's reply
+    NODE_HEARTBEAT = "node.heartbeat"
+    NODE_BYE = "node.bye"
+    NODE_PREPARED = "node.prepared"
+    NODE_WORKER_STARTED = "node.worker_started"
+    NODE_WORKER_HELLO = "node.worker_hello"
+    NODE_PROGRESS = "node.progress"
+    NODE_METRIC = "node.metric"
+    NODE_SAMPLE = "node.sample"
+    NODE_CHECKPOINT = "node.checkpoint"
+    NODE_LOGS = "node.logs"
+    NODE_WORKER_EXITED = "node.worker_exited"
+    # coordinator -> dpd
+    COORD_HEARTBEAT = "coord.heartbeat"
+    GROUP_PREPARE = "group.prepare"
+    GROUP_START = "group.start"
+    GROUP_STOP = "group.stop"
+    # trainer -> its dpd (over ipc), and the one message back
+    WORKER_HELLO = "worker.hello"
+    WORKER_PROGRESS = "worker.progress"
+    WORKER_METRIC = "worker.metric"
+    WORKER_SAMPLE = "worker.sample"
+    WORKER_CHECKPOINT = "worker.checkpoint"
+    WORKER_STOP = "worker.stop"
+
+
+class ErrorCode(enum.StrEnum):
+    """`error.code` values. The first five are about the frame itself; the rest about its meaning."""
+
+    BAD_FRAME = "bad_frame"  # wrong frame count, not msgpack, wrong shapes
+    TOO_LARGE = "too_large"  # a frame over the size cap
+    BAD_VERSION = "bad_version"  # another protocol or another version of this one
+    UNKNOWN_TYPE = "unknown_type"
+    BAD_BODY = "bad_body"  # missing, unknown or mistyped fields
+    UNEXPECTED = "unexpected"  # a valid message this peer does not accept
+    NOT_REGISTERED = "not_registered"  # a node message from a peer that has not registered
+    DUPLICATE_NAME = "duplicate_name"
+    NOT_FOUND = "not_found"
+    BAD_JOB = "bad_job"
+    INTERNAL = "internal"
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be a valid message. `msg_id` is set when the header could be read."""
+
+    def __init__(self, code: ErrorCode, message: str, msg_id: int = 0) -> None:
+        super().__init__(message)
+        self.code, self.message, self.msg_id = code, message, msg_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages. `Message` is the base; each subclass is one type, registered in REGISTRY.
+
+REGISTRY: dict[MsgType, type[Message]] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    TYPE: ClassVar[MsgType]
+
+    def to_body(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_frames(self, msg_id: int = 0) -> list[bytes]:
+        """The two frames of this message; `msg_id` pairs a reply with its request."""
+        header = msgpack.packb([PROTOCOL, VERSION, str(self.TYPE), msg_id])
+        body = msgpack.packb(self.to_body(), use_bin_type=True)
+        if len(body) > MAX_BODY_BYTES:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.TYPE} body is {len(body)} bytes, cap {MAX_BODY_BYTES}")
+        return [header, body]
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any], msg_id: int = 0) -> Message:
+        hints = _HINTS[cls]
+        unknown = set(body) - set(hints)
+        if unknown:
+            raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}: unknown field(s) {sorted(unknown)}", msg_id)
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in body:
+                value = body[f.name]
+            elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
+                continue
+            else:
+                raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}: missing field {f.name!r}", msg_id)
+            problem = _check(value, hints[f.name])
+            if problem:
+                raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}.{f.name}: {problem}", msg_id)
+            values[f.name] = float(value) if hints[f.name] is float else value
+        return cls(**values)
+
+
+def message(cls: type[Message]) -> type[Message]:
+    """Register a message class under its TYPE and resolve its field types once."""
+    REGISTRY[cls.TYPE] = cls
+    _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+    return cls
+
+
+def _check(value: Any, hint: Any) -> str | None:
+    """None when `value` (as msgpack decoded it) fits the type hint, else what is wrong."""
+    if hint is Any:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(hint)
+        if any(_check(value, o) is None for o in options):
+            return None
+        return f"expected {hint}, got {type(value).__name__}"
+    if hint is type(None):
+        return None if value is None else f"expected None, got {type(value).__name__}"
+    if hint is bool:
+        return None if isinstance(value, bool) else f"expected bool, got {type(value).__name__}"
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return None if ok else f"expected int, got {type(value).__name__}"
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if ok else f"expected float, got {type(value).__name__}"
+    if hint in (str, bytes):
+        return None if isinstance(value, hint) else f"expected {hint.__name__}, got {type(value).__name__}"
+    if origin is list:
+        if not isinstance(value, list):
+            return f"expected list, got {type(value).__name__}"
+        (item,) = typing.get_args(hint)
+        for i, v in enumerate(value):
+            problem = _check(v, item)
+            if problem:
+                return f"[{i}]: {problem}"
+        return None
+    if origin is dict:
+        if not isinstance(value, dict):
+            return f"expected map, got {type(value).__name__}"
+        _, item = typing.get_args(hint)
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return "map keys must be strings"
+            problem = _check(v, item)
+            if problem:
+                return f"[{k!r}]: {problem}"
+        return None
+    raise TypeError(f"unsupported field type {hint!r}")  # a bug in a message definition
+
+
+# -- common ------------------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """The reply to anything that could not be served; `code` is an ErrorCode value."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: str
+    message: str
+
+
+# -- dpctl -> coordinator ----------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """Queue a job. `job` is `JobSpec.to_dict()`; the coordinator validates it again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.SUBMIT
+    job: dict[str, Any]
+    source: str = "<job>"
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Submitted(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SUBMITTED
+    job_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Status(Message):
+    """One job (`job` = an id, a unique id prefix, or a name: its newest job), or all when None."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STATUS
+    job: str | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StatusReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
+    jobs: list[dict[str, Any]]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Nodes(Message):
+    TYPE: ClassVar[MsgType] = MsgType.NODES
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodesReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.NODES_REPLY
+    nodes: list[dict[str, Any]]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Metrics(Message):
+    """Metric rows after row `after` (0: from the start), at most `limit` (capped at PAGE_LIMIT)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.METRICS
+    job: str
+    after: int = 0
+    limit: int = PAGE_LIMIT
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class MetricsReply(Message):
+    """`cursor` is the `after` of the next page; `more` says whether there is one now."""
+
+    TYPE: ClassVar[MsgType] = MsgType.METRICS_REPLY
+    job_id: str
+    rows: list[dict[str, Any]]
+    cursor: int
+    more: bool
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Events(Message):
+    TYPE: ClassVar[MsgType] = MsgType.EVENTS
+    job: str
+    after: int = 0
+    limit: int = PAGE_LIMIT
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class EventsReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.EVENTS_REPLY
+    job_id: str
+    events: list[dict[str, Any]]
+    cursor: int
+    more: bool
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Samples(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SAMPLES
+    job: str
+    after: int = 0
+    limit: int = PAGE_LIMIT
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class SamplesReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.SAMPLES_REPLY
+    job_id: str
+    rows: list[dict[str, Any]]
+    cursor: int
+    more: bool
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Logs(Message):
+    """Worker output lines after sequence number `after`; `rank` None means every rank."""
+
+    TYPE: ClassVar[MsgType] = MsgType.LOGS
+    job: str
+    after: int = 0
+    rank: int | None = None
+    limit: int = PAGE_LIMIT
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class LogsReply(Message):
+    """`lines`: [{"seq", "t", "rank", "generation", "text"}]; `state` lets `--follow` stop."""
+
+    TYPE: ClassVar[MsgType] = MsgType.LOGS_REPLY
+    job_id: str
+    lines: list[dict[str, Any]]
+    cursor: int
+    more: bool
+    state: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+    job: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CancelReply(Message):
+    """`state` is the job's state after the request (a finished job keeps its own)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL_REPLY
+    job_id: str
+    state: str
+
+
+# -- dpd -> coordinator ------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeRegister(Message):
+    """A daemon joining (or re-joining) the pool.
+
+    `incarnation` is random per daemon process: the same name with the same incarnation is a
+    re-registration, with another one while the first is alive a duplicate. `info`: platform, chip,
+    memory_bytes, mlx_version, backend, advertise, slots, pid. `running`: [{job, generation, rank,
+    slot, pid}] of workers alive now; `exited`: [{job, generation, rank, slot, code, stopped}], the
+    daemon's newest worker exits (their node.worker_exited may have been lost with the link). `holdings`: [{job, slot, step}], the newest checkpoint each
+    slot's run dir holds.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_REGISTER
+    name: str
+    incarnation: str
+    info: dict[str, Any]
+    running: list[dict[str, Any]] = field(default_factory=list)
+    exited: list[dict[str, Any]] = field(default_factory=list)
+    holdings: list[dict[str, Any]] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeRegistered(Message):
+    """Welcome; the coordinator's heartbeat interval and liveness, which the daemon adopts."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_REGISTERED
+    heartbeat_s: float
+    liveness: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeHeartbeat(Message):
+    """Sent when the daemon has sent nothing else for an interval. `workers`: [{job, generation,
+    slot}] alive now, so the coordinator frees slots whose workers are gone."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_HEARTBEAT
+    workers: list[dict[str, Any]] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeBye(Message):
+    """The daemon is stopping (its workers are stopped); its name is free again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_BYE
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodePrepared(Message):
+    """Reply to group.prepare: one free TCP port per prepared slot on `host` (empty when refused)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_PREPARED
+    job: str
+    generation: int
+    host: str
+    ports: list[int]
+    error: str | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeWorkerStarted(Message):
+    TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_STARTED
+    job: str
+    generation: int
+    rank: int
+    slot: int
+    pid: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeWorkerHello(Message):
+    """A worker's group is up and its checkpoint loaded (relayed worker.hello)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_HELLO
+    job: str
+    generation: int
+    rank: int
+    pid: int
+    resume_step: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeProgress(Message):
+    """One rank finished one step (relayed worker.progress)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_PROGRESS
+    job: str
+    generation: int
+    rank: int
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeMetric(Message):
+    TYPE: ClassVar[MsgType] = MsgType.NODE_METRIC
+    job: str
+    generation: int
+    row: dict[str, Any]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeSample(Message):
+    TYPE: ClassVar[MsgType] = MsgType.NODE_SAMPLE
+    job: str
+    generation: int
+    row: dict[str, Any]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeCheckpoint(Message):
+    """Rank `rank`'s step-`step` checkpoint is durable on this node (in slot `slot`'s run dir)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_CHECKPOINT
+    job: str
+    generation: int
+    rank: int
+    slot: int
+    step: int
+    seconds: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeLogs(Message):
+    """Output lines of one worker, batched (stdout and stderr merged, in order)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_LOGS
+    job: str
+    generation: int
+    rank: int
+    lines: list[str]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeWorkerExited(Message):
+    """A worker process ended. `code` is its exit status (negative: killed by that signal);
+    `stopped` says the daemon stopped it (group.stop or dpd shutting down)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_EXITED
+    job: str
+    generation: int
+    rank: int
+    slot: int
+    code: int
+    stopped: bool
+
+
+# -- coordinator -> dpd ------------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CoordHeartbeat(Message):
+    TYPE: ClassVar[MsgType] = MsgType.COORD_HEARTBEAT
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class GroupPrepare(Message):
+    """Phase 1 of a start: reserve one TCP port on the node's advertised address per slot."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GROUP_PREPARE
+    job: str
+    generation: int
+    slots: list[int]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class GroupStart(Message):
+    """Phase 2: start the node's ranks. `ranks`: [{"slot", "rank"}] on this node; `hostfile`: one
+    ["ip:port"] per rank of the whole group; `shares`: sequences per rank (index = rank)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GROUP_START
+    job: str
+    generation: int
+    spec: dict[str, Any]
+    ranks: list[dict[str, int]]
+    shares: list[int]
+    hostfile: list[list[str]]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class GroupStop(Message):
+    """Stop the node's workers of this job and generation (generation 0: of any generation).
+    mode "now": SIGTERM, then SIGKILL after the grace; "checkpoint": ask them (worker.stop) to
+    checkpoint at the next step boundary and exit 75."""
+
+    TYPE: ClassVar[MsgType] = MsgType.GROUP_STOP
+    job: str
+    generation: int
+    mode: str = "now"
+
+
+# -- trainer <-> its dpd -----------------------------------------------------------------------
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerHello(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_HELLO
+    rank: int
+    world_size: int
+    generation: int
+    pid: int
+    resume_step: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerProgress(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_PROGRESS
+    step: int
+    loss: float
+    tokens: int
+    seconds: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerMetric(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_METRIC
+    row: dict[str, Any]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerSample(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_SAMPLE
+    row: dict[str, Any]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerCheckpoint(Message):
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_CHECKPOINT
+    step: int
+    seconds: float
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerStop(Message):
+    """dpd -> trainer: checkpoint at the next step boundary, then exit 75."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_STOP
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding.
+
+
+def _unpack(data: bytes) -> Any:
+    # strict_map_key: only str/bytes map keys; limits bound what a hostile frame can allocate.
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        max_str_len=MAX_BODY_BYTES,
+        max_bin_len=MAX_BODY_BYTES,
+        max_array_len=1_000_000,
+        max_map_len=1_000_000,
+        max_ext_len=0,
+    )
+
+
+def decode_header(frame: bytes) -> tuple[MsgType, int]:
+    """The type and id of a message, from its header frame; raises ProtocolError."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"header is {len(frame)} bytes, cap {MAX_HEADER_BYTES}")
+    try:
+        header = _unpack(frame)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"header is not msgpack: {type(e).__name__}") from None
+    if not (isinstance(header, list) and len(header) == 4):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "header must be [protocol, version, type, id]")
+    proto, version, type_name, msg_id = header
+    if not isinstance(msg_id, int) or isinstance(msg_id, bool) or not 0 <= msg_id < 2**63:
+        raise ProtocolError(ErrorCode.BAD_FRAME, "header id must be an integer in [0, 2^63)")
+    if proto != PROTOCOL or not isinstance(version, int) or isinstance(version, bool):
+        raise ProtocolError(ErrorCode.BAD_VERSION, f"not a {PROTOCOL} header: protocol {proto!r}", msg_id)
+    if version != VERSION:
+        raise ProtocolError(
+            ErrorCode.BAD_VERSION, f"protocol version {version} is not supported; this peer speaks {VERSION}", msg_id
+        )
+    try:
+        return MsgType(type_name), msg_id
+    except ValueError:
+        shown = repr(type_name)[:64]
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {shown}", msg_id) from None
+
+
+def decode(frames: list[bytes]) -> tuple[Message, int]:
+    """A message and its id from its two frames (routing id already removed); raises ProtocolError."""
+    if len(frames) != 2:
+        msg_id = 0
+        if frames:
+            try:
+                _, msg_id = decode_header(frames[0])
+            except ProtocolError as e:
+                msg_id = e.msg_id
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"expected 2 frames (header, body), got {len(frames)}", msg_id)
+    msg_type, msg_id = decode_header(frames[0])
+    if len(frames[1]) > MAX_BODY_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"body is {len(frames[1])} bytes, cap {MAX_BODY_BYTES}", msg_id)
+    try:
+        body = _unpack(frames[1])
+    except Exception as e:
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not msgpack: {type(e).__name__}", msg_id) from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.BAD_BODY, "body must be a map", msg_id)
+    return REGISTRY[msg_type].from_body(body, msg_id), msg_id
+
+
+def error_frames(err: ProtocolError) -> list[bytes]:
+    return Error(code=str(err.code), message=err.message).to_frames(err.msg_id)
