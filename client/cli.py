@@ -1,0 +1,293 @@
+"""`dpctl`: submit jobs to a dpool and look at them.
+
+Exit codes (INTERFACE.md): 0 ok; 1 the job or command failed; 2 bad input (the message names the
+file, the field, what was given and what is allowed); 3 the control plane did not answer in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.client.tables import age, clock, num, size, table
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import JobFileError, load_job
+
+DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
+DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
+TERMINAL = {"succeeded", "failed", "cancelled"}
+FOLLOW_POLL_S = 0.5
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+class Failed(Exception):
+    """The command ran but what it asked for failed (exit 1)."""
+
+
+class BadInput(Exception):
+    """Exit 2: the message names what was wrong."""
+
+
+def coordinator_address(flag: str | None) -> str:
+    if flag:
+        return flag
+    if os.environ.get("DPOOL_COORDINATOR"):
+        return os.environ["DPOOL_COORDINATOR"]
+    try:
+        with open(DEFAULT_CONFIG, "rb") as f:
+            cfg = tomllib.load(f)
+        addr = cfg.get("join") or cfg.get("serve")
+        if isinstance(addr, str):
+            return addr
+    except (OSError, tomllib.TOMLDecodeError):
+        pass
+    return DEFAULT_COORDINATOR
+
+
+def emit_json(value: Any) -> None:
+    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+def pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
+    """Every page of a paged query (metrics, events, samples, logs)."""
+    after = 0
+    while True:
+        reply = fetch(after)
+        yield reply
+        if not reply.more:
+            return
+        after = reply.cursor
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+def cmd_submit(c: Client, a: argparse.Namespace) -> int:
+    try:
+        spec = load_job(a.job)
+    except JobFileError as e:
+        raise BadInput(str(e)) from None
+    reply = c.call(m.Submit(job=spec.to_dict(), source=str(a.job)), m.Submitted)
+    if sys.stdout.isatty():
+        print(f"job {reply.job_id} queued ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max})")
+    else:
+        print(reply.job_id)
+    sys.stdout.flush()
+    if a.follow:
+        return follow_logs(c, reply.job_id, None, to_stderr=not sys.stdout.isatty())
+    return EXIT_OK
+
+
+def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = False) -> int:
+    out = sys.stderr if to_stderr else sys.stdout
+    after = 0
+    while True:
+        reply = c.call(m.Logs(job=job, after=after, rank=rank), m.LogsReply)
+        for line in reply.lines:
+            print(f"[rank {line['rank']}] {line['text']}", file=out)
+        out.flush()
+        after = reply.cursor
+        if reply.more:
+            continue
+        if reply.state in TERMINAL:
+            status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
+            print(f"job {status['id']} {status['state']}" + (f": {status['error']}" if status["error"] else ""), file=sys.stderr)
+            return EXIT_OK if status["state"] == "succeeded" else EXIT_FAILED
+        time.sleep(FOLLOW_POLL_S)  # polling interval of --follow
+
+
+def cmd_status(c: Client, a: argparse.Namespace) -> int:
+    jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs
+    if a.json:
+        emit_json(jobs[0] if a.job else jobs)
+        return EXIT_OK
+    if a.job:
+        j = jobs[0]
+        print(f"job        {j['id']}  ({j['name']})")
+        print(f"state      {j['state']}" + (f"  error: {j['error']}" if j["error"] else ""))
+        print(f"step       {j['step']}/{j['steps']}   generation {j['generation']}   world size {j['world_size']}")
+        print(f"loss       {num(j['loss']) or '-'}   val_loss {num(j['val_loss']) or '-'}   checkpoint step {j['checkpoint_step'] if j['checkpoint_step'] is not None else '-'}")
+        if j["workers"]:
+            print()
+            print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w["rank"], w["node"], w["share"], f"{w['tokens_per_s']:.0f}"] for w in j["workers"]]))
+        return EXIT_OK
+    if not jobs:
+        print("no jobs")
+        return EXIT_OK
+    rows = [
+        [j["id"], j["state"], f"{j['step']}/{j['steps']}", j["generation"], j["world_size"], num(j["loss"]), num(j["val_loss"]), j["checkpoint_step"], j["error"]]
+        for j in jobs
+    ]
+    print(table(["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "ERROR"], rows))
+    return EXIT_OK
+
+
+def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
+    nodes = c.call(m.Nodes(), m.NodesReply).nodes
+    if a.json:
+        emit_json(nodes)
+        return EXIT_OK
+    if not nodes:
+        print("no nodes")
+        return EXIT_OK
+    rows = []
+    for n in nodes:
+        job = n["job"]
+        if job and n.get("ranks"):
+            job = f"{job}/{','.join(str(r) for r in n['ranks'])}"
+        rows.append(
+            [n["name"], n["address"], n["state"], n["platform"], n["chip"], size(n["memory_bytes"]), n["mlx_version"], f"{n['busy_slots']}/{n['slots']}", job, age(n["heartbeat_age_s"]), n["reason"]]
+        )
+    print(table(["NAME", "ADDRESS", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "REASON"], rows))
+    return EXIT_OK
+
+
+def cmd_logs(c: Client, a: argparse.Namespace) -> int:
+    if a.follow:
+        follow_logs(c, a.job, a.rank)
+        return EXIT_OK
+    for reply in pages(lambda after: c.call(m.Logs(job=a.job, after=after, rank=a.rank), m.LogsReply)):
+        for line in reply.lines:
+            print(f"[rank {line['rank']}] {line['text']}")
+    return EXIT_OK
+
+
+def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for reply in pages(lambda after: c.call(m.Metrics(job=a.job, after=after), m.MetricsReply)):
+        rows += reply.rows
+    if a.json:
+        emit_json(rows)
+        return EXIT_OK
+    out = []
+    for r in rows:
+        if r.get("kind") == "eval":
+            out.append([r["step"], "eval", None, num(r.get("val_loss")), None, None, None, None])
+        else:
+            tps = r.get("tokens_per_s")
+            out.append([r.get("step"), "train", num(r.get("loss")), None, f"{r['lr']:.2e}" if isinstance(r.get("lr"), float) else None, f"{tps:.0f}" if isinstance(tps, int | float) else None, r.get("world_size"), r.get("generation")])
+    print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else "no metrics yet")
+    return EXIT_OK
+
+
+def cmd_events(c: Client, a: argparse.Namespace) -> int:
+    events: list[dict[str, Any]] = []
+    for reply in pages(lambda after: c.call(m.Events(job=a.job, after=after), m.EventsReply)):
+        events += reply.events
+    if a.json:
+        emit_json(events)
+        return EXIT_OK
+    rows = []
+    for e in events:
+        details = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "kind"))
+        rows.append([clock(e["t"]), e["kind"], details])
+    print(table(["TIME", "EVENT", "DETAILS"], rows) if rows else "no events")
+    return EXIT_OK
+
+
+def cmd_samples(c: Client, a: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    for reply in pages(lambda after: c.call(m.Samples(job=a.job, after=after), m.SamplesReply)):
+        rows += reply.rows
+    if a.json:
+        emit_json(rows)
+        return EXIT_OK
+    if not rows:
+        print("no samples yet")
+    for r in rows:
+        print(f"--- step {r.get('step')} ---")
+        print(r.get("text", ""))
+    return EXIT_OK
+
+
+def cmd_cancel(c: Client, a: argparse.Namespace) -> int:
+    reply = c.call(m.Cancel(job=a.job), m.CancelReply)
+    if reply.state == "cancelled":
+        print(f"job {reply.job_id} cancelled (its checkpoints stay)")
+    else:
+        print(f"job {reply.job_id} already {reply.state}")
+    return EXIT_OK
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dpctl", description="Submit jobs to a dpool and watch them.")
+    p.add_argument("--coordinator", help=f"control plane address (else $DPOOL_COORDINATOR, else the config file, else {DEFAULT_COORDINATOR})")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("submit", help="validate and queue a job; prints its id")
+    s.add_argument("job", help="the job file (job.toml)")
+    s.add_argument("--follow", action="store_true", help="then stream its output until it ends (exit 1 unless it succeeds)")
+    s.set_defaults(fn=cmd_submit)
+
+    s = sub.add_parser("status", help="all jobs, or one in detail")
+    s.add_argument("job", nargs="?", help="a job id, unique id prefix or name")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("nodes", help="the pool's nodes")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_nodes)
+
+    s = sub.add_parser("logs", help="worker output, merged and prefixed by rank")
+    s.add_argument("job")
+    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    s.add_argument("--rank", type=int, help="only this rank")
+    s.set_defaults(fn=cmd_logs)
+
+    for name, fn, helptext in (
+        ("metrics", cmd_metrics, "one row per logged step"),
+        ("events", cmd_events, "membership and recovery events with their timings"),
+        ("samples", cmd_samples, "generated text samples, by step"),
+    ):
+        s = sub.add_parser(name, help=helptext)
+        s.add_argument("job")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(fn=fn)
+
+    s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
+    s.add_argument("job")
+    s.set_defaults(fn=cmd_cancel)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.timeout <= 0:
+        print(f"dpctl: --timeout {args.timeout}: must be > 0", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    addr = coordinator_address(args.coordinator)
+    try:
+        with Client(addr, args.timeout) as client:
+            return int(args.fn(client, args))
+    except BadInput as e:
+        print(f"dpctl: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Unreachable as e:
+        print(f"dpctl: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except RemoteError as e:
+        print(f"dpctl: {e.message}", file=sys.stderr)
+        return EXIT_BAD_INPUT if e.code in (m.ErrorCode.BAD_JOB, m.ErrorCode.NOT_FOUND) else EXIT_FAILED
+    except Failed as e:
+        print(f"dpctl: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""The node agent: one per machine. Joins the coordinator, starts and stops trainer processes for
+its slots, relays what they report, and keeps them running through a control-plane outage.
+
+Sockets:
+- a DEALER to the coordinator. Paranoid Pirate: any inbound message resets the liveness expiry;
+  when it passes, the socket is closed, a new one made and the node registers again (bounded,
+  jittered retries via tenacity, each round logged; the workers keep training meanwhile).
+- a ROUTER its trainers connect to (`DPOOL_WORKER_ADDR`), an ipc socket in the state dir (tcp on
+  loopback where the ipc path would be too long). A worker is known by the pid in its hello.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import zmq
+import zmq.asyncio
+from dpool.daemon.sysinfo import node_info
+from dpool.protocol import messages as m
+from dpool.protocol.checkpoints import newest_step
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.logs import get_logger
+from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
+
+LOG_FLUSH_S = 0.2
+LOG_BATCH_LINES = 500
+LOG_LINE_MAX = 8192
+IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
+EXITS_KEPT = 64
+
+
+class Refused(Exception):
+    """The coordinator refused this node (a duplicate name): fatal, the daemon exits 1."""
+
+
+class NoAnswer(Exception):
+    """No reply to node.register in time: retried with backoff."""
+
+
+@dataclass(slots=True)
+class Worker:
+    job: str
+    generation: int
+    rank: int
+    slot: int
+    run_dir: Path
+    proc: asyncio.subprocess.Process
+    peer: bytes | None = None
+    stopping: bool = False  # the daemon stopped (or is stopping) it
+    stop_at_checkpoint: bool = False  # worker.stop is owed once its hello arrives
+    lines: list[str] = field(default_factory=list)
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Agent:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        name: str,
+        join: str,
+        state_dir: str | Path,
+        slots: int,
+        advertise: str,
+        heartbeat_s: float = 0.5,
+        liveness: int = 6,
+        stop_grace_s: float = 10.0,
+        rejoin_round_s: float = 60.0,
+    ) -> None:
+        self.ctx, self.name, self.join = ctx, name, join
+        self.state_dir = Path(state_dir)
+        self.slots, self.advertise = slots, advertise
+        self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self.stop_grace_s, self.rejoin_round_s = stop_grace_s, rejoin_round_s
+        self.incarnation = secrets.token_hex(8)
+        self.log = get_logger(node=name)
+        self.workers: dict[int, Worker] = {}  # slot -> worker
+        self.exited: collections.deque[dict[str, Any]] = collections.deque(maxlen=EXITS_KEPT)
+        self.reserved: dict[tuple[str, int], list[socket.socket]] = {}  # (job, generation) -> port holders
+        self.csock: zmq.asyncio.Socket | None = None
+        self.craw: zmq.Socket | None = None
+        self.wraw: zmq.Socket | None = None
+        self.worker_addr = ""
+        self.registered = False
+        self.dropped = 0
+        self._last_sent = 0.0
+
+    # -- life ----------------------------------------------------------------------------------
+
+    async def run(self, stopping: asyncio.Event) -> int:
+        (self.state_dir / "run").mkdir(parents=True, exist_ok=True)
+        wsock = self._bind_worker_socket()
+        side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
+        try:
+            code = await self._control_loop(stopping)
+        finally:
+            await self._stop_all("dpd stopping")
+            if self.registered:
+                self._send(m.NodeBye())
+                await asyncio.sleep(0)  # let the bye leave before the socket closes (it lingers)
+            for t in side:
+                t.cancel()
+            for t in side:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            for holders in self.reserved.values():
+                for s in holders:
+                    s.close()
+            if self.csock is not None:
+                self.csock.close(linger=200)
+            wsock.close(linger=0)
+            self.log.info("node.stopped", dropped=self.dropped)
+        return code
+
+    def _bind_worker_socket(self) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        path = self.state_dir / "run" / "workers.sock"
+        if len(str(path.absolute())) <= IPC_PATH_MAX:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # a stale socket file of a dead dpd
+            sock.bind(f"ipc://{path.absolute()}")
+        else:
+            sock.bind("tcp://127.0.0.1:*")
+        self.worker_addr = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.wraw = zmq.Socket.shadow(sock.underlying)
+        return sock
+
+    # -- the coordinator link ------------------------------------------------------------------
+
+    async def _control_loop(self, stopping: asyncio.Event) -> int:
+        while not stopping.is_set():
+            try:
+                await self._register(stopping)
+            except Refused as e:
+                self.log.error("node.refused", reason=str(e))
+                print(f"dpd: {e}", file=sys.stderr)
+                return 1
+            except RetryError:
+                self.log.error("coordinator.unreachable", address=self.join, waited_s=self.rejoin_round_s, workers=len(self.workers))
+                continue  # the workers keep training; start another round of attempts
+            if stopping.is_set():
+                break
+            await self._connected(stopping)
+        return 0
+
+    async def _register(self, stopping: asyncio.Event) -> None:
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.rejoin_round_s),
+            wait=wait_random_exponential(multiplier=0.25, max=5.0),
+            retry=retry_if_exception_type(NoAnswer),
+            before_sleep=lambda rs: self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number),
+        )
+        async for attempt in retrying:
+            with attempt:
+                if stopping.is_set():
+                    return
+                await self._register_once()
+
+    async def _register_once(self) -> None:
+        self.registered = False
+        if self.csock is not None:
+            self.csock.close(linger=0)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 200)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        sock.connect(self.join)
+        self.csock, self.craw = sock, zmq.Socket.shadow(sock.underlying)
+        register = m.NodeRegister(
+            name=self.name,
+            incarnation=self.incarnation,
+            info=node_info(slots=self.slots, advertise=self.advertise),
+            running=[{"job": w.job, "generation": w.generation, "rank": w.rank, "slot": w.slot, "pid": w.pid} for w in self.workers.values()],
+            exited=list(self.exited),
+            holdings=self._holdings(),
+        )
+        self.craw.send_multipart(register.to_frames(1), flags=zmq.NOBLOCK)
+        deadline = time.monotonic() + max(1.0, self.heartbeat_s * self.liveness)
+        while (left := deadline - time.monotonic()) > 0:
+            if not await sock.poll(int(left * 1000) + 1):
+                break
+            msg = self._recv()
+            if isinstance(msg, m.NodeRegistered):
+                self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
+                self.registered = True
+                self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
+                return
+            if isinstance(msg, m.Error) and msg.code == ErrorCode.DUPLICATE_NAME:
+                raise Refused(msg.message)
+            if isinstance(msg, m.Error):
+                raise NoAnswer(f"{msg.code}: {msg.message}")
+        raise NoAnswer(f"no answer from {self.join}")
+
+    async def _connected(self, stopping: asyncio.Event) -> None:
+        """Serve the coordinator until it is lost (or the daemon stops)."""
+        sock = self.csock
+        assert sock is not None
+        expiry = time.monotonic() + self.heartbeat_s * self.liveness
+        next_beat = time.monotonic()
+        while not stopping.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._send(m.NodeHeartbeat(workers=[{"job": w.job, "generation": w.generation, "slot": w.slot} for w in self.workers.values()]))
+                next_beat = now + self.heartbeat_s
+            wait = max(0.0, min(next_beat, expiry) - time.monotonic())
+            if await sock.poll(int(wait * 1000) + 1):
+                while (msg := self._recv()) is not None:
+                    expiry = time.monotonic() + self.heartbeat_s * self.liveness
+                    if isinstance(msg, m.Error) and msg.code == ErrorCode.NOT_REGISTERED:
+                        self.log.warning("coordinator.forgot_us")  # it restarted: register again
+                        return
+                    await self._on_coordinator(msg)
+            if time.monotonic() > expiry:
+                self.log.warning("coordinator.lost", address=self.join, silent_s=round(self.heartbeat_s * self.liveness, 2), workers=len(self.workers))
+                return
+
+    def _recv(self) -> Message | None:
+        assert self.craw is not None
+        while True:
+            try:
+                frames = self.craw.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                msg, _ = m.decode(frames)
+                return msg
+            except ProtocolError as e:
+                self.log.warning("frame.rejected", source="coordinator", code=str(e.code), error=e.message)
+
+    def _send(self, msg: Message) -> None:
+        if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
+            self.dropped += 1
+            return
+        try:
+            self.craw.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
+            self._last_sent = time.monotonic()
+        except zmq.Again:
+            self.dropped += 1  # the coordinator is gone or slow; progress must not wait for it
+        except ProtocolError as e:
+            self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
+
+    async def _on_coordinator(self, msg: Message) -> None:
+        match msg:
+            case m.CoordHeartbeat() | m.NodeRegistered():
+                pass
+            case m.GroupPrepare():
+                self._send(self._prepare(msg))
+            case m.GroupStart():
+                await self._start(msg)
+            case m.GroupStop(job=job, generation=gen, mode=mode):
+                for holders in self.reserved.pop((job, gen), []):
+                    holders.close()
+                for w in list(self.workers.values()):
+                    if w.job == job and (gen == 0 or w.generation == gen):
+                        self._stop(w, mode, "group.stop")
+            case m.Error():
+                self.log.warning("coordinator.error", code=msg.code, error=msg.message)
+            case _:
+                self.log.warning("message.unexpected", type=str(msg.TYPE))
+
+    # -- groups --------------------------------------------------------------------------------
+
+    def _prepare(self, msg: m.GroupPrepare) -> m.NodePrepared:
+        """Reserve one TCP port per slot on the advertised address: bound (not listening) until
+        the group starts, so no other process takes it; released just before the trainer binds it."""
+        busy = [s for s in msg.slots if s in self.workers or not 0 <= s < self.slots]
+        if busy:
+            return m.NodePrepared(job=msg.job, generation=msg.generation, host=self.advertise, ports=[], error=f"slots {busy} are busy or do not exist")
+        holders = []
+        try:
+            for _ in msg.slots:
+                s = socket.socket(socket.AF_INET6 if ":" in self.advertise else socket.AF_INET, socket.SOCK_STREAM)
+                s.bind((self.advertise, 0))
+                holders.append(s)
+        except OSError as e:
+            for s in holders:
+                s.close()
+            return m.NodePrepared(job=msg.job, generation=msg.generation, host=self.advertise, ports=[], error=f"cannot bind {self.advertise}: {e}")
+        for old in self.reserved.pop((msg.job, msg.generation), []):
+            old.close()
+        self.reserved[(msg.job, msg.generation)] = holders
+        ports = [s.getsockname()[1] for s in holders]
+        self.log.info("group.prepared", job=msg.job, generation=msg.generation, slots=msg.slots, ports=ports)
+        host = f"[{self.advertise}]" if ":" in self.advertise else self.advertise
+        return m.NodePrepared(job=msg.job, generation=msg.generation, host=host, ports=ports)
+
+    async def _start(self, msg: m.GroupStart) -> None:
+        job_dir = self.state_dir / "jobs" / msg.job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            spec = parse_job(msg.spec, source=f"job {msg.job}")
+            job_file = job_dir / "job.toml"
+            job_file.write_text(dump_job(spec))
+        except (JobFileError, ValueError, TypeError) as e:
+            self.log.error("group.bad_spec", job=msg.job, error=str(e))
+            for r in msg.ranks:
+                self._report_exit(msg.job, msg.generation, r["rank"], r["slot"], 2, False)
+            return
+        world = len(msg.hostfile)
+        hostfile = job_dir / f"hostfile-g{msg.generation}.json"
+        if world > 1:
+            hostfile.write_bytes(orjson.dumps(msg.hostfile))
+        for holder in self.reserved.pop((msg.job, msg.generation), []):
+            holder.close()  # the port is the trainer's to bind now
+        for r in msg.ranks:
+            await self._spawn(msg, job_file, hostfile if world > 1 else None, r["rank"], r["slot"])
+        self.log.info("group.launched", job=msg.job, generation=msg.generation, ranks=[r["rank"] for r in msg.ranks], world_size=world)
+
+    async def _spawn(self, msg: m.GroupStart, job_file: Path, hostfile: Path | None, rank: int, slot: int) -> None:
+        old = self.workers.get(slot)
+        if old is not None:
+            self.log.error("slot.busy", slot=slot, job=msg.job, running=old.job)
+            self._report_exit(msg.job, msg.generation, rank, slot, 1, False)
+            return
+        run_dir = self.state_dir / "jobs" / msg.job / f"slot-{slot}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        for key in ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE"):
+            env.pop(key, None)
+        if hostfile is not None:
+            env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
+        env["DPOOL_WORKER_ADDR"] = self.worker_addr
+        env["PYTHONUNBUFFERED"] = "1"
+        shares = ",".join(str(s) for s in msg.shares)
+        cmd = [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation)]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                env=env,
+                cwd=str(run_dir),
+                start_new_session=True,  # its own process group: stopping it stops its children too
+                limit=1 << 20,
+            )
+        except OSError as e:
+            self.log.error("worker.spawn_failed", job=msg.job, rank=rank, error=str(e))
+            self._report_exit(msg.job, msg.generation, rank, slot, 127, False)
+            return
+        w = Worker(job=msg.job, generation=msg.generation, rank=rank, slot=slot, run_dir=run_dir, proc=proc)
+        self.workers[slot] = w
+        w.tasks.append(asyncio.create_task(self._watch(w)))
+        self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
+        self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid)
+
+    async def _watch(self, w: Worker) -> None:
+        """Read the worker's output until EOF, then its exit status; report both."""
+        assert w.proc.stdout is not None
+        with open(w.run_dir / "worker.log", "ab") as local:
+            while True:
+                try:
+                    raw = await w.proc.stdout.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    raw = await w.proc.stdout.read(1 << 16)  # an endless line: take it in pieces
+                if not raw:
+                    break
+                local.write(raw)
+                w.lines.append(raw.decode("utf-8", "replace").rstrip("\n")[:LOG_LINE_MAX])
+                if len(w.lines) >= LOG_BATCH_LINES:
+                    self._flush(w)
+        code = await w.proc.wait()
+        self._flush(w)
+        if self.workers.get(w.slot) is w:
+            del self.workers[w.slot]
+        for t in w.tasks[1:]:
+            t.cancel()  # the SIGKILL timer, if any
+        self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping)
+        self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping)
+
+    def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool) -> None:
+        exit_ = {"job": job, "generation": generation, "rank": rank, "slot": slot, "code": code, "stopped": stopped}
+        self.exited.append(exit_)
+        self._send(m.NodeWorkerExited(**exit_))
+
+    def _stop(self, w: Worker, mode: str, why: str) -> None:
+        if mode == "checkpoint":
+            if w.peer is not None:
+                self._to_worker(w.peer, m.WorkerStop())
+            else:
+                w.stop_at_checkpoint = True
+            return
+        if w.proc.returncode is not None or w.stopping:
+            return
+        w.stopping = True
+        self.log.info("worker.stopping", job=w.job, rank=w.rank, pid=w.pid, why=why, grace_s=self.stop_grace_s)
+        self._signal(w, signal.SIGTERM)
+        w.tasks.append(asyncio.create_task(self._kill_after_grace(w)))
+
+    async def _kill_after_grace(self, w: Worker) -> None:
+        await asyncio.sleep(self.stop_grace_s)  # the grace period itself, not a race
+        if w.proc.returncode is None:
+            self.log.warning("worker.killed", job=w.job, rank=w.rank, pid=w.pid, after_s=self.stop_grace_s)
+            self._signal(w, signal.SIGKILL)
+
+    def _signal(self, w: Worker, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(w.pid, sig)  # the worker's own group (start_new_session): it and its children
+
+    async def _stop_all(self, why: str) -> None:
+        workers = list(self.workers.values())
+        for w in workers:
+            self._stop(w, "now", why)
+        if workers:
+            await asyncio.gather(*(w.tasks[0] for w in workers), return_exceptions=True)
+
+    def _holdings(self) -> list[dict[str, Any]]:
+        out = []
+        for job_dir in sorted((self.state_dir / "jobs").glob("*")):
+            for run_dir in sorted(job_dir.glob("slot-*")):
+                step = newest_step(run_dir)
+                if step is not None:
+                    out.append({"job": job_dir.name, "slot": int(run_dir.name.split("-", 1)[1]), "step": step})
+        return out
+
+    # -- the workers' link ---------------------------------------------------------------------
+
+    async def _worker_loop(self, sock: zmq.asyncio.Socket) -> None:
+        raw = self.wraw
+        assert raw is not None
+        while True:
+            await sock.poll(1000)
+            while True:
+                try:
+                    frames = raw.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    continue
+                try:
+                    msg, _ = m.decode(frames[1:])
+                except ProtocolError as e:
+                    self.log.warning("frame.rejected", source="worker", code=str(e.code), error=e.message)
+                    continue
+                self._on_worker(frames[0], msg)
+
+    def _on_worker(self, peer: bytes, msg: Message) -> None:
+        if isinstance(msg, m.WorkerHello):
+            w = next((w for w in self.workers.values() if w.pid == msg.pid), None)
+            if w is None:
+                self.log.warning("worker.unknown", pid=msg.pid)
+                return
+            w.peer = peer
+            if w.stop_at_checkpoint:
+                self._to_worker(peer, m.WorkerStop())
+            self._send(m.NodeWorkerHello(job=w.job, generation=w.generation, rank=w.rank, pid=msg.pid, resume_step=msg.resume_step))
+            return
+        w = next((w for w in self.workers.values() if w.peer == peer), None)
+        if w is None:
+            return  # a worker that has not said hello, or one that has exited
+        match msg:
+            case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds):
+                self._send(m.NodeProgress(job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds))
+            case m.WorkerMetric(row=row):
+                self._send(m.NodeMetric(job=w.job, generation=w.generation, row=row))
+            case m.WorkerSample(row=row):
+                self._send(m.NodeSample(job=w.job, generation=w.generation, row=row))
+            case m.WorkerCheckpoint(step=step, seconds=seconds):
+                self._send(m.NodeCheckpoint(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, step=step, seconds=seconds))
+            case _:
+                self.log.warning("message.unexpected", source="worker", type=str(msg.TYPE))
+
+    def _to_worker(self, peer: bytes, msg: Message) -> None:
+        assert self.wraw is not None
+        with contextlib.suppress(zmq.ZMQError):
+            self.wraw.send_multipart([peer, *msg.to_frames()], flags=zmq.NOBLOCK)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LOG_FLUSH_S)  # batching interval for output lines
+            for w in list(self.workers.values()):
+                self._flush(w)
+
+    def _flush(self, w: Worker) -> None:
+        while w.lines:
+            batch, w.lines = w.lines[:LOG_BATCH_LINES], w.lines[LOG_BATCH_LINES:]
+            self._send(m.NodeLogs(job=w.job, generation=w.generation, rank=w.rank, lines=batch))

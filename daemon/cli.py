@@ -1,0 +1,257 @@
+"""`dpd run`: the node daemon in the foreground (launchd/systemd supervise it).
+
+Exit codes: 0 stopped cleanly (SIGTERM/SIGINT); 1 it could not run (address in use, name refused by
+the pool); 2 bad input (flags or config file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+from dpool.protocol.logs import configure_logging, get_logger
+
+DEFAULT_SERVE = "tcp://127.0.0.1:7340"
+DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
+CONFIG_KEYS = {
+    "join": str,
+    "serve": str,
+    "name": str,
+    "advertise": str,
+    "workers": int,
+    "state_dir": str,
+    "insecure": bool,
+    "heartbeat_interval": float,
+    "liveness": int,
+    "stop_grace": float,
+    "log_level": str,
+}
+
+
+class UsageError(Exception):
+    """Bad flags or config (exit 2); the message names the flag or key and what is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    join: str | None
+    serve: str | None
+    name: str
+    advertise: str
+    workers: int
+    state_dir: Path
+    insecure: bool
+    heartbeat_interval: float
+    liveness: int
+    stop_grace: float
+    log_level: str
+
+
+def default_state_dir() -> Path:
+    if sys.platform == "darwin":
+        return Path("~/Library/Application Support/dpool").expanduser()
+    return Path(os.environ.get("XDG_STATE_HOME", "~/.local/state")).expanduser() / "dpool"
+
+
+def tcp_host(addr: str) -> str | None:
+    """The host of a tcp:// address (None for ipc://, inproc://)."""
+    parts = urlsplit(addr)
+    if parts.scheme != "tcp":
+        return None
+    host = parts.netloc.rsplit(":", 1)[0]
+    return host.strip("[]")
+
+
+def is_loopback(addr: str) -> bool:
+    host = tcp_host(addr)
+    if host is None:
+        return urlsplit(addr).scheme in ("ipc", "inproc")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface ('*', 'eth0'): not provably loopback
+
+
+def _check_addr(flag: str, addr: str) -> None:
+    parts = urlsplit(addr)
+    if parts.scheme not in ("tcp", "ipc", "inproc") or not (parts.netloc or parts.path):
+        raise UsageError(f"{flag} {addr!r}: must be a ZeroMQ address such as tcp://127.0.0.1:7340")
+
+
+def load_config(path: Path, required: bool) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if required:
+            raise UsageError(f"--config {path}: no such file") from None
+        return {}
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: not valid TOML: {e}") from None
+    for key, value in data.items():
+        kind = CONFIG_KEYS.get(key)
+        if kind is None:
+            raise UsageError(f"{path}: unknown key {key!r}; allowed: {', '.join(CONFIG_KEYS)}")
+        ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise UsageError(f"{path}: {key} = {value!r}: must be a {kind.__name__}")
+    return data
+
+
+def _advertise_for(join: str) -> str:
+    """The local address peers should use: loopback for a loopback pool, else the interface that
+    routes to the coordinator."""
+    host = tcp_host(join)
+    if host is None or is_loopback(join):
+        return "127.0.0.1"
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: this only asks the kernel for a route
+        return str(s.getsockname()[0])
+    return socket.gethostbyname(socket.gethostname())
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    cfg = load_config(Path(args.config).expanduser() if args.config else DEFAULT_CONFIG, required=bool(args.config))
+
+    def pick(flag: str, default: Any) -> Any:
+        v = getattr(args, flag)
+        return v if v is not None else cfg.get(flag, default)
+
+    serve = pick("serve", None)
+    join = args.join or (None if serve else cfg.get("join")) or (None if serve else os.environ.get("DPOOL_COORDINATOR"))
+    if serve is None and join is None:
+        raise UsageError("no coordinator: pass --join ADDR (or set join in the config file or $DPOOL_COORDINATOR), or --serve to host it")
+    for flag, addr in (("--serve", serve), ("--join", join)):
+        if addr is not None:
+            _check_addr(flag, addr)
+    insecure = bool(pick("insecure", False))
+    for flag, addr in (("--serve", serve), ("--join", join)):
+        if addr is not None and not is_loopback(addr) and not insecure:
+            raise UsageError(
+                f"{flag} {addr}: refusing a non-loopback control plane without CURVE keys; "
+                "keep the pool on 127.0.0.1, or pass --insecure on a network you trust"
+            )
+    workers = int(pick("workers", 1))
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: must be an integer >= 1")
+    hb, liveness = float(pick("heartbeat_interval", 0.5)), int(pick("liveness", 6))
+    if hb <= 0 or liveness < 2:
+        raise UsageError(f"--heartbeat-interval {hb} / --liveness {liveness}: must be > 0 and >= 2")
+    name = pick("name", None) or socket.gethostname().split(".")[0].lower()
+    if not name or len(name) > 63 or any(c.isspace() for c in name):
+        raise UsageError(f"--name {name!r}: must be 1-63 characters without spaces")
+    level = str(pick("log_level", "info"))
+    if level not in ("debug", "info", "warning", "error"):
+        raise UsageError(f"--log-level {level!r}: must be one of debug, info, warning, error")
+    return Settings(
+        join=join,
+        serve=serve,
+        name=name,
+        advertise=pick("advertise", None) or _advertise_for(join or serve),
+        workers=workers,
+        state_dir=Path(pick("state_dir", None) or default_state_dir()).expanduser().absolute(),
+        insecure=insecure,
+        heartbeat_interval=hb,
+        liveness=liveness,
+        stop_grace=float(pick("stop_grace", 10.0)),
+        log_level=level,
+    )
+
+
+async def serve_and_run(s: Settings) -> int:
+    from dpool.daemon.agent import Agent
+    from dpool.daemon.coordinator import Coordinator
+
+    log = get_logger(node=s.name)
+    ctx = zmq.asyncio.Context()
+    stopping, coord_stopping = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)  # handlers only record; the loops act on it
+    coord_task = None
+    join = s.join
+    try:
+        if s.serve:
+            coord = Coordinator(ctx, s.serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness)
+            try:
+                endpoint = coord.bind()
+            except zmq.ZMQError as e:
+                log.error("coordinator.bind_failed", address=s.serve, error=str(e))
+                print(f"dpd: cannot serve on {s.serve}: {e}", file=sys.stderr)
+                return 1
+            join = join or endpoint
+            coord_task = asyncio.create_task(coord.run(coord_stopping))
+        assert join is not None
+        agent = Agent(
+            ctx,
+            name=s.name,
+            join=join,
+            state_dir=s.state_dir,
+            slots=s.workers,
+            advertise=s.advertise,
+            heartbeat_s=s.heartbeat_interval,
+            liveness=s.liveness,
+            stop_grace_s=s.stop_grace,
+        )
+        agent_task = asyncio.create_task(agent.run(stopping))
+        waits: set[asyncio.Task[Any]] = {agent_task} | ({coord_task} if coord_task else set())
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if coord_task in done and not agent_task.done():
+            log.error("coordinator.crashed", error=repr(coord_task.exception()))
+            stopping.set()
+            await agent_task
+            return 1
+        code = agent_task.result()
+        return code
+    finally:
+        coord_stopping.set()
+        if coord_task is not None and not coord_task.done():
+            await coord_task
+        ctx.destroy(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dpd", description="dpool node daemon")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the daemon in the foreground")
+    run.add_argument("--config", help=f"TOML file with the same keys as the flags (default {DEFAULT_CONFIG} if it exists)")
+    run.add_argument("--join", help="the coordinator to join (default: the one this daemon serves, else config, else $DPOOL_COORDINATOR)")
+    run.add_argument("--serve", nargs="?", const=DEFAULT_SERVE, help=f"also host the coordinator (default address {DEFAULT_SERVE})")
+    run.add_argument("--name", help="node name, unique in the pool (default: the host name)")
+    run.add_argument("--advertise", help="the IP MLX collectives use to reach this node")
+    run.add_argument("--workers", type=int, help="worker slots this node offers (default 1)")
+    run.add_argument("--state-dir", dest="state_dir", help=f"daemon state: run dirs, checkpoints, the coordinator's database (default {default_state_dir()})")
+    run.add_argument("--insecure", action="store_true", default=None, help="allow a non-loopback control plane without CURVE keys")
+    run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.5)")
+    run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
+    run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
+    run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    args = parser.parse_args(argv)
+    try:
+        s = settings(args)
+    except UsageError as e:
+        print(f"dpd: {e}", file=sys.stderr)
+        return 2
+    configure_logging(s.log_level)
+    s.state_dir.mkdir(parents=True, exist_ok=True)
+    get_logger(node=s.name).info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, state_dir=str(s.state_dir))
+    return asyncio.run(serve_and_run(s))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""The coordinator: a ROUTER socket and an asyncio loop around the pure `Pool`.
+
+The loop reads every waiting frame, decodes it (a bad one gets an `error` reply and a rate-limited
+log line, never an exception that escapes), hands it to the pool or answers a query from the store,
+carries out the pool's actions, commits once per batch, and on a timer ticks the pool (heartbeat
+expiry, deadlines) and heartbeats every registered node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from dpool.daemon.pool import Job, JobChanged, NodeChanged, Pool, Record, Send
+from dpool.daemon.store import Store
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.logs import get_logger
+from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+
+BATCH = 500  # frames handled between commits and ticks
+BAD_FRAME_LOGS_PER_S = 5
+
+
+class Coordinator:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        addr: str,
+        state_dir: str | Path,
+        *,
+        heartbeat_s: float = 0.5,
+        liveness: int = 6,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.ctx, self.addr, self.clock = ctx, addr, clock
+        self.heartbeat_s = heartbeat_s
+        self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness)
+        self.store = Store(Path(state_dir) / "coordinator.sqlite3")
+        self.log = get_logger(component="coordinator")
+        self.peer_of: dict[str, bytes] = {}  # node name -> routing id
+        self.node_of: dict[bytes, str] = {}
+        self.sock: zmq.asyncio.Socket | None = None
+        self.raw: zmq.Socket | None = None  # the same socket, for non-blocking recv/send
+        self._deferred: list[Any] = []  # actions to run once the current reply is sent
+        self.endpoint: str | None = None
+        self.ready = asyncio.Event()
+        self.stats = {"frames": 0, "rejected": 0, "progress": 0}
+        self._bad_window = (0.0, 0, 0)  # (window start, logged, suppressed)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)  # a peer sending more is disconnected
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind(self.addr)
+        self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        now = self.clock()
+        for job in self.store.load_jobs():
+            self.pool.restore(job, now)
+        self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs))
+        self.ready.set()
+        return self.endpoint
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        if self.sock is None:
+            self.bind()
+        sock, raw = self.sock, self.raw
+        assert sock is not None and raw is not None
+        next_tick = self.clock()
+        try:
+            while not stopping.is_set():
+                timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
+                if await sock.poll(timeout_ms):
+                    for _ in range(BATCH):
+                        try:
+                            frames = raw.recv_multipart(flags=zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_frames(frames)
+                now = self.clock()
+                if now >= next_tick:
+                    self._run(self.pool.tick(now))
+                    for name, peer in self.peer_of.items():
+                        node = self.pool.nodes.get(name)
+                        if node is not None and not node.lost:
+                            self._send_to(peer, m.CoordHeartbeat())
+                    next_tick = now + self.heartbeat_s
+                self.store.commit()
+        finally:
+            self.store.close()
+            sock.close(linger=0)
+            self.log.info("coordinator.stopped")
+
+    # -- frames --------------------------------------------------------------------------------
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        self.stats["frames"] += 1
+        if len(frames) < 2:
+            return  # not even a routing id and a frame: nothing to answer to
+        peer, body = frames[0], frames[1:]
+        try:
+            msg, msg_id = m.decode(body)
+        except ProtocolError as e:
+            self._reject(peer, e)
+            return
+        try:
+            reply = self._dispatch(peer, msg)
+        except ProtocolError as e:
+            self._reject(peer, ProtocolError(e.code, e.message, msg_id))
+            return
+        except Exception as e:  # a bug must cost one request, not the pool
+            self.log.exception("message.failed", type=str(msg.TYPE))
+            reply = m.Error(code=str(ErrorCode.INTERNAL), message=f"{type(e).__name__}: {e}")
+        if reply is not None:
+            self._send_to(peer, reply, msg_id)
+        deferred, self._deferred = self._deferred, []
+        self._run(deferred)
+
+    def _reject(self, peer: bytes, err: ProtocolError) -> None:
+        self.stats["rejected"] += 1
+        start, logged, suppressed = self._bad_window
+        now = self.clock()
+        if now - start >= 1.0:
+            if suppressed:
+                self.log.warning("frame.rejected.suppressed", count=suppressed)
+            start, logged, suppressed = now, 0, 0
+        if logged < BAD_FRAME_LOGS_PER_S:
+            self.log.warning("frame.rejected", code=str(err.code), error=err.message, peer=peer.hex())
+            logged += 1
+        else:
+            suppressed += 1
+        self._bad_window = (start, logged, suppressed)
+        self._send_frames(peer, m.error_frames(err))
+
+    def _send_to(self, peer: bytes, msg: Message, msg_id: int = 0) -> None:
+        try:
+            frames = msg.to_frames(msg_id)
+        except ProtocolError as e:
+            frames = m.Error(code=str(e.code), message=e.message).to_frames(msg_id)
+        self._send_frames(peer, frames)
+
+    def _send_frames(self, peer: bytes, frames: list[bytes]) -> None:
+        assert self.raw is not None
+        # A ROUTER drops what it cannot deliver (a full or vanished peer); heartbeats notice the rest.
+        with contextlib.suppress(zmq.ZMQError):
+            self.raw.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+
+    def _run(self, actions: list[Any]) -> None:
+        now = self.clock()
+        for a in actions:
+            if isinstance(a, Send):
+                peer = self.peer_of.get(a.node)
+                if peer is not None:
+                    self._send_to(peer, a.msg)
+            elif isinstance(a, Record):
+                self.store.add_event(a.job, a.t, a.kind, a.fields)
+                self.log.info(a.kind, job=a.job, **a.fields)
+            elif isinstance(a, JobChanged):
+                job = self.pool.jobs.get(a.job)
+                if job is not None:
+                    self.store.save_job(job)
+            elif isinstance(a, NodeChanged):
+                node = self.pool.nodes.get(a.node)
+                if node is not None:
+                    row = next(r for r in self.pool.node_rows(now) if r["name"] == a.node)
+                    self.store.save_node(row, node.incarnation, node.joined_at, node.last_seen)
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def _dispatch(self, peer: bytes, msg: Message) -> Message | None:
+        now = self.clock()
+        match msg:
+            case m.Submit():
+                return self._submit(msg, now)
+            case m.Status(job=None):
+                jobs = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
+                return m.StatusReply(jobs=[j.status() for j in jobs])
+            case m.Status(job=ref):
+                return m.StatusReply(jobs=[self._job(ref).status()])
+            case m.Nodes():
+                return m.NodesReply(nodes=self.pool.node_rows(now))
+            case m.Metrics(job=ref, after=after, limit=limit):
+                job, limit = self._job(ref), _page(limit)
+                rows = self.store.metrics(job.id, after, limit + 1)
+                return m.MetricsReply(job_id=job.id, rows=rows[:limit], cursor=after + min(limit, len(rows)), more=len(rows) > limit)
+            case m.Samples(job=ref, after=after, limit=limit):
+                job, limit = self._job(ref), _page(limit)
+                rows = self.store.samples(job.id, after, limit + 1)
+                return m.SamplesReply(job_id=job.id, rows=rows[:limit], cursor=after + min(limit, len(rows)), more=len(rows) > limit)
+            case m.Events(job=ref, after=after, limit=limit):
+                job, limit = self._job(ref), _page(limit)
+                events, cursor = self.store.events(job, after, limit)
+                return m.EventsReply(job_id=job.id, events=events, cursor=cursor, more=len(events) == limit)
+            case m.Logs(job=ref, after=after, rank=rank, limit=limit):
+                job, limit = self._job(ref), _page(limit)
+                lines, cursor = self.store.logs(job.id, after, rank, limit)
+                return m.LogsReply(job_id=job.id, lines=lines, cursor=cursor, more=len(lines) == limit, state=str(job.state))
+            case m.Cancel(job=ref):
+                job = self._job(ref)
+                self._run(self.pool.cancel(now, job))
+                return m.CancelReply(job_id=job.id, state=str(job.state))
+            case m.NodeRegister():
+                return self._register(peer, msg, now)
+        name = self.node_of.get(peer)
+        if name is None or name not in self.pool.nodes:
+            if msg.TYPE.value.startswith("node."):
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, f"{msg.TYPE} from a peer that has not registered; send node.register")
+            raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
+        self.pool.seen(now, name)
+        actions: list[Any]
+        match msg:
+            case m.NodeHeartbeat(workers=workers):
+                actions = self.pool.heartbeat(now, name, workers)
+            case m.NodeBye():
+                actions = self.pool.bye(now, name)
+                self.node_of.pop(peer, None)
+                self.peer_of.pop(name, None)
+            case m.NodePrepared(job=job, generation=g, host=host, ports=ports, error=error):
+                actions = self.pool.prepared(now, name, job, g, host, ports, error)
+            case m.NodeWorkerStarted(job=job, generation=g, rank=r, pid=pid):
+                actions = self.pool.worker_started(now, name, job, g, r, pid)
+            case m.NodeWorkerHello(job=job, generation=g, rank=r, pid=pid, resume_step=resume):
+                actions = self.pool.worker_hello(now, name, job, g, r, pid, resume)
+            case m.NodeProgress(job=job, generation=g, rank=r, step=step, tokens=tokens, seconds=seconds):
+                self.stats["progress"] += 1
+                actions = self.pool.progress(now, job, g, r, step, tokens, seconds)
+            case m.NodeMetric(job=job, generation=g, row=row):
+                if job in self.pool.jobs:
+                    self.store.add_metric(job, g, {**row, "generation": row.get("generation", g)} if row.get("kind") == "train" else row)
+                actions = self.pool.metric(now, job, g, row)
+            case m.NodeSample(job=job, generation=g, row=row):
+                if job in self.pool.jobs:
+                    self.store.add_sample(job, g, row)
+                actions = []
+            case m.NodeCheckpoint(job=job, generation=g, rank=r, slot=slot, step=step, seconds=seconds):
+                actions = self.pool.checkpoint(now, name, job, g, r, slot, step, seconds)
+            case m.NodeLogs(job=job, generation=g, rank=r, lines=lines):
+                if job in self.pool.jobs:
+                    self.store.add_logs(job, now, r, g, lines)
+                actions = []
+            case m.NodeWorkerExited(job=job, generation=g, rank=r, slot=slot, code=code, stopped=stopped):
+                actions = self.pool.worker_exited(now, name, job, g, r, slot, code, stopped)
+            case _:
+                raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
+        self._run(actions)
+        return None
+
+    def _job(self, ref: str) -> Job:
+        job = self.pool.resolve(ref)
+        if job is None:
+            raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {ref!r} (an id, a unique id prefix, or a job name)")
+        return job
+
+    def _submit(self, msg: m.Submit, now: float) -> Message:
+        try:
+            spec = parse_job(msg.job, source=msg.source)
+        except JobFileError as e:
+            return m.Error(code=str(ErrorCode.BAD_JOB), message=str(e))
+        except (TypeError, ValueError, KeyError) as e:
+            return m.Error(code=str(ErrorCode.BAD_JOB), message=f"{msg.source}: {e}")
+        job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        while job_id in self.pool.jobs:
+            job_id = f"{spec.name}-{secrets.token_hex(3)}"
+        self._run(self.pool.submit(now, job_id, spec))
+        return m.Submitted(job_id=job_id)
+
+    def _register(self, peer: bytes, msg: m.NodeRegister, now: float) -> Message:
+        refusal, actions = self.pool.register(now, msg.name, msg.incarnation, msg.info, msg.running, msg.exited, msg.holdings)
+        if refusal is not None:
+            self.log.warning("node.refused", node=msg.name, reason=refusal)
+            return m.Error(code=str(ErrorCode.DUPLICATE_NAME), message=refusal)
+        old = self.peer_of.get(msg.name)
+        if old is not None and old != peer:
+            self.node_of.pop(old, None)
+        self.peer_of[msg.name], self.node_of[peer] = peer, msg.name
+        # The reply goes out before the actions, so the node knows it is registered before any
+        # group message reaches it.
+        self._deferred = actions
+        return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness)
+
+
+def _page(limit: int) -> int:
+    return max(1, min(limit, m.PAGE_LIMIT))
