@@ -121,7 +121,7 @@ def test_random_bytes_never_raise_anything_but_protocol_errors() -> None:
             decoded += 1
         except ProtocolError as e:
             codes[e.code] = codes.get(e.code, 0) + 1
-    assert decoded < 50 and {"bad_frame", "bad_version"} <= set(codes)
+    assert decoded < 50 and codes.get("bad_frame", 0) > 1000
 
 
 def test_oversized_message_is_refused_when_encoding() -> None:
