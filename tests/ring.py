@@ -1,0 +1,111 @@
+"""Start local MLX ring groups of trainer processes, the way `mlx.launch --backend ring` does.
+
+Each rank gets MLX_RANK and MLX_HOSTFILE (a JSON list of ["127.0.0.1:port"] per rank). Processes
+run in their own process group and are ended by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def trainer_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("MLX_RANK", None)
+    env.pop("MLX_HOSTFILE", None)
+    env.pop("DPOOL_WORKER_ADDR", None)
+    # Two cores here: several ranks with multi-threaded BLAS each would only fight over them.
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+class Group:
+    """A running group of trainer ranks."""
+
+    def __init__(self, procs: list[subprocess.Popen], logs: list[Path]):
+        self.procs, self.logs = procs, logs
+
+    def wait(self, timeout: float = 300) -> list[int]:
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in self.procs:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        return codes
+
+    def output(self, rank: int) -> str:
+        return self.logs[rank].read_text(errors="replace")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+
+def start(
+    job: Path | str,
+    run_dir: str,
+    world: int,
+    tmp: Path,
+    shares: list[int] | None = None,
+    env: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+) -> Group:
+    tmp.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", run_dir, *(extra_args or [])]
+    if shares:
+        args += ["--shares", ",".join(map(str, shares))]
+    procs, logs = [], []
+    hostfile = None
+    if world > 1:
+        hostfile = tmp / f"hosts-{os.getpid()}-{time.monotonic_ns()}.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(world)]))
+    for rank in range(world):
+        extra = dict(env or {})
+        if hostfile:
+            extra.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        log = tmp / f"rank{rank}-{time.monotonic_ns()}.log"
+        logs.append(log)
+        with open(log, "wb") as out:
+            procs.append(
+                subprocess.Popen(args, env=trainer_env(extra), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+    return Group(procs, logs)
+
+
+def run(job, run_dir, world, tmp, timeout: float = 300, **kw) -> Group:
+    g = start(job, run_dir, world, tmp, **kw)
+    try:
+        codes = g.wait(timeout)
+    finally:
+        g.kill()
+    if any(codes):
+        raise AssertionError(f"trainer exit codes {codes}:\n" + "\n".join(g.output(r)[-3000:] for r in range(world)))
+    return g
+
+
+def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows if r["kind"] == kind}

@@ -1,0 +1,105 @@
+"""Bad job files are refused before anything runs: exit 2, one line naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpool.protocol.jobspec import JobFileError, JobSpec, load_job, parse_job
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+GOOD = """\
+name = "ok"
+[model]
+layers = 1
+dim = 32
+heads = 2
+context = 16
+[train]
+steps = 5
+global_batch = 4
+warmup_steps = 1
+"""
+
+# (what is wrong, the job file, the key the message must name)
+BAD = [
+    ("unknown top-level key", GOOD + "\n[optimizer]\nkind = 'sgd'\n", "optimizer"),
+    ("unknown key in a section", GOOD.replace("steps = 5", "steps = 5\nstepz = 3"), "train.stepz"),
+    ("wrong type", GOOD.replace("layers = 1", 'layers = "one"'), "model.layers"),
+    ("negative steps", GOOD.replace("steps = 5", "steps = -5"), "train.steps"),
+    ("zero global batch", GOOD.replace("global_batch = 4", "global_batch = 0"), "train.global_batch"),
+    ("global batch below world size", GOOD + "\n[workers]\nmin = 8\nmax = 8\n", "train.global_batch"),
+    ("missing data path", GOOD + "\n[data]\nsource = '/no/such/corpus/*.txt'\n", "data.source"),
+    ("bad name", GOOD.replace('name = "ok"', 'name = "Has Spaces"'), "name"),
+    ("missing name", GOOD.replace('name = "ok"\n', ""), "name"),
+    ("heads do not divide dim", GOOD.replace("heads = 2", "heads = 3"), "model.heads"),
+    ("micro batch neither auto nor int", GOOD.replace("global_batch = 4", 'global_batch = 4\nmicro_batch = "big"'), "train.micro_batch"),
+    ("val fraction out of range", GOOD + "\n[data]\nval_fraction = 0.9\n", "data.val_fraction"),
+    ("workers max below min", GOOD + "\n[workers]\nmin = 3\nmax = 2\n", "workers.max"),
+    ("boolean for a number", GOOD.replace("steps = 5", "steps = true"), "train.steps"),
+    ("section that is not a table", GOOD + "\ncheckpoint = 5\n", "checkpoint"),
+    ("kind outside the allowed", GOOD.replace("layers = 1", 'layers = 1\nkind = "rnn"'), "model.kind"),
+    ("mlx_lm without a path", GOOD.replace("layers = 1", 'layers = 1\nkind = "mlx_lm"'), "model.path"),
+    ("warmup longer than the run", GOOD.replace("warmup_steps = 1", "warmup_steps = 50"), "train.warmup_steps"),
+    ("not TOML at all", "name = \n[[[", "toml"),
+]
+
+
+@pytest.mark.parametrize(("what", "text", "key"), BAD, ids=[b[0] for b in BAD])
+def test_bad_job_file_is_refused_naming_the_key(tmp_path, what, text, key):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and key in message, message
+
+
+@pytest.mark.parametrize(("what", "text", "key"), BAD[:4] + BAD[6:7], ids=[b[0] for b in BAD[:4] + BAD[6:7]])
+def test_trainer_exits_2_with_one_line(tmp_path, what, text, key):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(path), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and str(path) in lines[0], run.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_trainer_refuses_shares_that_do_not_add_up(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(GOOD)
+    run = subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(path), "--run-dir", str(tmp_path / "run"), "--shares", "3"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 2 and "train.global_batch is 4" in run.stderr, run.stderr
+
+
+def test_defaults_and_round_trip(tmp_path):
+    spec = load_job(EXAMPLES / "demo.toml")
+    assert isinstance(spec, JobSpec) and spec.name == "stdlib-gpt" and spec.model.kind == "gpt"
+    again = parse_job(spec.to_dict(), source="wire")
+    assert again == spec and again.training_hash() == spec.training_hash()
+
+
+def test_training_hash_ignores_what_does_not_change_the_math(tmp_path):
+    base = parse_job({"name": "a", "train": {"steps": 10, "warmup_steps": 1}})
+    logged = parse_job({"name": "a", "train": {"steps": 10, "warmup_steps": 1, "log_every_steps": 1, "micro_batch": 2}})
+    other = parse_job({"name": "a", "train": {"steps": 10, "warmup_steps": 1, "lr": 1e-3}})
+    assert base.training_hash() == logged.training_hash() != other.training_hash()
+
+
+def test_relative_data_path_resolves_against_the_job_file(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("hello " * 100)
+    (tmp_path / "job.toml").write_text(GOOD + '\n[data]\nsource = "corpus/*.txt"\n')
+    spec = load_job(tmp_path / "job.toml")
+    assert spec.resolved_source() == str(tmp_path / "corpus" / "*.txt")

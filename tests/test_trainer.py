@@ -1,0 +1,237 @@
+"""The trainer's contract, with real MLX processes and real ring groups (DESIGN.md "Data and the math").
+
+The loss curve of a job depends on the job file only: not on the number of ranks, the shares,
+the micro batch size, or where it was killed and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ring
+
+TESTS = Path(__file__).parent
+EXAMPLES = TESTS.parent / "examples"
+
+TINY = """\
+name = "tiny"
+[model]
+layers = 2
+dim = 64
+heads = 4
+context = 64
+[train]
+steps = 15
+global_batch = 24
+micro_batch = {micro}
+lr = 1e-3
+warmup_steps = 3
+log_every_steps = 1
+[checkpoint]
+every_steps = {every}
+keep = {keep}
+[eval]
+every_steps = 5
+batches = 2
+sample_every_steps = 10
+sample_tokens = 20
+"""
+
+
+def tiny_job(folder: Path, micro: int = 24, every: int = 3, keep: int = 10) -> Path:
+    path = folder / f"tiny-m{micro}-e{every}-k{keep}.toml"
+    path.write_text(TINY.format(micro=micro, every=every, keep=keep))
+    return path
+
+
+@pytest.fixture(scope="module")
+def token_cache(tmp_path_factory) -> Path:
+    """Built once for the module: every run maps the same cached token stream."""
+    return tmp_path_factory.mktemp("tokens")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("trainer")
+
+
+@pytest.fixture(scope="module")
+def env(token_cache) -> dict[str, str]:
+    return {"DPOOL_CACHE_DIR": str(token_cache)}
+
+
+@pytest.fixture(scope="module")
+def reference(work, env) -> Path:
+    """The uninterrupted one-rank run every other run is compared with."""
+    run_dir = work / "reference"
+    ring.run(tiny_job(work), str(run_dir), 1, work / "logs", env=env)
+    return run_dir
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in ring.metrics(run_dir).items()}
+
+
+def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float, steps=range(1, 16)) -> None:
+    diffs = {s: abs(a[s] - b[s]) for s in steps}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= tol, f"step {worst}: {a[worst]} vs {b[worst]} (|diff| {diffs[worst]:.2e} > {tol})"
+
+
+def test_reference_run_is_complete(reference):
+    rows = ring.metrics(reference)
+    assert sorted(rows) == list(range(1, 16)), "log_every_steps = 1 logs every step"
+    assert set(rows[1]) >= {"kind", "step", "loss", "lr", "tokens", "tokens_per_s", "world_size", "generation"}
+    assert rows[1]["tokens"] == 24 * 64 and rows[1]["world_size"] == 1 and rows[1]["generation"] == 1
+    assert rows[15]["loss"] < rows[1]["loss"] - 0.5, "a few steps at lr 1e-3 already learn byte statistics"
+    evals = ring.metrics(reference, "eval")
+    assert sorted(evals) == [0, 5, 10, 15]
+    samples = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [10, 15] and all(s["text"].startswith("def ") for s in samples)
+
+
+def test_three_unequal_ranks_match_one_rank(reference, work, env):
+    run_dir = work / "three" / "rank{rank}"
+    g = ring.run(tiny_job(work), str(run_dir), 3, work / "logs", shares=[4, 8, 12], env=env)
+    three = work / "three" / "rank0"
+    assert_same_curve(losses(reference), losses(three), 1e-4)
+    assert all(r["world_size"] == 3 for r in ring.metrics(three).values())
+    assert not (work / "three" / "rank1" / "metrics.jsonl").exists(), "only rank 0 writes metrics"
+    for rank in range(3):  # every rank keeps its own checkpoint copy
+        assert (work / "three" / f"rank{rank}" / "checkpoints" / "step-15" / "manifest.json").is_file()
+    assert '"shares":[4,8,12]' in g.output(0)
+
+
+def test_runs_under_plain_mlx_launch(reference, work, env):
+    """Users can run the trainer under `mlx.launch --backend ring`, without any daemon."""
+    launcher = shutil.which("mlx.launch")
+    assert launcher, "mlx installs mlx.launch"
+    run_dir = work / "launched"
+    cmd = [launcher, "--backend", "ring", "-n", "2", sys.executable, "-m", "dpool.trainer", str(tiny_job(work)),
+           "--run-dir", str(run_dir / "r{rank}"), "--shares", "10,14"]
+    done = subprocess.run(cmd, env=ring.trainer_env(env), capture_output=True, text=True, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert_same_curve(losses(reference), losses(run_dir / "r0"), 1e-4)
+    assert ring.metrics(run_dir / "r0")[1]["world_size"] == 2
+
+
+def test_first_step_gradients_match_across_world_sizes(work, env):
+    job = tiny_job(work)
+    probe = str(TESTS / "grad_probe.py")
+    out1, out3 = work / "grad1.npz", work / "grad3.npz"
+    cache = env["DPOOL_CACHE_DIR"]
+    subprocess.run([sys.executable, probe, str(job), str(out1), cache], check=True, env=ring.trainer_env())
+    hostfile = work / "grad-hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(3)]))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, probe, str(job), str(out3), cache, "4,8,12"],
+            env=ring.trainer_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}),
+            start_new_session=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    g1, g3 = np.load(out1), np.load(out3)
+    assert sorted(g1.files) == sorted(g3.files) and len(g1.files) > 10
+    for name in g1.files:
+        a, b = g1[name], g3[name]
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+def test_micro_batch_does_not_change_the_curve(reference, work, env):
+    run_dir = work / "micro2"
+    ring.run(tiny_job(work, micro=2), str(run_dir), 1, work / "logs", env=env)
+    assert_same_curve(losses(reference), losses(run_dir), 1e-5)
+
+
+def test_sigkill_after_checkpoint_resumes_exactly(reference, work, env):
+    run_dir = work / "killed"
+    job = tiny_job(work, every=6)
+    g = ring.start(job, str(run_dir), 1, work / "logs", env=env)
+    manifest = run_dir / "checkpoints" / "step-6" / "manifest.json"
+    try:
+        deadline = time.monotonic() + 120
+        while not manifest.exists():
+            assert g.procs[0].poll() is None, g.output(0)
+            assert time.monotonic() < deadline, "no step-6 checkpoint in 120 s"
+            time.sleep(0.005)
+        os.killpg(g.procs[0].pid, signal.SIGKILL)
+        assert g.procs[0].wait(timeout=10) == -signal.SIGKILL
+    finally:
+        g.kill()
+    assert not (run_dir / "checkpoints" / "step-12").exists(), "killed before the next checkpoint"
+    resumed = ring.run(job, str(run_dir), 1, work / "logs", env=env)
+    assert '"resume_step":6' in resumed.output(0)
+    assert_same_curve(losses(reference), losses(run_dir), 1e-6, steps=range(7, 16))
+    assert sorted(ring.metrics(run_dir)) == list(range(1, 16)), "metrics hold each step once"
+
+
+def test_ranks_without_the_checkpoint_receive_it_by_broadcast(reference, work, env):
+    base = work / "bcast"
+    rank0 = base / "rank0"
+    shutil.copytree(reference, rank0, ignore=shutil.ignore_patterns("cache"))
+    for step in (9, 12, 15):  # make step 6 the newest checkpoint, held by rank 0 alone
+        shutil.rmtree(rank0 / "checkpoints" / f"step-{step}")
+    g = ring.run(tiny_job(work), str(base / "rank{rank}"), 3, work / "logs", env=env)
+    assert '"restored":"broadcast"' in g.output(1) and '"resume_step":6' in g.output(2)
+    assert_same_curve(losses(reference), losses(rank0), 1e-4, steps=range(7, 16))
+
+
+def test_truncated_newest_checkpoint_falls_back_to_previous(reference, work, env):
+    run_dir = work / "truncated"
+    shutil.copytree(reference, run_dir)
+    weights = run_dir / "checkpoints" / "step-15" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    g = ring.run(tiny_job(work), str(run_dir), 1, work / "logs", env=env)
+    out = g.output(0)
+    assert '"event":"checkpoint.skipped"' in out and "truncated" in out
+    assert '"resume_step":12' in out
+    assert_same_curve(losses(reference), losses(run_dir), 1e-6)
+
+
+def test_checkpoint_of_another_job_is_refused(reference, work, env):
+    run_dir = work / "other-job"
+    shutil.copytree(reference, run_dir)
+    other = work / "other.toml"
+    other.write_text(tiny_job(work).read_text().replace("lr = 1e-3", "lr = 2e-3"))
+    g = ring.start(other, str(run_dir), 1, work / "logs", env=env)
+    try:
+        assert g.wait(120) == [2]
+    finally:
+        g.kill()
+    assert "belongs to another job file" in g.output(0)
+    assert (run_dir / "checkpoints" / "step-15" / "manifest.json").exists(), "nothing saved is lost"
+
+
+def test_checkpoints_are_pruned_to_keep(work, env):
+    run_dir = work / "pruned"
+    ring.run(tiny_job(work, every=2, keep=2), str(run_dir), 1, work / "logs", env=env)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-14", "step-15"]
+    manifest = json.loads((run_dir / "checkpoints" / "step-15" / "manifest.json").read_text())
+    assert manifest["step"] == 15 and manifest["world_size"] == 1 and manifest["data_position"]["index"] == 15 * 24
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer.safetensors"}
+
+
+def test_demo_job_learns(work, env):
+    """examples/demo.toml: validation loss after 200 steps at least 40% below step 0's."""
+    run_dir = work / "demo"
+    ring.run(EXAMPLES / "demo.toml", str(run_dir), 1, work / "logs", env={**env, "OPENBLAS_NUM_THREADS": "2"}, timeout=600)
+    evals = {s: r["val_loss"] for s, r in ring.metrics(run_dir, "eval").items()}
+    assert evals[200] <= 0.6 * evals[0], evals

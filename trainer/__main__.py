@@ -1,0 +1,49 @@
+"""`python -m dpool.trainer JOB.toml --run-dir DIR [--shares N,N,...]`: one rank of a job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dpool.trainer.blas import reexec_with_openblas
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m dpool.trainer",
+        description="Run one rank of a dpool job: alone, or as one rank of an MLX ring group "
+        "(MLX_RANK and MLX_HOSTFILE set as `mlx.launch --backend ring` sets them).",
+    )
+    parser.add_argument("job", help="the job file (job.toml)")
+    parser.add_argument("--run-dir", required=True, help="where metrics, samples and checkpoints go; {rank} is replaced by the rank")
+    parser.add_argument("--shares", help="sequences of each global batch per rank, comma-separated (default: equal)")
+    parser.add_argument("--generation", type=int, default=1, help="group (re)start count, recorded in metrics")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+
+    # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
+    reexec_with_openblas("dpool.trainer", argv)
+
+    from dpool.protocol.jobspec import JobFileError, load_job
+    from dpool.protocol.logs import configure_logging, get_logger
+    from dpool.trainer import loop
+    from dpool.trainer.checkpoint import CheckpointMismatch
+    from dpool.trainer.data import DataError
+
+    configure_logging(args.log_level)
+    try:
+        spec = load_job(args.job)
+        return loop.run(spec, args.run_dir, args.shares, args.generation)
+    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return loop.EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost": the daemon restarts the group
+        get_logger().error("trainer.failed", error=str(e))
+        return loop.EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

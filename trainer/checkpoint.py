@@ -1,0 +1,230 @@
+"""Checkpoints: one self-describing bundle per step, written off the step path, verified on load.
+
+    checkpoints/step-N/model.safetensors      weights
+    checkpoints/step-N/optimizer.safetensors  AdamW state (step count, moments): weights alone diverge
+    checkpoints/step-N/manifest.json          step, job hash, world size, RNG and data position,
+                                              file sizes and sha256; written last
+
+The main thread copies the arrays to host memory (cheap, and the arrays it copies are immutable);
+a writer thread writes them to `.tmp-step-N-PID/`, fsyncs, renames the folder into place, fsyncs
+the parent, and prunes to the newest `keep`. A checkpoint exists only once its manifest does; one
+whose files do not match their checksums is skipped in favour of the one before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from dpool.protocol.checkpoints import (
+    FORMAT_VERSION,
+    MANIFEST,
+    checkpoint_root,
+    listed_steps,
+    step_dir,
+)
+
+_ST_DTYPES = {
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(np.float64): "F64",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.bool_): "BOOL",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (damaged, or of another job)."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The run dir holds checkpoints of a different job file: refusing to mix them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Host copies of everything a resume needs, taken between steps."""
+
+    step: int
+    model: dict[str, np.ndarray]
+    optimizer: dict[str, np.ndarray]
+    manifest: dict[str, Any]
+
+
+def to_host(flat: list[tuple[str, mx.array]]) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in flat}
+
+
+def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> tuple[int, str]:
+    """Write the safetensors format (8-byte header size, JSON header, raw little-endian data)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, a in arrays.items():
+        n = a.nbytes
+        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(raw)), raw, *(np.ascontiguousarray(a).tobytes() for a in arrays.values())):
+            f.write(chunk)
+            h.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return path.stat().st_size, h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int) -> tuple[Path, list[str]]:
+    """Write one checkpoint atomically and prune; returns its folder and any pruning problems."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = step_dir(run_dir, snap.step)
+    tmp = root / f".tmp-step-{snap.step}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = {}
+    for name, arrays in (("model.safetensors", snap.model), ("optimizer.safetensors", snap.optimizer)):
+        size, digest = _write_safetensors(tmp / name, arrays)
+        files[name] = {"bytes": size, "sha256": digest}
+    manifest = {**snap.manifest, "format": FORMAT_VERSION, "step": snap.step, "files": files}
+    with open(tmp / MANIFEST, "wb") as f:
+        f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # the same step again (a resumed run re-saving): replace it whole
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    return final, prune(run_dir, keep)
+
+
+def prune(run_dir: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoints; one failed deletion does not stop the others."""
+    problems = []
+    for step in listed_steps(run_dir)[keep:]:
+        try:
+            shutil.rmtree(step_dir(run_dir, step))
+        except OSError as e:
+            problems.append(f"step-{step}: {e}")
+    return problems
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove folders of writes that never finished (a crash mid-checkpoint)."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(".tmp-step-"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
+    """The manifest of a checkpoint whose files match it; raises CheckpointError otherwise."""
+    folder = step_dir(run_dir, step)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("step") != step or "files" not in manifest:
+        raise CheckpointError(f"{folder}: manifest lacks step/files")
+    if manifest.get("job_hash") != job_hash:
+        raise CheckpointMismatch(
+            f"{folder} belongs to another job file (job hash {manifest.get('job_hash')}, this job {job_hash}); "
+            "use a new --run-dir, or the job file that wrote it"
+        )
+    for name, want in manifest["files"].items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path}: missing") from None
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, manifest says {want['bytes']} (truncated?)")
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != want["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch")
+    return manifest
+
+
+def newest_valid(run_dir: Path, job_hash: str, log) -> tuple[int, dict[str, Any]] | None:
+    """The newest checkpoint that verifies; damaged ones are reported and skipped, other jobs' refused."""
+    for step in listed_steps(run_dir):
+        try:
+            return step, verify(run_dir, step, job_hash)
+        except CheckpointMismatch:
+            raise
+        except CheckpointError as e:
+            log.warning("checkpoint.skipped", step=step, reason=str(e))
+    return None
+
+
+def load_arrays(run_dir: Path, step: int) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    folder = step_dir(run_dir, step)
+    return mx.load(str(folder / "model.safetensors")), mx.load(str(folder / "optimizer.safetensors"))
+
+
+class CheckpointWriter:
+    """One background thread that writes snapshots in order; results are collected by the loop."""
+
+    def __init__(self, run_dir: Path, keep: int):
+        self.run_dir, self.keep = run_dir, keep
+        self._todo: queue.Queue[Snapshot | None] = queue.Queue()
+        self._done: queue.Queue[tuple[int, float, str | None, list[str]]] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: Snapshot) -> None:
+        self._todo.put(snap)
+
+    def _run(self) -> None:
+        while (snap := self._todo.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                _, problems = write_checkpoint(self.run_dir, snap, self.keep)
+                self._done.put((snap.step, time.perf_counter() - t0, None, problems))
+            except OSError as e:  # a full disk must not kill training: report, keep the older ones
+                self._done.put((snap.step, time.perf_counter() - t0, str(e), []))
+
+    def completed(self) -> list[tuple[int, float, str | None, list[str]]]:
+        """(step, seconds, error, pruning problems) of writes finished since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> list[tuple[int, float, str | None, list[str]]]:
+        """Finish every pending write (a checkpoint that was promised must land before exit)."""
+        self._todo.put(None)
+        self._thread.join()
+        return self.completed()

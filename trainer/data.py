@@ -1,0 +1,197 @@
+"""Data: documents to byte tokens, a held-out split by document, and global batches from (seed, step).
+
+The token stream is built once and cached (keyed by a hash of the sources and the split), so a
+restarted worker maps it in milliseconds. Documents are split train/validation by a seeded hash of
+their identity, never by position. Global batch s is `global_batch` windows of `context + 1` tokens
+taken from a seeded permutation per epoch: it depends on (seed, s) alone, so every rank, every
+world size and every restart sees the same batch, and a rank's share is a contiguous slice of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dpool.protocol.jobspec import JobSpec, data_files
+
+VOCAB_SIZE = 256  # byte-level tokens
+DOC_SEPARATOR = 0  # NUL between documents: it never occurs in text, so the model learns document ends
+CACHE_FORMAT = 1
+
+
+class DataError(RuntimeError):
+    """The job's data cannot be read or is too small for the job."""
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    ident: str  # stable identity used for the split: relative path (and line for .jsonl)
+    text: bytes
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_files() -> list[Path]:
+    root = stdlib_root()
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+
+
+def source_files(spec: JobSpec) -> list[Path]:
+    if spec.data.source == "stdlib":
+        return _stdlib_files()
+    files = [Path(p) for p in data_files(spec)]
+    if not files:
+        raise DataError(f"data.source = {spec.data.source!r}: no .txt or .jsonl files found")
+    return files
+
+
+def iter_documents(spec: JobSpec, files: list[Path]) -> Iterator[Document]:
+    root = stdlib_root() if spec.data.source == "stdlib" else None
+    for path in files:
+        ident = str(path.relative_to(root)) if root else str(path)
+        if path.suffix == ".jsonl":
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)["text"]
+                    except (ValueError, KeyError, TypeError) as e:
+                        raise DataError(f"{path}:{lineno}: expected a JSON object with a 'text' string ({e})") from None
+                    if not isinstance(text, str):
+                        raise DataError(f"{path}:{lineno}: 'text' must be a string")
+                    yield Document(f"{ident}:{lineno}", text.encode("utf-8"))
+        else:
+            yield Document(ident, path.read_bytes())
+
+
+def is_validation(ident: str, seed: int, val_fraction: float) -> bool:
+    """Seeded hash of the document's identity: stable whatever order files are listed in."""
+    h = hashlib.sha256(f"{seed}:{ident}".encode()).digest()
+    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
+
+
+def sources_key(spec: JobSpec, files: list[Path]) -> str:
+    """Hash of what the token stream is made of: file names, sizes and times, and the split."""
+    h = hashlib.sha256(f"v{CACHE_FORMAT}:{spec.data.val_fraction}:{spec.train.seed}".encode())
+    for p in files:
+        st = p.stat()
+        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    train: np.ndarray  # uint8 token streams (memory-mapped from the cache)
+    val: np.ndarray
+    key: str
+    fingerprint: int  # content hash, compared across ranks so a pool never trains on different data
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        return len(self.train), len(self.val)
+
+
+def _build(spec: JobSpec, files: list[Path], out: Path) -> None:
+    train, val = bytearray(), bytearray()
+    for doc in iter_documents(spec, files):
+        dest = val if is_validation(doc.ident, spec.train.seed, spec.data.val_fraction) else train
+        dest += doc.text.replace(b"\x00", b"")
+        dest.append(DOC_SEPARATOR)
+    digest = hashlib.sha256(bytes(train)).digest()[:4] + hashlib.sha256(bytes(val)).digest()[:3]
+    meta = {"train": len(train), "val": len(val), "fingerprint": int.from_bytes(digest, "little")}
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".tmp-{out.name}-"))
+    (tmp / "train.bin").write_bytes(bytes(train))
+    (tmp / "val.bin").write_bytes(bytes(val))
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another rank on this machine built it first: theirs is identical
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+
+
+def load_corpus(spec: JobSpec, cache_dir: str | os.PathLike[str]) -> Corpus:
+    files = source_files(spec)
+    key = sources_key(spec, files)
+    out = Path(cache_dir) / f"tokens-{key}"
+    if not (out / "meta.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _build(spec, files, out)
+    meta = json.loads((out / "meta.json").read_text())
+    train = np.memmap(out / "train.bin", dtype=np.uint8, mode="r") if meta["train"] else np.zeros(0, np.uint8)
+    val = np.memmap(out / "val.bin", dtype=np.uint8, mode="r") if meta["val"] else np.zeros(0, np.uint8)
+    return Corpus(train=train, val=val, key=key, fingerprint=int(meta["fingerprint"]))
+
+
+class BatchSampler:
+    """Windows of `context + 1` tokens; global batch s is fixed by (seed, s)."""
+
+    def __init__(self, tokens: np.ndarray, context: int, global_batch: int, seed: int, what: str = "train"):
+        self.tokens, self.context, self.global_batch, self.seed = tokens, context, global_batch, seed
+        self.windows = (len(tokens) - 1) // context
+        if self.windows < 1:
+            raise DataError(
+                f"the {what} split has {len(tokens)} tokens, fewer than one sequence of context + 1 = {context + 1}; "
+                "add data, lower model.context, or change data.val_fraction"
+            )
+        self._perm_epoch = -1
+        self._perm = np.zeros(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where global batch `step` (1-based) starts: recorded in checkpoints for the reader."""
+        index = (step - 1) * self.global_batch
+        return {"epoch": index // self.windows, "index": index % self.windows}
+
+    def sequences(self, step: int, start: int, count: int) -> np.ndarray:
+        """Sequences [start, start + count) of global batch `step` (1-based), shape (count, context + 1)."""
+        first = (step - 1) * self.global_batch + start
+        rows = np.empty((count, self.context + 1), dtype=np.int32)
+        for i in range(count):
+            epoch, pos = divmod(first + i, self.windows)
+            w = int(self._permutation(epoch)[pos])
+            rows[i] = self.tokens[w * self.context : w * self.context + self.context + 1]
+        return rows
+
+
+def eval_windows(tokens: np.ndarray, context: int, count: int, seed: int) -> np.ndarray:
+    """A fixed set of held-out windows (the same at every evaluation), shape (count, context + 1)."""
+    windows = (len(tokens) - 1) // context
+    if windows < 1:
+        raise DataError(
+            f"the validation split has {len(tokens)} tokens, fewer than one sequence of context + 1 = {context + 1}; "
+            "raise data.val_fraction or add data"
+        )
+    picks = np.random.default_rng([seed, 0xE7A1]).choice(windows, size=count, replace=count > windows)
+    return np.stack([tokens[w * context : w * context + context + 1] for w in picks]).astype(np.int32)
+
+
+def split_shares(shares: list[int], start: int = 0) -> list[tuple[int, int]]:
+    """Contiguous (offset, count) slices of a batch for each rank, in rank order."""
+    out, offset = [], start
+    for s in shares:
+        out.append((offset, s))
+        offset += s
+    return out
+
+
+def micro_batches(count: int, micro: int) -> list[tuple[int, int]]:
+    """(offset, size) chunks of at most `micro` sequences covering `count`."""
+    return [(o, min(micro, count - o)) for o in range(0, count, micro)]

@@ -1,0 +1,258 @@
+"""One rank of a job, top to bottom: set up, resume, train, evaluate, checkpoint, report.
+
+Run as `python -m dpool.trainer JOB.toml --run-dir DIR [--shares N,N,...]`, alone or as one rank of
+an MLX ring group (MLX_RANK / MLX_HOSTFILE as `mlx.launch --backend ring` sets them). When a dpd
+started it, DPOOL_WORKER_ADDR names the daemon's socket and every step is reported there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import orjson
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.logs import get_logger
+from dpool.trainer import checkpoint as ckpt
+from dpool.trainer.data import VOCAB_SIZE, BatchSampler, eval_windows, load_corpus, split_shares
+from dpool.trainer.dist import Group
+from dpool.trainer.model import build_model, generate
+from dpool.trainer.step import Stepper, lr_at
+
+EXIT_DONE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
+SAMPLE_PROMPT = b"def "
+
+
+class UsageError(ValueError):
+    """Bad command-line input (exit 2)."""
+
+
+def parse_shares(text: str | None, world: int, global_batch: int) -> list[int]:
+    """Explicit shares, or the global batch split as evenly as possible (earlier ranks take the rest)."""
+    if text is None:
+        base, extra = divmod(global_batch, world)
+        shares = [base + (1 if r < extra else 0) for r in range(world)]
+    else:
+        try:
+            shares = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise UsageError(f"--shares {text!r}: expected comma-separated integers, e.g. 4,8,12") from None
+    if len(shares) != world:
+        raise UsageError(f"--shares {text!r}: {len(shares)} shares for a group of {world} ranks")
+    if any(s < 1 for s in shares):
+        raise UsageError(
+            f"--shares {shares}: every rank needs at least one sequence "
+            f"(train.global_batch = {global_batch} must be >= the world size {world})"
+        )
+    if sum(shares) != global_batch:
+        raise UsageError(f"--shares {text!r}: they add up to {sum(shares)}, train.global_batch is {global_batch}")
+    return shares
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl and samples.jsonl; rows past the resume step are dropped on resume."""
+
+    def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.metrics, self.samples = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+        if enabled:
+            for path in (self.metrics, self.samples):
+                self._truncate_after(path, resume_step)
+
+    @staticmethod
+    def _truncate_after(path: Path, step: int) -> None:
+        if not path.exists():
+            return
+        keep = []
+        for line in path.read_bytes().splitlines():
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in keep))
+        os.replace(tmp, path)
+
+    def append(self, path: Path, row: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(path, "ab") as f:
+                f.write(orjson.dumps(row) + b"\n")
+
+
+def _restore(
+    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log
+) -> tuple[int, str]:
+    """Agree on the resume step (rank 0's newest valid checkpoint) and get that state everywhere.
+
+    Ranks that hold the same verified checkpoint load it from disk; otherwise rank 0 broadcasts
+    weights and optimizer state over the collective, so a node that never saw the job needs nothing
+    but the job file.
+    """
+    job_hash = spec.training_hash()
+    ckpt.clean_partial(run_dir)
+    found = ckpt.newest_valid(run_dir, job_hash, log) if group.rank == 0 else None
+    (step,) = group.broadcast_ints([found[0] if found else 0])
+    have = 1
+    if step > 0 and group.rank != 0:
+        try:
+            ckpt.verify(run_dir, step, job_hash)
+        except ckpt.CheckpointMismatch:
+            raise
+        except ckpt.CheckpointError:
+            have = 0
+    (holders,) = group.sum_ints([have])
+    local = holders == group.size
+    if step > 0 and (local or group.rank == 0):
+        weights, opt_state = ckpt.load_arrays(run_dir, step)
+        model.load_weights(list(weights.items()))
+        optimizer.state = tree_unflatten(list(opt_state.items()))
+    if not local or step == 0:
+        # Rank 0's state everywhere, bit for bit (a fresh start too: weights from the seed on rank 0).
+        names = [k for k, _ in tree_flatten(model.parameters())]
+        params = group.broadcast([v for _, v in tree_flatten(model.parameters())])
+        model.load_weights(list(zip(names, params, strict=True)))
+        if step > 0:
+            # Sorted by name: rank 0's state came from a file, the others' from init(), in other orders.
+            flat = sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
+            sent = group.broadcast([v for _, v in flat])
+            optimizer.state = tree_unflatten([(k, v) for (k, _), v in zip(flat, sent, strict=True)])
+    mx.eval(model.parameters(), optimizer.state)
+    how = "fresh" if step == 0 else ("local" if local else "broadcast")
+    return step, how
+
+
+def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int) -> int:
+    group = Group()
+    rank, world = group.rank, group.size
+    log = get_logger(job=spec.name, rank=rank, generation=generation)
+    shares = parse_shares(shares_arg, world, spec.train.global_batch)
+    run_dir = Path(run_dir_arg.replace("{rank}", str(rank)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link = _worker_link()
+
+    corpus = load_corpus(spec, os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache")
+    (fp0,) = group.broadcast_ints([corpus.fingerprint])
+    (mismatched,) = group.sum_ints([int(fp0 != corpus.fingerprint)])
+    if mismatched:
+        raise RuntimeError(
+            f"{mismatched} rank(s) built different training data than rank 0 from data.source = "
+            f"{spec.data.source!r}; every node needs the same files (and, for 'stdlib', the same Python version)"
+        )
+    t = spec.train
+    sampler = BatchSampler(corpus.train, spec.model.context, t.global_batch, t.seed)
+    offset, share = split_shares(shares)[rank]
+    # Held-out set: eval.batches global batches of fixed windows; each rank scores its share of each.
+    val = eval_windows(corpus.val, spec.model.context, spec.eval.batches * t.global_batch, t.seed)
+    val = val.reshape(spec.eval.batches, t.global_batch, -1)[:, offset : offset + share].reshape(-1, val.shape[-1])
+
+    model = build_model(spec.model, VOCAB_SIZE, t.seed)
+    optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
+    optimizer.init(model.trainable_parameters())
+    start, how = _restore(spec, run_dir, group, model, optimizer, log)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    log.info(
+        "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, params=n_params,
+        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=spec.micro_batch_max,
+    )
+    if link:
+        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
+
+    stepper = Stepper(model, optimizer, group, spec.micro_batch_max, t.grad_clip)
+    metrics = MetricsLog(run_dir, start, enabled=rank == 0)
+    writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
+    job_hash = spec.training_hash()
+
+    def evaluate(step: int) -> None:
+        val_loss = stepper.eval_loss(val)
+        row = {"kind": "eval", "step": step, "val_loss": val_loss}
+        metrics.append(metrics.metrics, row)
+        if rank == 0:
+            log.info("eval.done", step=step, val_loss=round(val_loss, 4))
+            if link:
+                link.metric(row)
+
+    def report_checkpoints(done: list[tuple[int, float, str | None, list[str]]]) -> None:
+        for step, seconds, error, problems in done:
+            if error:
+                log.error("checkpoint.failed", step=step, error=error)
+                continue
+            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3))
+            for p in problems:
+                log.warning("checkpoint.prune_failed", problem=p)
+            if link:
+                link.checkpoint(step=step, seconds=seconds)
+
+    if start == 0:
+        evaluate(0)
+    stopped = False
+    last = time.perf_counter()
+    for step in range(start + 1, t.steps + 1):
+        rows = sampler.sequences(step, offset, share)
+        lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
+        stats = stepper.step(rows, lr, stop_requested=bool(link and link.stop_requested()))
+        now = time.perf_counter()
+        seconds, last = now - last, now
+        if link:
+            link.progress(step=step, loss=stats.loss, tokens=share * spec.model.context, seconds=seconds)
+        if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
+            row = {
+                "kind": "train", "step": step, "loss": stats.loss, "lr": lr, "tokens": stats.tokens,
+                "tokens_per_s": stats.tokens / seconds, "world_size": world, "generation": generation,
+                "grad_norm": stats.grad_norm,
+                "rank_tokens_per_s": [s * spec.model.context / max(c, 1e-9) for s, c in zip(shares, stats.rank_seconds, strict=True)],
+            }
+            metrics.append(metrics.metrics, row)
+            if link:
+                link.metric(row)
+            log.info("step.done", step=step, loss=round(stats.loss, 4), lr=f"{lr:.2e}", tokens_per_s=round(row["tokens_per_s"]))
+        # Every rank saves its own copy at the same steps (all ranks hold identical state).
+        if step % spec.checkpoint.every_steps == 0 or step == t.steps or stats.stop:
+            writer.submit(ckpt.Snapshot(
+                step=step,
+                model=ckpt.to_host(tree_flatten(model.parameters())),
+                optimizer=ckpt.to_host(tree_flatten(optimizer.state)),
+                manifest={
+                    "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares,
+                    "generation": generation, "rng": {"seed": t.seed, "scheme": "stateless: batches and samples from (seed, step)"},
+                    "data_position": sampler.position(step + 1), "data_key": corpus.key,
+                    "mlx_version": mx.__version__, "time": time.time(),
+                },
+            ))
+        if step % spec.eval.every_steps == 0 or step == t.steps:
+            evaluate(step)
+        if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
+            text = generate(model, SAMPLE_PROMPT, spec.eval.sample_tokens, seed=t.seed + step)
+            row = {"step": step, "text": text.decode("utf-8", errors="replace")}
+            metrics.append(metrics.samples, row)
+            if link:
+                link.sample(row)
+        report_checkpoints(writer.completed())
+        if stats.stop:
+            # Every rank saw the flag in the same all_sum, so all stop after the same step.
+            stopped = True
+            log.info("trainer.stopping", step=step, reason="stop requested")
+            break
+        last = time.perf_counter()  # evaluation, sampling and logging are not the step's time
+    report_checkpoints(writer.close())
+    if link:
+        link.close()
+    if stopped:
+        return EXIT_STOPPED
+    log.info("trainer.finished", steps=t.steps)
+    return EXIT_DONE
+
+
+def _worker_link():
+    if not os.environ.get("DPOOL_WORKER_ADDR"):
+        return None
+    from dpool.protocol.worker_link import WorkerLink
+
+    return WorkerLink.from_env()
