@@ -1,0 +1,231 @@
+"""What the control plane costs, each figure next to a baseline measured in the same run.
+
+    python bench/control_plane.py [--steps 60] [--requests 300] [--progress 50000]
+
+1. status round trip: `status` requests to a running coordinator (a `dpd run --serve`), against a
+   bare ZeroMQ DEALER/ROUTER echo in this process.
+2. progress absorbed: `node.progress` messages a registered node pushes into the coordinator per
+   second (decoded, validated, applied to the pool), against a bare ROUTER that only receives them.
+3. trainer tokens/s under the daemon (1-slot pool, progress relayed every step) against the same job
+   file run by `python -m dpool.trainer` alone. Goal: under 1% slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from dpool.client.rpc import Client
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import load_job
+
+JOB = """\
+name = "bench"
+[workers]
+min = 1
+max = 1
+[model]
+layers = 2
+dim = 64
+heads = 4
+context = 64
+[train]
+steps = {steps}
+global_batch = 16
+warmup_steps = 2
+log_every_steps = 1
+[checkpoint]
+every_steps = 1000000
+[eval]
+every_steps = 1000000
+batches = 1
+sample_every_steps = 1000000
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def row(name: str, value: float, unit: str, base_name: str, base: float, higher_is_better: bool) -> None:
+    ratio = value / base if base else float("nan")
+    print(f"{name:<34} {value:>12.1f} {unit:<10} baseline {base_name:<28} {base:>12.1f} {unit:<10} ratio {ratio:.3f}" + ("" if higher_is_better else " (lower is better)"))
+
+
+def start_dpd(root: Path, addr: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", addr, "--name", "bench", "--state-dir", str(root / "state"), "--log-level", "warning"]
+    log = open(root / "dpd.log", "wb")  # noqa: SIM115 -- lives as long as the daemon
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with Client(addr, 1.0) as c:
+                if c.call(m.Nodes(), m.NodesReply).nodes:
+                    return p
+        except Exception:
+            time.sleep(0.2)
+    raise SystemExit(f"dpd did not come up; see {root / 'dpd.log'}")
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def bench_status(addr: str, n: int) -> None:
+    with Client(addr, 5.0) as c:
+        for _ in range(20):
+            c.call(m.Status(), m.StatusReply)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            c.call(m.Status(), m.StatusReply)
+            times.append(time.perf_counter() - t0)
+    # Baseline: the same two-frame request and reply through a bare echo ROUTER.
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    stop_echo = threading.Event()
+
+    def echo() -> None:
+        while not stop_echo.is_set():
+            if router.poll(100):
+                router.send_multipart(router.recv_multipart())
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    frames = m.Status().to_frames(1)
+    base = []
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        dealer.send_multipart(frames)
+        dealer.recv_multipart()
+        if i >= 20:
+            base.append(time.perf_counter() - t0)
+    stop_echo.set()
+    t.join()
+    dealer.close(0)
+    router.close(0)
+    ctx.term()
+    row("status round trip (median)", statistics.median(times) * 1e6, "us", "bare zmq echo", statistics.median(base) * 1e6, False)
+    p99 = sorted(times)[int(0.99 * len(times))]
+    row("status round trip (p99)", p99 * 1e6, "us", "bare zmq echo p99", sorted(base)[int(0.99 * len(base))] * 1e6, False)
+
+
+def bench_progress(addr: str, n: int) -> None:
+    msg = m.NodeProgress(job="nojob", generation=1, rank=0, step=1, loss=2.5, tokens=1024, seconds=0.05).to_frames()
+    ctx = zmq.Context()
+    node = ctx.socket(zmq.DEALER)
+    node.setsockopt(zmq.SNDHWM, 0)
+    node.connect(addr)
+    node.send_multipart(m.NodeRegister(name="bench-feeder", incarnation="x", info={"slots": 0, "advertise": "127.0.0.1"}).to_frames(1))
+    assert node.poll(5000)
+    reply, _ = m.decode(node.recv_multipart())
+    assert isinstance(reply, m.NodeRegistered), reply
+    t0 = time.perf_counter()
+    for _ in range(n):
+        node.send_multipart(msg)
+    # A request queued behind them is answered once they are all absorbed.
+    node.send_multipart(m.Status().to_frames(99))
+    while True:
+        assert node.poll(60_000)
+        reply, msg_id = m.decode(node.recv_multipart())
+        if msg_id == 99:
+            break
+    rate = n / (time.perf_counter() - t0)
+    node.send_multipart(m.NodeBye().to_frames())
+    node.close(linger=1000)
+    # Baseline: a ROUTER that only receives the same frames.
+    sink = ctx.socket(zmq.ROUTER)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    src = ctx.socket(zmq.DEALER)
+    src.setsockopt(zmq.SNDHWM, 0)
+    src.connect(f"tcp://127.0.0.1:{port}")
+
+    def feed() -> None:
+        for _ in range(n):
+            src.send_multipart(msg)
+
+    t0 = time.perf_counter()
+    th = threading.Thread(target=feed)
+    th.start()
+    for _ in range(n):
+        sink.recv_multipart()
+    base = n / (time.perf_counter() - t0)
+    th.join()
+    src.close(0)
+    sink.close(0)
+    ctx.term()
+    row("progress absorbed", rate, "msg/s", "bare ROUTER recv", base, True)
+
+
+def tokens_per_s(rows: list[dict]) -> float:
+    train = [r["tokens_per_s"] for r in rows if r.get("kind") == "train" and r["step"] > 5]
+    return statistics.median(train)
+
+
+def bench_trainer(root: Path, addr: str, steps: int) -> None:
+    job = root / "bench.toml"
+    job.write_text(JOB.format(steps=steps))
+    alone_dir = root / "alone"
+    subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(alone_dir)], check=True, capture_output=True, timeout=900)
+    alone = tokens_per_s([json.loads(line) for line in (alone_dir / "metrics.jsonl").read_text().splitlines()])
+    with Client(addr, 5.0) as c:
+        job_id = c.call(m.Submit(job=load_job(job).to_dict(), source=str(job)), m.Submitted).job_id
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            state = c.call(m.Status(job=job_id), m.StatusReply).jobs[0]["state"]
+            if state in ("succeeded", "failed", "cancelled"):
+                break
+            time.sleep(0.5)
+        if state != "succeeded":
+            raise SystemExit(f"the benchmark job ended {state}")
+        rows = c.call(m.Metrics(job=job_id), m.MetricsReply).rows
+    under = tokens_per_s(rows)
+    row("trainer tokens/s under dpd", under, "tok/s", "python -m dpool.trainer alone", alone, True)
+    print(f"{'':<34} control-plane cost: {100 * (1 - under / alone):+.2f}% of the trainer's throughput (goal: < 1%)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60, help="training steps per trainer run")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--progress", type=int, default=50_000)
+    a = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="dpool-bench-"))
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    daemon = start_dpd(root, addr)
+    try:
+        bench_status(addr, a.requests)
+        bench_progress(addr, a.progress)
+        bench_trainer(root, addr, a.steps)
+    finally:
+        stop(daemon)
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
