@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.client.tables import age, clock, num, size, table
 from dpool.protocol import messages as m

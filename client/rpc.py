@@ -7,6 +7,7 @@ import time
 from typing import TypeVar
 
 import zmq
+
 from dpool.protocol import messages as m
 from dpool.protocol.messages import Message, ProtocolError
 

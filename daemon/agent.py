@@ -27,13 +27,6 @@ from typing import Any
 import orjson
 import zmq
 import zmq.asyncio
-from dpool.daemon.sysinfo import node_info
-from dpool.protocol import messages as m
-from dpool.protocol.checkpoints import newest_step
-from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import JobFileError, parse_job
-from dpool.protocol.logs import get_logger
-from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 from tenacity import (
     AsyncRetrying,
     RetryError,
@@ -41,6 +34,14 @@ from tenacity import (
     stop_after_delay,
     wait_random_exponential,
 )
+
+from dpool.daemon.sysinfo import node_info
+from dpool.protocol import messages as m
+from dpool.protocol.checkpoints import newest_step
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.logs import get_logger
+from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 
 LOG_FLUSH_S = 0.2
 LOG_BATCH_LINES = 500

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+
 from dpool.protocol.logs import configure_logging, get_logger
 
 DEFAULT_SERVE = "tcp://127.0.0.1:7340"

@@ -18,6 +18,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from dpool.daemon.pool import Job, JobChanged, NodeChanged, Pool, Record, Send
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m

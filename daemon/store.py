@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
 from dpool.daemon.pool import Job

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 import zmq
+
 from dpool.protocol.messages import (
     Message,
     MsgType,

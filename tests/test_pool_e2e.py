@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import zmq
 from conftest import Processes, free_port, pids_with, wait_for
+
 from dpool.client.rpc import Client
 from dpool.protocol import messages as m
 

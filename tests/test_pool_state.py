@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, Slot, choose_slots, equal_shares

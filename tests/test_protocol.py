@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+
 from dpool.protocol import messages as m
 from dpool.protocol.messages import ErrorCode, ProtocolError
 from dpool.protocol.worker_link import WorkerLink
