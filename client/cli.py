@@ -17,10 +17,12 @@ from typing import Any
 
 import orjson
 
+from dpool.client import keys as client_keys
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.client.tables import age, clock, num, size, table
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, load_job
+from dpool.protocol.security import KeysError
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
@@ -225,6 +227,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpctl", description="Submit jobs to a dpool and watch them.")
     p.add_argument("--coordinator", help=f"control plane address (else $DPOOL_COORDINATOR, else the config file, else {DEFAULT_COORDINATOR})")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
+    p.add_argument("--keys", help="CURVE key directory (`dpctl keys init`; uses client.key_secret and coordinator.key); else $DPOOL_KEYS, else `keys` in the config file")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="validate and queue a job; prints its id")
@@ -260,6 +263,8 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
     s.add_argument("job")
     s.set_defaults(fn=cmd_cancel)
+
+    client_keys.add_parser(sub)
     return p
 
 
@@ -268,9 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.timeout <= 0:
         print(f"dpctl: --timeout {args.timeout}: must be > 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if getattr(args, "local_fn", None):
+        return int(args.local_fn(args))  # needs no coordinator (keys init)
     addr = coordinator_address(args.coordinator)
     try:
-        with Client(addr, args.timeout) as client:
+        keys = client_keys.load_client_keys(args.keys, DEFAULT_CONFIG)
+    except KeysError as e:
+        print(f"dpctl: --keys: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        with Client(addr, args.timeout, keys) as client:
             return int(args.fn(client, args))
     except BadInput as e:
         print(f"dpctl: {e}", file=sys.stderr)

@@ -10,6 +10,7 @@ import zmq
 
 from dpool.protocol import messages as m
 from dpool.protocol.messages import Message, ProtocolError
+from dpool.protocol.security import ClientKeys, curve_client
 
 T = TypeVar("T", bound=Message)
 
@@ -27,12 +28,14 @@ class RemoteError(Exception):
 
 
 class Client:
-    def __init__(self, addr: str, timeout_s: float) -> None:
-        self.addr, self.timeout_s = addr, timeout_s
+    def __init__(self, addr: str, timeout_s: float, keys: ClientKeys | None = None) -> None:
+        self.addr, self.timeout_s, self.keys = addr, timeout_s, keys
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        if keys is not None:
+            curve_client(self._sock, keys)
         self._sock.connect(addr)
         self._ids = itertools.count(1)
 
@@ -55,7 +58,8 @@ class Client:
             if not isinstance(reply, expect):
                 raise RemoteError("unexpected", f"expected {expect.TYPE} from {self.addr}, got {reply.TYPE}")
             return reply
-        raise Unreachable(f"no answer from the coordinator at {self.addr} within {self.timeout_s:g}s (is `dpd run --serve` running there?)")
+        hint = f"are {self.keys.source} and its coordinator.key this pool's, and is its public key in the coordinator's allowed/?" if self.keys else "does the pool use CURVE keys? then pass --keys DIR or set $DPOOL_KEYS"
+        raise Unreachable(f"no answer from the coordinator at {self.addr} within {self.timeout_s:g}s (is `dpd run --serve` running there? {hint})")
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -42,6 +42,7 @@ from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.security import ClientKeys, curve_client
 
 LOG_FLUSH_S = 0.2
 LOG_BATCH_LINES = 500
@@ -91,7 +92,9 @@ class Agent:
         liveness: int = 6,
         stop_grace_s: float = 10.0,
         rejoin_round_s: float = 60.0,
+        keys: ClientKeys | None = None,
     ) -> None:
+        self.keys = keys  # CURVE to the coordinator when given
         self.ctx, self.name, self.join = ctx, name, join
         self.state_dir = Path(state_dir)
         self.slots, self.advertise = slots, advertise
@@ -192,6 +195,8 @@ class Agent:
         sock.setsockopt(zmq.LINGER, 200)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        if self.keys is not None:
+            curve_client(sock, self.keys)
         sock.connect(self.join)
         self.csock, self.craw = sock, zmq.Socket.shadow(sock.underlying)
         register = m.NodeRegister(

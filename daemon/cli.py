@@ -24,6 +24,14 @@ import zmq
 import zmq.asyncio
 
 from dpool.protocol.logs import configure_logging, get_logger
+from dpool.protocol.security import (
+    ClientKeys,
+    KeysError,
+    ServerKeys,
+    client_keys,
+    keys_dir,
+    server_keys,
+)
 
 DEFAULT_SERVE = "tcp://127.0.0.1:7340"
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
@@ -35,6 +43,7 @@ CONFIG_KEYS = {
     "workers": int,
     "state_dir": str,
     "insecure": bool,
+    "keys": str,
     "heartbeat_interval": float,
     "liveness": int,
     "stop_grace": float,
@@ -59,6 +68,8 @@ class Settings:
     liveness: int
     stop_grace: float
     log_level: str
+    keys: ClientKeys | None = None  # this node's CURVE pair and the coordinator's public key
+    server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
 
 
 def default_state_dir() -> Path:
@@ -141,11 +152,13 @@ def settings(args: argparse.Namespace) -> Settings:
         if addr is not None:
             _check_addr(flag, addr)
     insecure = bool(pick("insecure", False))
+    kdir = keys_dir(args.keys, cfg.get("keys"))
     for flag, addr in (("--serve", serve), ("--join", join)):
-        if addr is not None and not is_loopback(addr) and not insecure:
+        if addr is not None and not is_loopback(addr) and not insecure and kdir is None:
             raise UsageError(
                 f"{flag} {addr}: refusing a non-loopback control plane without CURVE keys; "
-                "keep the pool on 127.0.0.1, or pass --insecure on a network you trust"
+                "pass --keys DIR (made by `dpctl keys init DIR`), keep the pool on 127.0.0.1, "
+                "or pass --insecure on a network you trust"
             )
     workers = int(pick("workers", 1))
     if workers < 1:
@@ -156,6 +169,11 @@ def settings(args: argparse.Namespace) -> Settings:
     name = pick("name", None) or socket.gethostname().split(".")[0].lower()
     if not name or len(name) > 63 or any(c.isspace() for c in name):
         raise UsageError(f"--name {name!r}: must be 1-63 characters without spaces")
+    try:
+        node_keys = client_keys(kdir, "node", name) if kdir else None
+        coord_keys = server_keys(kdir) if kdir and serve else None
+    except KeysError as e:
+        raise UsageError(f"--keys: {e}") from None
     level = str(pick("log_level", "info"))
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {level!r}: must be one of debug, info, warning, error")
@@ -171,10 +189,13 @@ def settings(args: argparse.Namespace) -> Settings:
         liveness=liveness,
         stop_grace=float(pick("stop_grace", 10.0)),
         log_level=level,
+        keys=node_keys,
+        server_keys=coord_keys,
     )
 
 
 async def serve_and_run(s: Settings) -> int:
+    from dpool.daemon import sdnotify
     from dpool.daemon.agent import Agent
     from dpool.daemon.coordinator import Coordinator
 
@@ -184,11 +205,11 @@ async def serve_and_run(s: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)  # handlers only record; the loops act on it
-    coord_task = None
+    coord_task = notify_task = None
     join = s.join
     try:
         if s.serve:
-            coord = Coordinator(ctx, s.serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness)
+            coord = Coordinator(ctx, s.serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys)
             try:
                 endpoint = coord.bind()
             except zmq.ZMQError as e:
@@ -208,8 +229,10 @@ async def serve_and_run(s: Settings) -> int:
             heartbeat_s=s.heartbeat_interval,
             liveness=s.liveness,
             stop_grace_s=s.stop_grace,
+            keys=s.keys,
         )
         agent_task = asyncio.create_task(agent.run(stopping))
+        notify_task = asyncio.create_task(sdnotify.announce(agent, stopping))  # systemd Type=notify
         waits: set[asyncio.Task[Any]] = {agent_task} | ({coord_task} if coord_task else set())
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if coord_task in done and not agent_task.done():
@@ -220,6 +243,8 @@ async def serve_and_run(s: Settings) -> int:
         code = agent_task.result()
         return code
     finally:
+        if notify_task is not None:
+            notify_task.cancel()
         coord_stopping.set()
         if coord_task is not None and not coord_task.done():
             await coord_task
@@ -238,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, help="worker slots this node offers (default 1)")
     run.add_argument("--state-dir", dest="state_dir", help=f"daemon state: run dirs, checkpoints, the coordinator's database (default {default_state_dir()})")
     run.add_argument("--insecure", action="store_true", default=None, help="allow a non-loopback control plane without CURVE keys")
+    run.add_argument("--keys", help="CURVE key directory made by `dpctl keys init` (else $DPOOL_KEYS, else config); with it every control-plane socket uses CURVE")
     run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.5)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")

@@ -25,6 +25,7 @@ from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.security import CurveServer, ServerKeys
 
 BATCH = 500  # frames handled between commits and ticks
 BAD_FRAME_LOGS_PER_S = 5
@@ -40,8 +41,11 @@ class Coordinator:
         heartbeat_s: float = 0.5,
         liveness: int = 6,
         clock: Callable[[], float] = time.time,
+        keys: ServerKeys | None = None,
     ) -> None:
         self.ctx, self.addr, self.clock = ctx, addr, clock
+        self.keys = keys  # CURVE with an allow-list when given
+        self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness)
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
@@ -64,13 +68,16 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)  # a peer sending more is disconnected
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        if self.keys is not None:
+            self.curve = CurveServer(self.ctx, self.keys, self.log)  # before bind: no plain handshake
+            self.curve.apply(sock)
         sock.bind(self.addr)
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         now = self.clock()
         for job in self.store.load_jobs():
             self.pool.restore(job, now)
-        self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs))
+        self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs), curve=self.keys is not None)
         self.ready.set()
         return self.endpoint
 
@@ -102,6 +109,8 @@ class Coordinator:
         finally:
             self.store.close()
             sock.close(linger=0)
+            if self.curve is not None:
+                await self.curve.stop()
             self.log.info("coordinator.stopped")
 
     # -- frames --------------------------------------------------------------------------------
