@@ -1,177 +1,48 @@
-"""The coordinator's policy: nodes, slots, the job queue, admission and planning. Pure.
+"""The coordinator's policy: nodes, slots, the job queue, admission, planning and recovery. Pure.
 
 `Pool` holds no socket, no file and no clock: every method takes `now` and returns actions
 (`Send` a message to a node, `Record` an event, `JobChanged`/`NodeChanged` to persist). The
 coordinator's asyncio loop (`daemon/coordinator.py`) feeds it decoded messages and timer ticks and
 carries its actions out. Each job's own life is a `JobMachine` (`daemon/jobstate.py`); the pool adds
-what needs the whole pool: which slots are free, where ranks go, what each node must be told.
+what needs the whole pool: which slots are free, where ranks go, what each node must be told, the
+progress deadline of each running group (`daemon/watch.py`), drains, and nodes set aside.
 
 Starting a group is two-phase because only a node knows which of its TCP ports are free:
 `group.prepare` asks each chosen node for one port per slot (`node.prepared`), then the pool writes
 the ring hostfile and sends `group.start`. Slots are set aside from admission until the node
 reports their worker's exit (or stops listing it in its heartbeat, or is lost).
+
+Recovery re-uses admission: a job whose old group has stopped is admitted again, with the slots
+that are free, ahead of jobs submitted after it; rank 0 goes to the slot holding the newest
+checkpoint, so the new generation resumes from it.
 """
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
 from typing import Any
 
 from dpool.daemon import jobstate as js
-from dpool.daemon.jobstate import JobMachine, JobState
+from dpool.daemon.jobstate import JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, equal_shares, ring_hostfile
+from dpool.daemon.records import (
+    Action,
+    Job,
+    JobChanged,
+    Node,
+    NodeChanged,
+    NodeState,
+    Pending,
+    RankRun,
+    Record,
+    Send,
+)
+from dpool.daemon.watch import StepWatch
 from dpool.protocol.jobspec import JobSpec
-from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop, Message
+from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
 
-# -- actions -----------------------------------------------------------------------------------
+__all__ = ["Action", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
 
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    node: str
-    msg: Message
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """An event for `dpctl events` (job None: a pool event, shown with every job it overlaps)."""
-
-    job: str | None
-    kind: str
-    t: float
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class JobChanged:
-    job: str
-
-
-@dataclass(frozen=True, slots=True)
-class NodeChanged:
-    node: str
-
-
-Action = Send | Record | JobChanged | NodeChanged
-
-
-# -- records -----------------------------------------------------------------------------------
-
-
-class NodeState(enum.StrEnum):
-    IDLE = "idle"
-    BUSY = "busy"
-    DRAINING = "draining"
-    LOST = "lost"
-
-
-@dataclass(slots=True)
-class Node:
-    name: str
-    incarnation: str
-    info: dict[str, Any]
-    joined_at: float
-    last_seen: float
-    lost: bool = False
-    draining: bool = False
-    reason: str | None = None
-    used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
-    holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step
-
-    @property
-    def slots(self) -> int:
-        return int(self.info.get("slots", 1))
-
-    @property
-    def state(self) -> NodeState:
-        if self.lost:
-            return NodeState.LOST
-        if self.draining:
-            return NodeState.DRAINING
-        return NodeState.BUSY if self.used else NodeState.IDLE
-
-    def free(self) -> list[int]:
-        if self.lost or self.draining:
-            return []
-        return [i for i in range(self.slots) if i not in self.used]
-
-
-@dataclass(slots=True)
-class RankRun:
-    """What runs for one rank of the current generation (the runtime beside the frozen plan)."""
-
-    node: str
-    slot: int
-    pid: int | None = None
-    step: int = 0
-    tokens_per_s: float = 0.0
-    exit_code: int | None = None
-
-
-@dataclass(slots=True)
-class Pending:
-    """A group being prepared: slots set aside, ports arriving per node."""
-
-    generation: int
-    slots: list[Slot]
-    deadline: float
-    endpoints: dict[Slot, str] = field(default_factory=dict)
-    answered: set[str] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class Job:
-    id: str
-    name: str
-    spec: dict[str, Any]
-    submitted_at: float
-    machine: JobMachine = field(default_factory=JobMachine)
-    plan: GroupPlan | None = None
-    pending: Pending | None = None
-    ranks: dict[int, RankRun] = field(default_factory=dict)
-    step: int = 0
-    loss: float | None = None
-    val_loss: float | None = None
-    checkpoint_step: int | None = None
-    saved: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> seconds
-    reconcile_by: float | None = None  # after a coordinator restart: ranks must reappear by then
-
-    @property
-    def state(self) -> JobState:
-        return self.machine.state
-
-    @property
-    def steps(self) -> int:
-        return int(self.spec["train"]["steps"])
-
-    def status(self) -> dict[str, Any]:
-        """The `dpctl status JOB --json` object (INTERFACE.md)."""
-        plan = self.plan
-        workers = []
-        if plan is not None and self.state not in js.TERMINAL:
-            for r, slot in enumerate(plan.ranks):
-                run = self.ranks.get(r)
-                workers.append(
-                    {"rank": r, "node": slot.node, "share": plan.shares[r], "tokens_per_s": round(run.tokens_per_s, 1) if run else 0.0}
-                )
-        return {
-            "id": self.id,
-            "name": self.name,
-            "state": str(self.state),
-            "step": self.step,
-            "steps": self.steps,
-            "generation": self.machine.generation,
-            "world_size": plan.world_size if plan else 0,
-            "workers": workers,
-            "checkpoint_step": self.checkpoint_step,
-            "loss": self.loss,
-            "val_loss": self.val_loss,
-            "error": self.machine.error,
-        }
-
-
-# -- the pool ----------------------------------------------------------------------------------
+SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 
 
 class Pool:
@@ -181,6 +52,7 @@ class Pool:
         self.prepare_timeout_s = prepare_timeout_s if prepare_timeout_s is not None else max(5.0, 2 * self.expiry_s)
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, Job] = {}  # in submission order
+        self.remembered: dict[str, str] = {}  # node -> reason it was drained/set aside (from the store)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -223,7 +95,7 @@ class Pool:
     def _ranks_on(self, node: str) -> list[int]:
         out = []
         for job in self.jobs.values():
-            if job.plan is not None and job.state in js.ACTIVE:
+            if job.plan is not None and job.state in js.ACTIVE and job.machine.live:
                 out += [r for r, _ in job.plan.ranks_on(node)]
         return sorted(out)
 
@@ -253,17 +125,25 @@ class Pool:
         if rejoin:
             assert old is not None
             node = old
-            node.lost, node.reason, node.last_seen, node.info = False, None, now, dict(info)
+            node.lost, node.last_seen, node.info = False, now, dict(info)
+            if not node.draining:
+                node.reason = None
         else:
-            if old is not None:
+            if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
             node = Node(name=name, incarnation=incarnation, info=dict(info), joined_at=now, last_seen=now)
+            if old is not None and old.draining:
+                node.draining, node.reason, node.drained_reported = True, old.reason, True  # a drain outlives a dpd restart
+            elif name in self.remembered:
+                node.draining, node.reason, node.drained_reported = True, self.remembered[name], True
             self.nodes[name] = node
         for h in holdings:
             node.holdings[(str(h["job"]), int(h["slot"]))] = int(h["step"])
         for e in exited:
             actions += self.worker_exited(now, name, str(e["job"]), int(e["generation"]), int(e["rank"]), int(e["slot"]), int(e["code"]), bool(e.get("stopped", False)))
+        if not rejoin:
+            actions += self._ranks_gone_with_old_daemon(now, node, running)
         for w in running:
             actions += self._adopt(now, node, w)
         kind = "node.rejoined" if rejoin else "node.joined"
@@ -271,17 +151,38 @@ class Pool:
         actions += self._schedule(now)
         return None, actions
 
+    def _ranks_gone_with_old_daemon(self, now: float, node: Node, running: list[dict[str, Any]]) -> list[Action]:
+        """A new dpd process under this name: ranks the plan put here that it does not run died
+        with the old process (its trainers die with it: PR_SET_PDEATHSIG). A restarted coordinator
+        knows them only from its plans, so this is how it learns."""
+        reported = {(str(w["job"]), int(w["generation"]), int(w["rank"])) for w in running}
+        actions: list[Action] = []
+        for job in self.jobs.values():
+            if job.plan is None or job.state not in js.ACTIVE:
+                continue
+            gone = tuple(
+                r for r, _ in job.plan.ranks_on(node.name)
+                if r in job.machine.live and (job.id, job.plan.generation, r) not in reported
+            )
+            if gone:
+                actions += self._feed(job, js.NodeLost(node.name, gone), now)
+        return actions
+
     def _adopt(self, now: float, node: Node, w: dict[str, Any]) -> list[Action]:
         """A worker a (re)registering node runs: keep it if it belongs to a live group, else stop it."""
         job = self.jobs.get(str(w["job"]))
         gen, rank, slot = int(w["generation"]), int(w["rank"]), int(w["slot"])
         plan = job.plan if job else None
-        if job is not None and plan is not None and job.state in js.ACTIVE and gen == plan.generation and rank < plan.world_size and plan.ranks[rank] == Slot(node.name, slot):
+        if (
+            job is not None and plan is not None and job.state in (JobState.STARTING, JobState.RUNNING)
+            and gen == plan.generation and rank < plan.world_size and plan.ranks[rank] == Slot(node.name, slot)
+        ):
             node.used[slot] = (job.id, gen)
             run = job.ranks.setdefault(rank, RankRun(node.name, slot))
             run.pid = int(w.get("pid", 0)) or run.pid
             return []
-        # An orphan: its job ended, moved on to another generation, or is unknown here.
+        # An orphan: its job ended, is being stopped, moved on to another generation, or is
+        # unknown here.
         node.used[slot] = (str(w["job"]), gen)  # busy until it is gone
         return [Send(node.name, GroupStop(job=str(w["job"]), generation=gen))]
 
@@ -304,13 +205,14 @@ class Pool:
                 continue
             job = self.jobs.get(job_id)
             current = job is not None and job.state in js.ACTIVE and (
-                (job.plan is not None and job.plan.generation == gen) or (job.pending is not None and job.pending.generation == gen)
+                (job.plan is not None and job.plan.generation == gen and job.machine.live)
+                or (job.pending is not None and job.pending.generation == gen)
             )
             if not current:
                 del node.used[slot]
                 actions.append(NodeChanged(name))
         if actions:
-            actions += self._schedule(now)
+            actions += self._drained(now, node) + self._schedule(now)
         return actions
 
     def bye(self, now: float, name: str) -> list[Action]:
@@ -320,7 +222,9 @@ class Pool:
         return self._node_gone(node, now, "dpd stopped") + self._schedule(now)
 
     def _node_gone(self, node: Node, now: float, reason: str) -> list[Action]:
-        node.lost, node.reason = True, reason
+        node.lost = True
+        if not node.draining:
+            node.reason = reason
         actions: list[Action] = [Record(None, "node.lost", now, {"node": node.name, "reason": reason}), NodeChanged(node.name)]
         for job in self.jobs.values():
             if job.state not in js.ACTIVE:
@@ -328,15 +232,69 @@ class Pool:
             if job.pending is not None and any(s.node == node.name for s in job.pending.slots):
                 actions += self._abort_start(job, now, f"node {node.name} lost while preparing: {reason}")
             elif job.plan is not None:
-                ranks = tuple(r for r, _ in job.plan.ranks_on(node.name) if job.ranks.get(r, RankRun("", 0)).exit_code is None)
+                ranks = tuple(r for r, _ in job.plan.ranks_on(node.name) if r in job.machine.live)
                 actions += self._feed(job, js.NodeLost(node.name, ranks), now)
         node.used.clear()
         return actions
+
+    # -- drain ---------------------------------------------------------------------------------
+
+    def drain(self, now: float, name: str) -> list[Action]:
+        """`dpctl drain NODE`: its groups checkpoint and restart elsewhere; it takes no new work."""
+        node = self.nodes[name]
+        if node.draining:
+            return []
+        node.draining, node.reason, node.drained_reported = True, "drained", False
+        actions: list[Action] = [Record(None, "node.draining", now, {"node": name}), NodeChanged(name)]
+        for job in self.jobs.values():
+            if job.state not in js.ACTIVE:
+                continue
+            if job.pending is not None and any(s.node == name for s in job.pending.slots):
+                # Being prepared there: start again elsewhere (nothing ran yet).
+                actions += self._abort_start(job, now, f"node {name} is being drained")
+            elif job.plan is not None and job.machine.live and any(True for _ in job.plan.ranks_on(name)):
+                actions += self._reshape(job, now, f"node {name} is being drained")
+        return actions + self._drained(now, node) + self._schedule(now)
+
+    def undrain(self, now: float, name: str) -> list[Action]:
+        """`dpctl undrain NODE`: take work again (also what lifts a node set aside)."""
+        node = self.nodes[name]
+        was = node.reason if node.draining else None
+        node.draining, node.fail_streak, node.reason, node.drained_reported = False, 0, None, False
+        self.remembered.pop(name, None)
+        return [Record(None, "node.undrained", now, {"node": name, "was": was}), NodeChanged(name), *self._schedule(now)]
+
+    def _drained(self, now: float, node: Node) -> list[Action]:
+        if node.draining and not node.used and not node.drained_reported and node.reason == "drained":
+            node.drained_reported = True
+            return [Record(None, "node.drained", now, {"node": node.name}), NodeChanged(node.name)]
+        return []
+
+    def _reshape(self, job: Job, now: float, reason: str) -> list[Action]:
+        watch = job.watch
+        stop_by = now + (watch.allowance() if watch else float(job.spec["recovery"]["start_timeout_s"])) + 10.0
+        if watch is not None:
+            watch.stopping = True
+        return self._feed(job, js.Reshape(reason, stop_by), now)
+
+    def _blame(self, now: float, name: str) -> list[Action]:
+        node = self.nodes.get(name)
+        if node is None:
+            return []
+        node.fail_streak += 1
+        if node.fail_streak < SET_ASIDE_AFTER or node.draining:
+            return []
+        # A node whose workers keep failing takes no more work until `dpctl undrain` (a broken
+        # GPU, a full disk, a bad Python): restarting there would spend the job's budget.
+        node.draining, node.drained_reported = True, True
+        node.reason = f"set aside: its workers failed {node.fail_streak} times in a row; `dpctl undrain {name}` when fixed"
+        return [Record(None, "node.set_aside", now, {"node": name, "failures": node.fail_streak}), NodeChanged(name)]
 
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit(self, now: float, job_id: str, spec: JobSpec) -> list[Action]:
         job = Job(id=job_id, name=spec.name, spec=spec.to_dict(), submitted_at=now)
+        job.machine.max_restarts = spec.recovery.max_restarts
         self.jobs[job_id] = job
         w = spec.workers
         return [Record(job_id, "job.submitted", now, {"workers_min": w.min, "workers_max": w.max}), JobChanged(job_id), *self._schedule(now)]
@@ -372,8 +330,10 @@ class Pool:
             shares=tuple(shares),
             hostfile=tuple(tuple(h) for h in hostfile),
         )
+        previous = job.plan
         job.plan, job.pending = plan, None
         job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(plan.ranks)}
+        job.watch = StepWatch.for_job(spec, now, job.watch)
         deadline = now + float(spec["recovery"]["start_timeout_s"])
         actions = self._feed(job, js.GroupLaunched(plan.generation, deadline), now)
         for node in plan.nodes():
@@ -382,6 +342,8 @@ class Pool:
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
         )
+        if previous is not None and previous.shares != plan.shares:
+            actions.append(Record(job.id, "rebalanced", now, {"generation": plan.generation, "shares": list(shares), "previous": list(previous.shares)}))
         return actions
 
     def _abort_start(self, job: Job, now: float, reason: str) -> list[Action]:
@@ -407,14 +369,12 @@ class Pool:
         if job is None or run is None:
             return []
         run.pid = pid
-        actions: list[Action] = []
         if rank == 0:
-            job.step = max(job.step, resume_step)
-            if resume_step:
-                actions.append(Record(job.id, "group.resumed_from", now, {"from_step": resume_step, "generation": generation}))
-        return actions + self._feed(job, js.RankUp(generation, rank), now)
+            job.step = resume_step  # where this generation starts
+        return self._feed(job, js.RankUp(generation, rank, resume_step if rank == 0 else None), now)
 
     def progress(self, now: float, job_id: str, generation: int, rank: int, step: int, tokens: int, seconds: float) -> list[Action]:
+        """One rank finished one step (the hot path: one call per rank per step)."""
         job = self.jobs.get(job_id)
         run = self._run(job_id, generation, rank)
         if job is None or run is None:
@@ -424,9 +384,16 @@ class Pool:
             rate = tokens / seconds
             run.tokens_per_s = rate if run.tokens_per_s == 0 else 0.8 * run.tokens_per_s + 0.2 * rate
         if rank == 0:
-            job.step = max(job.step, step)
-        # A step done means the rank is up, even if its hello was lost.
-        return self._feed(job, js.RankUp(generation, rank), now) if job.state is JobState.STARTING else []
+            job.step = step
+        if job.watch is not None:
+            job.watch.observe(step, now, seconds)
+        actions: list[Action] = []
+        if job.state is JobState.STARTING or (job.state is JobState.RECOVERING and job.machine.deadline is not None):
+            # A step done means the rank is up, even if its hello was lost.
+            actions += self._feed(job, js.RankUp(generation, rank), now)
+        if step > job.machine.step or job.machine.interrupted_at is not None:
+            actions += self._feed(job, js.StepDone(generation, step), now)
+        return actions
 
     def metric(self, now: float, job_id: str, generation: int, row: dict[str, Any]) -> list[Action]:
         job = self.jobs.get(job_id)
@@ -464,7 +431,11 @@ class Pool:
         run = self._run(job_id, generation, rank)
         if job is not None and run is not None and run.exit_code is None:
             run.exit_code = code
+            if node is not None and code in (0, js.EXIT_STOPPED):
+                node.fail_streak = 0  # a worker that ended well: the node is fine
             actions += self._feed(job, js.RankExited(generation, rank, node_name, code, stopped), now)
+        if node is not None:
+            actions += self._drained(now, node)
         return actions + self._schedule(now)
 
     def _run(self, job_id: str, generation: int, rank: int) -> RankRun | None:
@@ -486,36 +457,88 @@ class Pool:
                 actions += self._abort_start(job, now, f"no answer to group.prepare from {', '.join(missing)}")
             if job.reconcile_by is not None and now >= job.reconcile_by:
                 actions += self._reconcile(job, now)
-            if job.state is JobState.STARTING:
+            if job.state in js.ACTIVE:
                 actions += self._feed(job, js.Tick(), now)
+                actions += self._check_progress(job, now)
         return actions + self._schedule(now)
+
+    def _check_progress(self, job: Job, now: float) -> list[Action]:
+        """RUNNING (or checkpointing on request): a step must complete before the watch's deadline."""
+        watch, plan, m = job.watch, job.plan, job.machine
+        if watch is None or plan is None or not m.live or job.reconcile_by is not None:
+            return []
+        if not (job.state is JobState.RUNNING or (job.state is JobState.RECOVERING and m.stop_mode == "checkpoint")):
+            return []
+        deadline = watch.deadline()
+        if now < deadline:
+            return []
+        # Name the rank(s) that reported least recently: a frozen rank's last report may never
+        # have left it, while its peers reported the step before they blocked.
+        live = sorted(m.live)
+        low = min(job.ranks[r].step for r in live)
+        ranks = tuple((r, plan.ranks[r].node) for r in live if job.ranks[r].step == low)
+        waited = now - (watch.last_at if watch.last_step is not None else watch.started_at)
+        detail = f"no step after step {watch.last_step or 0} for {waited:.1f}s (deadline {watch.allowance():.1f}s)"
+        return self._feed(job, js.Stalled(ranks, detail), now)
 
     # -- admission -----------------------------------------------------------------------------
 
     def _schedule(self, now: float) -> list[Action]:
-        """Admit queued jobs in submission order while their workers.min fits in the free slots.
+        """Admit waiting jobs in submission order while their workers.min fits in the free slots.
 
-        A job that could never fit in the pool as it is (workers.min above every healthy slot)
-        does not hold back the jobs behind it; one that merely waits for busy slots does, so big
-        jobs are not starved by a stream of small ones.
+        Waiting means queued, or recovering with the old group stopped (those were submitted
+        earlier, so they go first). A job that could never fit in the pool as it is (workers.min
+        above every healthy slot) does not hold back the jobs behind it; one that merely waits for
+        busy slots does, so big jobs are not starved by a stream of small ones. Then running jobs
+        below workers.max grow into slots nobody waits for.
         """
         actions: list[Action] = []
         capacity = sum(n.slots for n in self.nodes.values() if not n.lost and not n.draining)
+        blocked = False
         for job in list(self.jobs.values()):
-            if job.state is not JobState.QUEUED:
+            recovering = job.machine.ready_to_restart(now) and job.pending is None
+            if job.state is not JobState.QUEUED and not recovering:
                 continue
             lo, hi = int(job.spec["workers"]["min"]), int(job.spec["workers"]["max"])
-            if lo > capacity:
+            chosen = None if blocked else choose_slots(self._free_slots(job), lo, min(hi, int(job.spec["train"]["global_batch"])))
+            if chosen is not None:
+                actions += self._admit(job, chosen, now)
                 continue
-            free = [
-                FreeSlot(n.name, i, n.holdings.get((job.id, i)))
-                for n in self.nodes.values()
-                for i in n.free()
-            ]
-            chosen = choose_slots(free, lo, min(hi, int(job.spec["train"]["global_batch"])))
-            if chosen is None:
-                break
-            actions += self._admit(job, chosen, now)
+            if recovering:
+                # RECOVERING -> QUEUED: fewer than workers.min usable slots are left.
+                actions += self._feed(job, js.Requeue(f"{capacity} usable slot(s) for workers.min = {lo}" if lo > capacity else "waiting for free slots"), now)
+            if lo <= capacity:
+                blocked = True  # it waits for busy slots: nothing behind it jumps the queue
+        if not blocked:
+            actions += self._grow(now)
+        return actions
+
+    def _free_slots(self, job: Job) -> list[FreeSlot]:
+        return [FreeSlot(n.name, i, n.holdings.get((job.id, i))) for n in self.nodes.values() for i in n.free()]
+
+    def _grow(self, now: float) -> list[Action]:
+        """A running job below workers.max, with healthy slots free: checkpoint and restart wider.
+
+        At most once per generation, and only once the generation has completed a step (a group
+        that cannot get going is not made to start over for more workers).
+        """
+        actions: list[Action] = []
+        free = sum(len(n.free()) for n in self.nodes.values())
+        if not free:
+            return []
+        for job in self.jobs.values():
+            m, plan = job.machine, job.plan
+            if job.state is not JobState.RUNNING or plan is None or job.grown_in == m.generation:
+                continue
+            if m.from_step is None or job.step <= m.from_step or m.interrupted_at is not None:
+                continue  # no step of this generation yet
+            hi = min(int(job.spec["workers"]["max"]), int(job.spec["train"]["global_batch"]))
+            if plan.world_size >= hi:
+                continue
+            job.grown_in = m.generation
+            actions += [Record(job.id, "group.growing", now, {"generation": m.generation, "world_size": plan.world_size, "free_slots": free})]
+            actions += self._reshape(job, now, f"{free} free slot(s): growing from {plan.world_size} workers")
+            break  # the slots go to one job; the next schedule sees what is left
         return actions
 
     def _admit(self, job: Job, chosen: list[Slot], now: float) -> list[Action]:
@@ -537,6 +560,8 @@ class Pool:
         for action in job.machine.handle(event, now):
             if isinstance(action, js.StopGroup):
                 out += self._stop(job, action)
+            elif isinstance(action, js.Blame):
+                out += self._blame(now, action.node)
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
         if job.machine.terminal and job.pending is not None:
@@ -557,6 +582,8 @@ class Pool:
     def _stop(self, job: Job, stop: js.StopGroup) -> list[Action]:
         if job.plan is None or job.plan.generation != stop.generation:
             return []
+        if job.watch is not None and stop.mode == "checkpoint":
+            job.watch.stopping = True
         return [
             Send(n, GroupStop(job=job.id, generation=stop.generation, mode=stop.mode))
             for n in job.plan.nodes()
@@ -569,30 +596,44 @@ class Pool:
         """A job read back from the store after a coordinator restart.
 
         A start that was being prepared is simply queued again (nothing ran). A launched group
-        keeps running if its daemons re-register with its workers before `reconcile_by`.
+        keeps running if its daemons re-register with its workers before `reconcile_by`; a group
+        that was being stopped is stopped again (its daemons get group.stop when they report it).
         """
         self.jobs[job.id] = job
-        if job.state is JobState.STARTING and job.plan is None:
-            job.machine.state = JobState.QUEUED
+        m = job.machine
+        m.max_restarts, m.step = int(job.spec["recovery"]["max_restarts"]), job.step
+        launched = job.plan is not None and job.plan.generation == m.generation
+        if job.state in js.ACTIVE and not launched:
+            # A start (or restart) being prepared: nothing of it ran; admit it again.
+            if job.state is JobState.STARTING:
+                m.state = JobState.QUEUED
+            else:
+                m.stop_mode, m.live = "restored", set()
         elif job.state in js.ACTIVE and job.plan is not None:
+            m.world_size = job.plan.world_size
+            m.live = set(range(job.plan.world_size))
             job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(job.plan.ranks)}
             job.reconcile_by = now + 2 * self.expiry_s + 2.0
+            job.watch = StepWatch.for_job(job.spec, now)
             if job.state is JobState.STARTING:
-                job.machine.deadline = now + float(job.spec["recovery"]["start_timeout_s"])
-                job.machine.world_size = job.plan.world_size
+                m.deadline = now + float(job.spec["recovery"]["start_timeout_s"])
+            elif job.state is JobState.RECOVERING:
+                # It was being stopped: finish that (ranks still running are stopped when their
+                # daemons report them), and re-plan once they are gone or the reconcile time passed.
+                m.stop_mode, m.settle_by = "now", job.reconcile_by
 
     def _reconcile(self, job: Job, now: float) -> list[Action]:
         job.reconcile_by = None
         if job.plan is None or job.state not in js.ACTIVE:
             return []
-        missing = []
+        missing: dict[str, list[int]] = {}
         for r, slot in enumerate(job.plan.ranks):
-            run = job.ranks.get(r)
             node = self.nodes.get(slot.node)
             adopted = node is not None and node.used.get(slot.index) == (job.id, job.plan.generation)
-            if run is not None and run.exit_code is None and not adopted:
-                missing.append(r)
-        if not missing:
-            return []
-        node = job.plan.ranks[missing[0]].node
-        return self._feed(job, js.NodeLost(node, tuple(missing)), now)
+            if r in job.machine.live and not adopted:
+                missing.setdefault(slot.node, []).append(r)
+        actions: list[Action] = []
+        for node_name, ranks in missing.items():
+            # Nobody reported these ranks since the restart: their node is gone with them.
+            actions += self._feed(job, js.NodeLost(node_name, tuple(ranks)), now)
+        return actions

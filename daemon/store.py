@@ -15,7 +15,7 @@ import orjson
 
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
-from dpool.daemon.pool import Job
+from dpool.daemon.records import Job
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -59,6 +59,9 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
+        if "restarts" not in columns:  # a database written before recovery existed
+            self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
         self.db.commit()
 
     def commit(self) -> None:
@@ -85,17 +88,18 @@ class Store:
                 {"generation": p.generation, "ranks": [[s.node, s.index] for s in p.ranks], "shares": list(p.shares), "hostfile": [list(h) for h in p.hostfile]}
             )
         self.db.execute(
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.name, job.submitted_at, str(m.state), _json(job.spec), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step),
+            "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.name, job.submitted_at, str(m.state), _json(job.spec), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts),
         )
 
     def load_jobs(self) -> list[Job]:
         jobs = []
         rows = self.db.execute(
-            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step FROM jobs ORDER BY submitted_at"
+            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts FROM jobs ORDER BY submitted_at"
         )
-        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt) in rows:
-            machine = JobMachine(state=JobState(state), generation=gen, error=error, started_at=started, finished_at=finished)
+        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts) in rows:
+            machine = JobMachine(state=JobState(state), generation=gen, error=error, started_at=started, finished_at=finished, restarts=restarts)
             job = Job(id=jid, name=name, spec=orjson.loads(spec), submitted_at=submitted, machine=machine, step=step, loss=loss, val_loss=val_loss, checkpoint_step=ckpt)
             if plan:
                 p = orjson.loads(plan)
@@ -108,6 +112,11 @@ class Store:
                 )
             jobs.append(job)
         return jobs
+
+    def set_aside_nodes(self) -> dict[str, str]:
+        """Nodes drained or set aside (name -> reason): a restarted coordinator keeps them so."""
+        rows = self.db.execute("SELECT name, reason FROM nodes WHERE reason = 'drained' OR reason LIKE 'set aside:%'")
+        return {name: reason for name, reason in rows}
 
     # -- metrics, samples, events, logs --------------------------------------------------------
 

@@ -40,16 +40,29 @@ def test_a_job_runs_to_success_once_every_rank_is_done() -> None:
     assert not any(isinstance(a, js.StopGroup) for a in out)
 
 
-def test_a_failed_rank_fails_the_job_and_stops_the_group() -> None:
+def test_a_failed_rank_restarts_the_group_using_one_restart() -> None:
     jm = launched(2)
-    jm.handle(js.RankUp(1, 0), 2.0)
+    jm.handle(js.RankUp(1, 0, 0), 2.0)
     jm.handle(js.RankUp(1, 1), 2.0)
-    out = jm.handle(js.RankExited(1, 1, "b", 1, False), 3.0)
-    assert jm.state is JobState.FAILED and "rank 1 on node b" in (jm.error or "")
-    assert js.StopGroup(1) in out
-    assert js.Emit("worker.failed", {"rank": 1, "node": "b", "reason": "exit", "code": 1}) in out
+    out = jm.handle(js.RankExited(1, 1, "b", -9, False), 3.0)
+    assert jm.state is JobState.RECOVERING and jm.restarts == 1 and jm.stop_mode == "now"
+    assert js.StopGroup(1) in out and js.Blame("b") in out
+    assert js.Emit("worker.failed", {"rank": 1, "node": "b", "reason": "exit", "code": -9}) in out
+    assert not jm.ready_to_restart(3.5)  # rank 0 may still run
+    # Its peer fails too (connection lost): part of the same failure, not a second one.
+    assert jm.handle(js.RankExited(1, 0, "a", 1, False), 3.2) == [] and jm.restarts == 1
+    assert jm.ready_to_restart(3.2)
+
+
+def test_the_restart_budget_spent_the_job_fails() -> None:
+    jm = launched(1)
+    jm.max_restarts = 0
+    jm.handle(js.RankUp(1, 0, 0), 2.0)
+    out = jm.handle(js.RankExited(1, 0, "a", 1, False), 3.0)
+    assert jm.state is JobState.FAILED and "max_restarts = 0" in (jm.error or "")
     # A straggler's exit after the decision changes nothing.
     assert jm.handle(js.RankExited(1, 0, "a", -15, True), 4.0) == [] and jm.state is JobState.FAILED
+    assert js.Emit("job.failed", {"error": jm.error}) in out
 
 
 def test_exit_2_is_reported_as_a_bad_job_file() -> None:
@@ -64,12 +77,13 @@ def test_events_of_an_old_generation_are_ignored() -> None:
     assert jm.handle(js.RankExited(0, 0, "a", 1, False), 2.0) == [] and jm.state is JobState.STARTING
 
 
-def test_start_deadline_fails_a_group_that_never_forms() -> None:
+def test_start_deadline_restarts_a_group_that_never_forms() -> None:
     jm = launched(2, deadline=10.0)
     jm.handle(js.RankUp(1, 0), 2.0)
     assert jm.handle(js.Tick(), 9.9) == []
     out = jm.handle(js.Tick(), 10.0)
-    assert jm.state is JobState.FAILED and "ranks [1] never reported" in (jm.error or "") and js.StopGroup(1) in out
+    assert jm.state is JobState.RECOVERING and jm.restarts == 1 and js.StopGroup(1) in out
+    assert js.Emit("worker.failed", {"rank": 1, "reason": "stalled", "detail": "start timeout"}) in out
 
 
 def test_an_aborted_prepare_requeues_without_using_a_generation() -> None:
@@ -223,7 +237,7 @@ def test_duplicate_names_are_refused_while_the_first_is_alive() -> None:
     assert refusal is None and pool.node_rows(5.5)[0]["state"] == "idle"
 
 
-def test_a_lost_node_fails_its_job_for_now() -> None:
+def test_a_lost_node_restarts_its_job_without_it() -> None:
     pool = Pool(heartbeat_s=0.5, liveness=6)
     join(pool, "a", 1)
     join(pool, "b", 1)
@@ -233,9 +247,11 @@ def test_a_lost_node_fails_its_job_for_now() -> None:
     pool.seen(3.5, "a")
     out = pool.tick(3.6)  # b last heard at 0.0
     job = pool.jobs["j"]
-    assert job.state is JobState.FAILED and "node b" in (job.machine.error or "")
+    assert job.state is JobState.RECOVERING and job.machine.restarts == 1
     assert [s.node for s in sends(out, m.GroupStop)] == ["a"]
     assert any(isinstance(a, Record) and a.kind == "worker.failed" and a.fields["reason"] == "heartbeat" for a in out)
+    out = pool.worker_exited(3.7, "a", "j", 1, 0, 0, 1, False)  # its peer: connection lost
+    assert [(s.node, s.msg.generation) for s in sends(out, m.GroupPrepare)] == [("a", 2)]  # type: ignore[attr-defined]
 
 
 def test_an_unanswered_prepare_requeues_and_frees_the_slots() -> None:
@@ -321,6 +337,202 @@ def test_store_round_trips_jobs_for_a_restarted_coordinator(tmp_path: Path) -> N
     refusal, _ = restarted.register(101.0, "a", "inc-a", {"slots": 1}, [{"job": "j", "generation": 1, "rank": 0, "slot": 0, "pid": 9}], [], [])
     assert refusal is None
     restarted.worker_hello(101.5, "a", "j", 1, 0, 9, 0)
+    restarted.progress(199.0, "j", 1, 0, 3, 192, 0.1)
     restarted.seen(200.0, "a")
     restarted.tick(200.0)  # past the reconcile deadline: the rank came back, so the job goes on
     assert restarted.jobs["j"].state is JobState.RUNNING
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+
+def running_pool(nodes: tuple[str, ...] = ("a", "b", "c"), **kw: Any) -> Pool:
+    """A pool of one-slot nodes running job "j" (generation 1, one rank per node), steps 1-7 done."""
+    pool = Pool(heartbeat_s=0.5, liveness=6)
+    for n in nodes:
+        join(pool, n, 1)
+    prepare_all(pool, pool.submit(0.0, "j", spec(**{"hi": len(nodes), **kw})))
+    for r, n in enumerate(nodes):
+        pool.worker_hello(1.0, n, "j", 1, r, 100 + r, 0)
+    for step in range(1, 8):
+        for r in range(len(nodes)):
+            pool.progress(1.0 + 0.05 * step, "j", 1, r, step, 192, 0.05)
+    for r, n in enumerate(nodes):
+        pool.checkpoint(1.3, n, "j", 1, r, 0, 5, 0.01)
+    for n in nodes:
+        pool.seen(1.4, n)
+    return pool
+
+
+def records(actions: list[Any], kind: str) -> list[dict[str, Any]]:
+    return [a.fields for a in actions if isinstance(a, Record) and a.kind == kind]
+
+
+def restart(pool: Pool, actions: list[Any], now: float, resume: int, *, gen: int = 2) -> list[Any]:
+    """Prepare, hello (rank 0 resumes from `resume`) and one step of the next generation."""
+    out = prepare_all(pool, actions, now)
+    start = sends(out, m.GroupStart)
+    assert start and all(s.msg.generation == gen for s in start)  # type: ignore[attr-defined]
+    plan = pool.jobs["j"].plan
+    assert plan is not None
+    for r, slot in enumerate(plan.ranks):
+        out += pool.worker_hello(now + 1, slot.node, "j", gen, r, 200 + r, resume)
+    assert pool.jobs["j"].state is JobState.RUNNING
+    for r in range(plan.world_size):
+        out += pool.progress(now + 2, "j", gen, r, resume + 1, 192, 0.05)
+    return out
+
+
+def test_a_killed_trainer_restarts_the_group_from_the_checkpoint() -> None:
+    pool = running_pool()
+    out = pool.worker_exited(2.0, "b", "j", 1, 1, 0, -9, False)
+    job = pool.jobs["j"]
+    assert job.state is JobState.RECOVERING
+    assert sorted(s.node for s in sends(out, m.GroupStop)) == ["a", "b", "c"]
+    assert records(out, "worker.failed") == [{"rank": 1, "node": "b", "reason": "exit", "code": -9}]
+    assert sends(out, m.GroupPrepare) == []  # ranks 0 and 2 still run
+    pool.worker_exited(2.1, "a", "j", 1, 0, 0, 1, False)
+    out = pool.worker_exited(2.1, "c", "j", 1, 2, 0, 1, False)
+    # Re-planned with every node; rank 0 where the newest checkpoint is (all hold step 5).
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b", "c"]
+    out = restart(pool, out, 3.0, resume=5)
+    (resumed,) = records(out, "group.resumed")
+    assert resumed == {"from_step": 5, "generation": 2, "seconds_since_failure": 3.0, "steps_recomputed": 2, "cause": "failure"}
+    assert job.machine.restarts == 1 and job.status()["generation"] == 2
+
+
+def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_time() -> None:
+    pool = running_pool()
+    pool.worker_exited(2.0, "a", "j", 1, 0, 0, 1, False)  # b's dpd was killed: b says nothing
+    out = pool.worker_exited(2.0, "c", "j", 1, 2, 0, 1, False)
+    assert pool.jobs["j"].state is JobState.RECOVERING and sends(out, m.GroupPrepare) == []
+    for n in "ac":
+        pool.seen(3.9, n)
+    assert sends(pool.tick(3.9), m.GroupPrepare) == []
+    out = pool.tick(4.1)  # past the settle time: go on without b (its slot is still busy)
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "c"]
+
+
+def test_a_stalled_group_is_detected_by_the_progress_deadline() -> None:
+    pool = running_pool()
+    # Steps took 50 ms: the deadline is the 3 s floor after the last step (at 1.35).
+    for n in "abc":
+        pool.seen(4.3, n)
+    assert pool.tick(4.3) == [] or pool.jobs["j"].state is JobState.RUNNING
+    out = pool.tick(4.4)
+    job = pool.jobs["j"]
+    assert job.state is JobState.RECOVERING and job.machine.restarts == 1
+    failed = records(out, "worker.failed")
+    assert failed and all(f["reason"] == "stalled" for f in failed)
+    assert sorted(s.node for s in sends(out, m.GroupStop)) == ["a", "b", "c"]
+
+
+def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
+    from dpool.daemon.watch import StepWatch
+
+    w = StepWatch(steps=100, eval_every=10, sample_every=1000, floor_s=3.0, factor=8.0, start_s=120.0, started_at=0.0)
+    assert w.deadline() == 120.0  # nothing reported: the start-up deadline
+    t = 10.0
+    for step in range(1, 10):
+        w.observe(step, t, 0.5)
+        t += 0.5
+    assert w.allowance() == 8 * 0.5  # 8x the median step beats the 3 s floor
+    w.observe(10, t, 0.5)
+    assert w.allowance() == 4.0 + 120.0  # evaluation follows step 10; its cost is not known yet
+    w.observe(11, t + 2.5, 0.5)  # the eval took 2 s
+    assert w.allowance() == 4.0
+    for step in range(12, 21):
+        w.observe(step, t + 2.5 + 0.5 * (step - 11), 0.5)
+    assert w.allowance() == 4.0 + 8 * 2.0 + 3.0
+
+
+def test_a_joining_node_grows_the_job_at_a_checkpoint_without_using_a_restart() -> None:
+    pool = running_pool(("a", "b"), hi=3)
+    out = join(pool, "c", 1, now=2.0)
+    job = pool.jobs["j"]
+    stops = sends(out, m.GroupStop)
+    assert sorted(s.node for s in stops) == ["a", "b"] and all(s.msg.mode == "checkpoint" for s in stops)  # type: ignore[attr-defined]
+    assert job.state is JobState.RECOVERING
+    pool.progress(2.1, "j", 1, 0, 8, 192, 0.05)  # the step the stop was fused into
+    pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
+    out = pool.worker_exited(2.2, "b", "j", 1, 1, 0, 75, False)
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b", "c"]
+    out = restart(pool, out, 3.0, resume=8)
+    (resumed,) = records(out, "group.resumed")
+    assert resumed["steps_recomputed"] == 0 and resumed["cause"] == "membership"
+    assert job.machine.restarts == 0 and job.plan is not None and job.plan.world_size == 3
+    assert records(out, "rebalanced") == [{"generation": 2, "shares": [2, 2, 2], "previous": [3, 3]}]
+
+
+def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None:
+    pool = running_pool()
+    out = pool.drain(2.0, "c")
+    assert all(s.msg.mode == "checkpoint" for s in sends(out, m.GroupStop))  # type: ignore[attr-defined]
+    assert pool.node_rows(2.0)[2]["state"] == "draining"
+    pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
+    pool.worker_exited(2.2, "b", "j", 1, 1, 0, 75, False)
+    out = pool.worker_exited(2.2, "c", "j", 1, 2, 0, 75, False)
+    assert records(out, "node.drained") == [{"node": "c"}]
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
+    row = pool.node_rows(2.2)[2]
+    assert (row["state"], row["reason"]) == ("idle", "drained")
+    out = restart(pool, out, 3.0, resume=8)
+    assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
+    out = pool.undrain(6.0, "c")
+    # The job grows back onto c at the next checkpoint boundary.
+    assert sorted(s.node for s in sends(out, m.GroupStop)) == ["a", "b"]
+    assert pool.jobs["j"].machine.restarts == 0
+
+
+def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns() -> None:
+    pool = running_pool(("a", "b"), lo=2)
+    for n in "ab":
+        pool.seen(4.0, n)
+    pool.bye(4.0, "b")
+    out = pool.worker_exited(4.1, "a", "j", 1, 0, 0, 1, False)
+    job = pool.jobs["j"]
+    assert job.state is JobState.QUEUED and records(out, "job.queued")
+    assert job.status()["checkpoint_step"] == 5
+    _, out = pool.register(5.0, "b", "inc-b2", {"slots": 1, "advertise": "127.0.0.1"}, [], [], [{"job": "j", "slot": 0, "step": 5}])
+    assert job.state is JobState.RECOVERING  # admitted again: resuming, not a fresh start
+    out = restart(pool, out, 6.0, resume=5)
+    assert job.machine.generation == 2 and records(out, "group.resumed")
+
+
+def test_a_node_whose_workers_fail_three_times_in_a_row_is_set_aside() -> None:
+    pool = running_pool(("a", "b"))
+    for gen in (1, 2, 3):
+        pool.worker_exited(2.0 + gen, "b", "j", gen, 1, 0, 1, False)
+        out = pool.worker_exited(2.0 + gen, "a", "j", gen, 0, 0, 1, False)
+        if gen < 3:
+            prepare_all(pool, out, 2.5 + gen)
+            for r, n in enumerate(("a", "b")):
+                pool.worker_hello(2.6 + gen, n, "j", gen + 1, r, 1, 5)
+    row = pool.node_rows(6.0)[1]
+    assert row["name"] == "b" and row["reason"] is not None and row["reason"].startswith("set aside")
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["a"]  # the job goes on without b
+    assert pool.jobs["j"].machine.restarts == 3
+    pool.undrain(7.0, "b")
+    assert pool.node_rows(7.0)[1]["reason"] is None and pool.nodes["b"].free() == [0]
+
+
+def test_an_unrequested_checkpoint_stop_is_a_membership_change() -> None:
+    pool = running_pool(("a", "b"))
+    out = pool.worker_exited(2.0, "a", "j", 1, 0, 0, 75, False)  # e.g. its dpd vanished (macOS)
+    job = pool.jobs["j"]
+    assert job.state is JobState.RECOVERING and job.machine.restarts == 0
+    assert all(s.msg.mode == "checkpoint" for s in sends(out, m.GroupStop))  # type: ignore[attr-defined]
+
+
+def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone() -> None:
+    pool = running_pool(("a", "b"))
+    # The serving dpd (a) was SIGKILLed with its trainer and started again: a new coordinator
+    # reloads the job, b reconnects still running rank 1, a comes back running nothing.
+    restarted = Pool(heartbeat_s=0.5, liveness=6)
+    restarted.restore(pool.jobs["j"], 10.0)
+    refusal, _ = restarted.register(10.5, "b", "inc-b", {"slots": 1}, [{"job": "j", "generation": 1, "rank": 1, "slot": 0, "pid": 101}], [], [])
+    assert refusal is None and restarted.jobs["j"].state is JobState.RUNNING
+    refusal, out = restarted.register(11.0, "a", "inc-a2", {"slots": 1}, [], [], [{"job": "j", "slot": 0, "step": 5}])
+    assert refusal is None and restarted.jobs["j"].state is JobState.RECOVERING
+    assert records(out, "worker.failed") == [{"rank": 0, "node": "a", "reason": "heartbeat"}]
+    assert "b" in [s.node for s in sends(out, m.GroupStop)]

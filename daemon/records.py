@@ -1,0 +1,165 @@
+"""What the coordinator's pool works with: the actions it returns and the records it keeps (nodes,
+jobs, what runs for each rank). Plain data; the policy is in `daemon/pool.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpool.daemon import jobstate as js
+from dpool.daemon.jobstate import JobMachine, JobState
+from dpool.daemon.plan import GroupPlan, Slot
+from dpool.daemon.watch import StepWatch
+from dpool.protocol.messages import Message
+
+# -- actions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    node: str
+    msg: Message
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """An event for `dpctl events` (job None: a pool event, shown with every job it overlaps)."""
+
+    job: str | None
+    kind: str
+    t: float
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class JobChanged:
+    job: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChanged:
+    node: str
+
+
+Action = Send | Record | JobChanged | NodeChanged
+
+
+# -- records -----------------------------------------------------------------------------------
+
+
+class NodeState(enum.StrEnum):
+    IDLE = "idle"
+    BUSY = "busy"
+    DRAINING = "draining"
+    LOST = "lost"
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    incarnation: str
+    info: dict[str, Any]
+    joined_at: float
+    last_seen: float
+    lost: bool = False
+    draining: bool = False  # `dpctl drain` (or set aside): takes no new work until `undrain`
+    drained_reported: bool = False  # node.drained was recorded for the current drain
+    fail_streak: int = 0  # workers failed here in a row (reset by one that ends well)
+    reason: str | None = None
+    used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
+    holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step
+
+    @property
+    def slots(self) -> int:
+        return int(self.info.get("slots", 1))
+
+    @property
+    def state(self) -> NodeState:
+        if self.lost:
+            return NodeState.LOST
+        if self.draining and self.used:
+            return NodeState.DRAINING  # its workers are checkpointing and leaving
+        return NodeState.BUSY if self.used else NodeState.IDLE  # drained: idle, `reason` says why
+
+    def free(self) -> list[int]:
+        if self.lost or self.draining:
+            return []
+        return [i for i in range(self.slots) if i not in self.used]
+
+
+@dataclass(slots=True)
+class RankRun:
+    """What runs for one rank of the current generation (the runtime beside the frozen plan)."""
+
+    node: str
+    slot: int
+    pid: int | None = None
+    step: int = 0
+    tokens_per_s: float = 0.0
+    exit_code: int | None = None
+
+
+@dataclass(slots=True)
+class Pending:
+    """A group being prepared: slots set aside, ports arriving per node."""
+
+    generation: int
+    slots: list[Slot]
+    deadline: float
+    endpoints: dict[Slot, str] = field(default_factory=dict)
+    answered: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Job:
+    id: str
+    name: str
+    spec: dict[str, Any]
+    submitted_at: float
+    machine: JobMachine = field(default_factory=JobMachine)
+    plan: GroupPlan | None = None
+    pending: Pending | None = None
+    ranks: dict[int, RankRun] = field(default_factory=dict)
+    step: int = 0
+    loss: float | None = None
+    val_loss: float | None = None
+    checkpoint_step: int | None = None
+    saved: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> seconds
+    reconcile_by: float | None = None  # after a coordinator restart: ranks must reappear by then
+    watch: StepWatch | None = None  # the running generation's progress deadline
+    grown_in: int = 0  # the generation a growth was asked of (at most once per generation)
+
+    @property
+    def state(self) -> JobState:
+        return self.machine.state
+
+    @property
+    def steps(self) -> int:
+        return int(self.spec["train"]["steps"])
+
+    def status(self) -> dict[str, Any]:
+        """The `dpctl status JOB --json` object (INTERFACE.md)."""
+        plan = self.plan
+        workers = []
+        if plan is not None and self.state not in js.TERMINAL:
+            for r, slot in enumerate(plan.ranks):
+                run = self.ranks.get(r)
+                workers.append(
+                    {"rank": r, "node": slot.node, "share": plan.shares[r], "tokens_per_s": round(run.tokens_per_s, 1) if run else 0.0}
+                )
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": str(self.state),
+            "step": self.step,
+            "steps": self.steps,
+            "generation": self.machine.generation,
+            "world_size": plan.world_size if plan else 0,
+            "workers": workers,
+            "checkpoint_step": self.checkpoint_step,
+            "loss": self.loss,
+            "val_loss": self.val_loss,
+            "error": self.machine.error,
+        }

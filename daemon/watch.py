@@ -1,0 +1,115 @@
+"""The per-step progress deadline of a running group. Pure: times come in as arguments.
+
+Why a deadline at all: a frozen rank (SIGSTOP, a deadlock in the ring, a partitioned link) makes
+every other rank spin inside `all_sum` forever; nothing exits and heartbeats keep coming (the
+daemons are fine). Only the absence of step progress shows it.
+
+How long to wait after step s was reported before calling the group stalled:
+
+    allowance(s) = max(floor, factor x median(recent step intervals)) + extra(s)
+
+- The median of the last intervals between consecutive steps, as the coordinator sees them (so
+  they include the trainer -> dpd -> coordinator hops and any load on the machine), times `factor`
+  (`recovery.step_timeout_factor`, default 8): a step would have to get 8x slower than its own
+  recent median, for the whole allowance, to be called stalled. The median ignores the odd slow
+  step (a checkpoint copy, a garbage collection).
+- `floor` (`recovery.step_timeout_floor_s`, default 3 s): tiny steps (milliseconds) would otherwise
+  give sub-second deadlines that scheduling noise on a loaded machine trips. 3 s is the heartbeat
+  expiry: a machine that cannot run a 10 ms step within 3 s would lose its heartbeats too.
+- `extra(s)`: after step s the trainer may evaluate (every `eval.every_steps`) and rank 0 may
+  generate a sample (every `eval.sample_every_steps`) before step s+1; the others wait for it in
+  the next all_sum. Their cost is measured the first time (the allowance then is the generous
+  start-up deadline, `recovery.start_timeout_s`) and then allowed `factor` times over.
+- Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
+  checkpoint restore and broadcast, compiling the first step), counted from the launch.
+- After the last step, or once the group was asked to checkpoint and stop, no further step comes:
+  the ranks write their checkpoint and exit; `STOP_MARGIN_S` more is allowed for that.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+RECENT = 32  # step intervals kept for the median
+STOP_MARGIN_S = 10.0
+
+
+@dataclass(slots=True)
+class StepWatch:
+    steps: int  # the job's last step
+    eval_every: int
+    sample_every: int
+    floor_s: float
+    factor: float
+    start_s: float
+    started_at: float  # launch of the generation
+    last_step: int | None = None  # newest step reported by any rank (None: none yet)
+    last_at: float = 0.0
+    recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
+    extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample"
+    stopping: bool = False  # asked to checkpoint and stop
+
+    @classmethod
+    def for_job(cls, spec: dict[str, Any], now: float, previous: StepWatch | None = None) -> StepWatch:
+        """The watch of a newly launched generation; the previous generation's measurements carry
+        over (the same model and batch: step times change with the world size, not by 8x)."""
+        rec, ev = spec["recovery"], spec["eval"]
+        watch = cls(
+            steps=int(spec["train"]["steps"]),
+            eval_every=int(ev["every_steps"]),
+            sample_every=int(ev["sample_every_steps"]),
+            floor_s=float(rec["step_timeout_floor_s"]),
+            factor=float(rec.get("step_timeout_factor", 8.0)),
+            start_s=float(rec["start_timeout_s"]),
+            started_at=now,
+        )
+        if previous is not None:
+            watch.recent.extend(previous.recent)
+            watch.extra.update(previous.extra)
+        return watch
+
+    def after(self, step: int) -> list[str]:
+        """What the trainer does between reporting `step` and starting the next one."""
+        kinds = []
+        if step % self.eval_every == 0:
+            kinds.append("eval")
+        if step % self.sample_every == 0:
+            kinds.append("sample")
+        return kinds
+
+    def observe(self, step: int, now: float, seconds: float) -> None:
+        """A rank reported `step` (which took it `seconds`) at `now`; only a new highest step moves
+        the watch. The first report of a generation seeds the median with the trainer's own
+        measure of that step (compiling included, so on the safe side)."""
+        if self.last_step is not None and step <= self.last_step:
+            return
+        if not self.recent and seconds > 0:
+            self.recent.append(seconds)
+        if self.last_step is not None:
+            interval = (now - self.last_at) / (step - self.last_step)
+            kinds = self.after(self.last_step) if step == self.last_step + 1 else []
+            if kinds and self.recent:
+                base = statistics.median(self.recent)
+                cost = max(0.0, interval - base) / len(kinds)
+                for k in kinds:
+                    self.extra[k] = cost
+            elif not kinds:
+                self.recent.append(interval)
+        self.last_step, self.last_at = step, now
+
+    def allowance(self) -> float:
+        """Seconds allowed after the newest report before the group counts as stalled."""
+        if self.last_step is None:
+            return self.start_s
+        base = max(self.floor_s, self.factor * statistics.median(self.recent)) if self.recent else self.start_s
+        for k in self.after(self.last_step):
+            base += self.factor * self.extra[k] + self.floor_s if k in self.extra else self.start_s
+        if self.stopping or self.last_step >= self.steps:
+            base += STOP_MARGIN_S
+        return base
+
+    def deadline(self) -> float:
+        return (self.started_at if self.last_step is None else self.last_at) + self.allowance()
