@@ -268,7 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    install = sub.add_parser("install", parents=[run], add_help=False, help="write and load the OS service (LaunchAgent, systemd unit) that runs `dpd run` with these flags")
+    install.add_argument("--print", action="store_true", help="only print the file and the commands install would run")
+    install.add_argument("--target", choices=["launchd", "systemd"], help="the service manager (default: this machine's)")
+    uninstall = sub.add_parser("uninstall", help="stop and remove the OS service")
+    uninstall.add_argument("--target", choices=["launchd", "systemd"], help="the service manager (default: this machine's)")
     args = parser.parse_args(argv)
+    if args.command in ("install", "uninstall"):
+        from dpool.daemon import service
+
+        return service.main(args, run._actions)
     try:
         s = settings(args)
     except UsageError as e:

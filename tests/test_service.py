@@ -1,0 +1,271 @@
+"""`dpd install` / `dpd uninstall` and dpd's sd_notify.
+
+The LaunchAgent and the systemd units are rendered through the real `dpd` CLI into a fake home
+(launchctl and systemctl are an injected recorder: nothing on this machine is loaded), parsed with
+plistlib and checked with `systemd-analyze verify`. sd_notify is checked against a real datagram
+socket and a real `dpd run`.
+"""
+
+from __future__ import annotations
+
+import os
+import plistlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from conftest import Processes, free_port
+
+from dpool.client.keys import init_keys
+from dpool.daemon import cli, sdnotify, service
+
+
+class Recorder:
+    """Stands in for launchctl/systemctl: records each command, fails the ones asked to."""
+
+    def __init__(self, fail: dict[str, int] | None = None) -> None:
+        self.calls: list[list[str]] = []
+        self.fail = fail or {}
+
+    def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+        self.calls.append(list(argv))
+        code = next((c for word, c in self.fail.items() if word in argv), 0)
+        return subprocess.CompletedProcess(list(argv), code, "", "Boot-out failed: 3: No such process" if code else "")
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A fake home and host; returns a function making the Host for a platform and uid."""
+    home = tmp_path / "home"
+    home.mkdir()
+    for var in ("DPOOL_COORDINATOR", "DPOOL_KEYS", "NOTIFY_SOCKET", "XDG_STATE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    recorder = Recorder()
+    monkeypatch.setattr(service, "run_command", recorder)
+
+    def make(platform: str, uid: int = 501) -> service.Host:
+        host = service.Host(platform=platform, home=home, uid=uid, python=sys.executable, env=dict(os.environ), system_units=tmp_path / "etc-systemd-system")
+        monkeypatch.setattr(service.Host, "current", staticmethod(lambda: host))
+        return host
+
+    make.home, make.config, make.recorder = home, config, recorder  # type: ignore[attr-defined]
+    return make
+
+
+def verify_unit(path: Path, *, user: bool, tmp: Path) -> None:
+    """`systemd-analyze verify` accepts the unit without a single warning (it exits 0 on parse
+    warnings, so stderr must be empty too)."""
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze not installed (Debian: apt-get install systemd)")
+    runtime = tmp / "xdg-runtime"
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    cmd = [tool, *(["--user"] if user else []), "verify", str(path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    if r.returncode != 0 and "Failed to initialize manager" in r.stderr:
+        pytest.skip(f"systemd-analyze cannot run here: {r.stderr.strip()}")
+    assert r.returncode == 0 and r.stderr.strip() == "", f"{' '.join(cmd)}:\n{r.stdout}{r.stderr}"
+
+
+# -- macOS: the LaunchAgent ---------------------------------------------------------------------
+
+
+def test_install_writes_and_loads_a_launch_agent(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin", uid=501)
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["install", "--config", str(fake.config), "--serve", "tcp://0.0.0.0:7399", "--name", "mac1", "--workers", "2", "--keys", "keys"])
+    assert code == 0
+
+    path = fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist"
+    plist = plistlib.loads(path.read_bytes())
+    assert plist["Label"] == "org.dpool.dpd"
+    args = plist["ProgramArguments"]
+    assert Path(args[0]).is_absolute() and args[0] == sys.executable
+    assert args[1:4] == ["-m", "dpool.daemon.cli", "run"]
+    flags = dict(zip(args[4::2], args[5::2], strict=False))
+    assert flags["--serve"] == "tcp://0.0.0.0:7399" and flags["--name"] == "mac1" and flags["--workers"] == "2"
+    assert flags["--keys"] == str(keys)  # a relative path made absolute: launchd does not start in our cwd
+    assert flags["--config"] == str(fake.config)
+    assert flags["--state-dir"] == str(fake.home / "Library" / "Application Support" / "dpool")
+    assert plist["RunAtLoad"] is True
+    assert plist["KeepAlive"] == {"SuccessfulExit": False}
+    assert isinstance(plist["ThrottleInterval"], int) and plist["ThrottleInterval"] >= 10
+    log_dir = fake.home / "Library" / "Logs" / "dpool"
+    assert Path(plist["StandardErrorPath"]).parent == log_dir and log_dir.is_dir()
+    assert plist["EnvironmentVariables"]["PATH"].startswith(str(Path(sys.executable).parent))
+    assert Path(plist["WorkingDirectory"]).is_dir()
+
+    # bootout first (it fails when nothing is loaded, which install accepts), then bootstrap
+    assert fake.recorder.calls == [["launchctl", "bootout", "gui/501/org.dpool.dpd"], ["launchctl", "bootstrap", "gui/501", str(path)]]
+
+
+def test_install_ignores_not_loaded_but_reports_a_failed_bootstrap(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin")
+    fake.recorder.fail = {"bootout": 3}
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    fake.recorder.fail = {"bootstrap": 5}
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 1
+    assert "launchctl bootstrap" in capsys.readouterr().out
+
+
+def test_uninstall_boots_out_and_removes_the_agent(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin", uid=501)
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    path = fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist"
+    fake.recorder.calls.clear()
+    assert cli.main(["uninstall"]) == 0
+    assert not path.exists()
+    assert fake.recorder.calls == [["launchctl", "bootout", "gui/501/org.dpool.dpd"]]
+    assert cli.main(["uninstall"]) == 0  # again: nothing to do, said so
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_environment_coordinator_and_keys_are_written_into_the_service(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    monkeypatch.setenv("DPOOL_COORDINATOR", "tcp://10.0.0.5:7340")
+    monkeypatch.setenv("DPOOL_KEYS", str(keys))
+    fake("darwin")  # the host's env is read after the variables are set
+    assert cli.main(["install", "--config", str(fake.config), "--advertise", "10.0.0.6"]) == 0
+    args = plistlib.loads((fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist").read_bytes())["ProgramArguments"]
+    assert args[args.index("--join") + 1] == "tcp://10.0.0.5:7340"
+    assert args[args.index("--keys") + 1] == str(keys)
+
+
+def test_bad_flags_are_refused_before_anything_is_written(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin")
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--workers", "0"]) == 2
+    assert cli.main(["install", "--config", str(fake.config), "--join", "tcp://10.1.2.3:7340"]) == 2  # non-loopback, no keys
+    assert "--workers" in capsys.readouterr().err
+    assert not (fake.home / "Library").exists() and fake.recorder.calls == []
+
+
+def test_print_only_prints(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--print"]) == 0
+    out = capsys.readouterr().out
+    assert "[Service]" in out and "Type=notify" in out
+    assert "systemctl --user daemon-reload" in out and "systemctl --user restart dpd.service" in out
+    assert fake.recorder.calls == [] and not (fake.home / ".config").exists()
+
+
+# -- Linux: systemd units -----------------------------------------------------------------------
+
+
+def test_user_unit_is_installed_enabled_and_verifies(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--name", "box", "--stop-grace", "30"]) == 0
+    path = fake.home / ".config" / "systemd" / "user" / "dpd.service"
+    text = path.read_text()
+    lines = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    assert lines["Type"] == "notify" and lines["Restart"] == "on-failure" and lines["KillMode"] == "mixed"
+    assert lines["TimeoutStopSec"] == "90s"  # --stop-grace 30 and a margin for the goodbye
+    exec_start = lines["ExecStart"].split()
+    assert exec_start[:4] == [sys.executable, "-m", "dpool.daemon.cli", "run"]
+    assert exec_start[exec_start.index("--state-dir") + 1] == str(fake.home / ".local" / "state" / "dpool")
+    assert "StateDirectory" not in lines and lines["WantedBy"] == "default.target"
+    assert fake.recorder.calls == [
+        ["systemctl", "--user", "daemon-reload"],
+        ["systemctl", "--user", "enable", "dpd.service"],
+        ["systemctl", "--user", "restart", "dpd.service"],
+    ]
+    verify_unit(path, user=True, tmp=tmp_path)
+
+    fake.recorder.calls.clear()
+    assert cli.main(["uninstall"]) == 0
+    assert not path.exists()
+    assert fake.recorder.calls == [["systemctl", "--user", "disable", "--now", "dpd.service"], ["systemctl", "--user", "daemon-reload"]]
+
+
+def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=0)
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    assert cli.main(["install", "--config", str(fake.config), "--join", "tcp://10.0.0.5:7340", "--keys", str(keys), "--advertise", "10.0.0.6"]) == 0
+    path = tmp_path / "etc-systemd-system" / "dpd.service"
+    text = path.read_text()
+    lines = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    assert lines["StateDirectory"] == "dpool" and "--state-dir /var/lib/dpool" in lines["ExecStart"]
+    for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "read-only"), ("PrivateTmp", "yes")):
+        assert lines[key] == value, key
+    assert "ReadWritePaths" not in lines  # StateDirectory= is writable under ProtectSystem=strict
+    assert lines["WantedBy"] == "multi-user.target"
+    assert fake.recorder.calls[0] == ["systemctl", "daemon-reload"]
+    verify_unit(path, user=False, tmp=tmp_path)
+
+
+def test_a_state_dir_elsewhere_is_made_writable(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=0)
+    state = tmp_path / "data dir"
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state)]) == 0
+    text = (tmp_path / "etc-systemd-system" / "dpd.service").read_text()
+    assert f'ReadWritePaths="{state}"' in text and f'--state-dir "{state}"' in text
+    assert state.is_dir()  # ReadWritePaths= on a missing path fails the unit
+
+
+def test_exec_start_words_are_quoted_and_escaped() -> None:
+    assert service.systemd_quote("/usr/bin/python3") == "/usr/bin/python3"
+    assert service.systemd_quote("/a b/c") == '"/a b/c"'
+    assert service.systemd_quote("50%") == "50%%"  # a specifier otherwise
+    assert service.systemd_quote("$HOME") == "$$HOME"  # a variable otherwise
+    assert service.systemd_quote('say "hi"') == '"say \\"hi\\""'
+    with pytest.raises(ValueError):
+        service.systemd_quote("a\nb")
+
+
+def test_quoted_paths_survive_systemd_analyze(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    host = fake("linux", uid=1000)
+    argv = service.service_argv(host, ["--serve", "tcp://127.0.0.1:7340", "--name", "a%b$c"], tmp_path / "state with space")
+    p = service.plan(host, argv, state_dir=tmp_path / "state with space", stop_grace_s=10)
+    path = tmp_path / "dpd.service"
+    path.write_text(p.text)
+    verify_unit(path, user=True, tmp=tmp_path)
+
+
+# -- sd_notify ----------------------------------------------------------------------------------
+
+
+def receiver(address: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + address[1:] if address.startswith("@") else address)
+    s.settimeout(30)
+    return s
+
+
+def test_notify_reaches_path_and_abstract_sockets(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    abstract = f"@dpool-test-{uuid.uuid4().hex}"
+    for address in (path, abstract):
+        with receiver(address) as r:
+            assert sdnotify.notify("READY=1", {"NOTIFY_SOCKET": address})
+            assert r.recv(4096) == b"READY=1"
+    assert not sdnotify.notify("READY=1", {})  # outside systemd: nothing, no error
+    assert not sdnotify.notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
+
+
+def test_dpd_says_ready_once_registered_and_stopping_on_sigterm(processes: Processes, tmp_path: Path) -> None:
+    address = f"@dpool-test-{uuid.uuid4().hex}"  # abstract: as systemd's own NOTIFY_SOCKET may be
+    with receiver(address) as r:
+        env = {k: v for k, v in os.environ.items() if k not in ("DPOOL_KEYS", "DPOOL_COORDINATOR")} | {"NOTIFY_SOCKET": address}
+        port = free_port()
+        p = processes.start(
+            [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", f"tcp://127.0.0.1:{port}", "--name", "n0", "--state-dir", str(tmp_path / "state")],
+            tmp_path / "dpd.log",
+            env=env,
+        )
+        ready = r.recv(4096).decode()
+        assert ready.splitlines()[0] == "READY=1"
+        assert f"STATUS=registered with tcp://127.0.0.1:{port}" in ready
+        os.kill(p.pid, signal.SIGTERM)
+        assert r.recv(4096).decode().splitlines()[0] == "STOPPING=1"
+        assert p.wait(timeout=30) == 0
