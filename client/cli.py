@@ -17,7 +17,10 @@ from typing import Any
 
 import orjson
 
+from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
+from dpool.client import plot as client_plot
+from dpool.client import watch as client_watch
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.client.tables import age, clock, num, size, table
 from dpool.protocol import messages as m
@@ -264,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.set_defaults(fn=cmd_cancel)
 
+    client_plot.add_parser(sub)
+    client_watch.add_parser(sub)
+    client_demo.add_parser(sub)
     client_keys.add_parser(sub)
     return p
 

@@ -1,0 +1,496 @@
+"""`dpctl demo`: the whole product in one command, on one machine.
+
+It starts a local pool (one `dpd` that also serves the control plane, plus one more `dpd` per further
+worker, each with its own state dir, on loopback and free ports), submits the demo job (a small GPT
+on Python's standard library, `demo.toml`, shipped inside this package and identical to
+`examples/demo.toml`), and shows it training. At `--kill-at` it SIGKILLs one trainer, found by the
+pid the control plane reports for its rank, and shows the pool noticing and resuming from the newest
+checkpoint as the next generation. When the job is done it prints the final validation loss and a
+text sample, writes `demo-loss.png` (the same figure as `dpctl plot`), and stops the pool: SIGTERM
+to each daemon, then SIGKILL to anything of it still running.
+
+Exit codes: 0 the job succeeded after an automatic resume; 1 anything went wrong (the message says
+what; the pool's logs are kept); 2 bad flags; 130 interrupted (Ctrl-C stops the pool too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, TextIO
+
+from dpool.client.plot import fetch_job, plot
+from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import JobFileError, JobSpec, parse_job
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_WORKERS = 2  # two cores are enough for two workers; the demo's point is the restart, not scale
+PLOT_FILE = "demo-loss.png"
+POLL_S = 0.2  # how often the demo asks the control plane for news
+REGISTER_TIMEOUT_S = 60.0  # daemons up and registered (Python + MLX import on a slow, busy machine)
+STALL_TIMEOUT_S = 240.0  # no news at all from the job for this long: something is wrong
+STOP_GRACE_S = 5.0  # each daemon's SIGTERM -> SIGKILL grace for its trainers
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+class DemoFailed(Exception):
+    """The demo could not show what it promised; the message says what happened."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: stop the pool and leave."""
+
+
+def demo_job_text() -> str:
+    """The demo job file shipped in this package (the same bytes as examples/demo.toml)."""
+    return resources.files("dpool.client").joinpath("demo.toml").read_text(encoding="utf-8")
+
+
+def demo_spec(steps: int | None) -> JobSpec:
+    data = tomllib.loads(demo_job_text())
+    if steps is not None:
+        data["train"]["steps"] = steps
+    return parse_job(data, source="demo.toml")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the local pool ------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Daemon:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    serving: bool
+
+
+@dataclass(slots=True)
+class LocalPool:
+    """`dpd` child processes, each in its own session (so a Ctrl-C in the terminal reaches only the
+    demo, which then stops them in order) with its own state dir under `root`."""
+
+    root: Path
+    addr: str = ""
+    daemons: list[Daemon] = field(default_factory=list)
+    trainers: set[int] = field(default_factory=set)  # trainer pids seen, killed if they outlive their dpd
+
+    def start(self, nodes: int) -> None:
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        env = dict(os.environ)
+        env.pop("DPOOL_COORDINATOR", None)
+        env["DPOOL_CACHE_DIR"] = str(self.root / "cache")  # one machine: build the token cache once
+        config = self.root / "dpd.toml"
+        config.write_text("# dpctl demo: loopback only, no keys; the user's own config is not read\n")
+        for i in range(nodes):
+            name = f"node-{i}"
+            log = self.root / f"{name}.log"
+            cmd = [
+                sys.executable, "-m", "dpool.daemon.cli", "run", "--config", str(config), "--name", name, "--workers", "1",
+                "--state-dir", str(self.root / name), "--stop-grace", str(STOP_GRACE_S),
+                *(["--serve", self.addr] if i == 0 else ["--join", self.addr]),
+            ]
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.daemons.append(Daemon(name, proc, log, serving=i == 0))
+
+    def by_name(self, name: str) -> Daemon | None:
+        return next((d for d in self.daemons if d.name == name), None)
+
+    def check_alive(self) -> None:
+        for d in self.daemons:
+            code = d.proc.poll()
+            if code is not None:
+                raise DemoFailed(f"dpd {d.name} (pid {d.proc.pid}) exited with code {code}; the end of its log ({d.log}):\n{tail(d.log)}")
+
+    def stop(self, out: TextIO, *, hurry: bool = False) -> None:
+        """SIGTERM every daemon (each stops its trainers), wait, SIGKILL whatever is left."""
+        for d in self.daemons:
+            self.trainers |= set(children(d.proc.pid))
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(d.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + (1.0 if hurry else STOP_GRACE_S + 10.0)
+        for d in self.daemons:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                d.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
+        for d in self.daemons:
+            if d.proc.poll() is None:
+                print(f"  dpd {d.name} (pid {d.proc.pid}) did not stop in time: SIGKILL", file=out)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(d.proc.pid, signal.SIGKILL)  # its session: the daemon and anything it forked there
+                d.proc.wait()
+        for pid in sorted(self.trainers):
+            if is_ours(pid, self.root):
+                print(f"  trainer pid {pid} outlived its dpd: SIGKILL", file=out)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # trainers lead their own process group
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line[:300] for line in text[-lines:])
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of `pid` (Linux /proc; empty elsewhere)."""
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def is_ours(pid: int, root: Path) -> bool:
+    """Whether `pid` is still a process of this demo's pool (guards against a reused pid)."""
+    try:
+        return str(root) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+# -- showing it ----------------------------------------------------------------------------------
+
+
+class Screen:
+    """Progress on one line rewritten in place on a terminal; a line every few steps otherwise.
+    Everything else (events, messages) is printed above the progress line."""
+
+    def __init__(self, out: TextIO, started: float) -> None:
+        self.out, self.started = out, started
+        self.tty = out.isatty()
+        self.live = False
+        self.last_step_printed = -1
+
+    def clock(self, t: float | None = None) -> str:
+        return f"[{(t if t is not None else time.time()) - self.started:6.1f}s]"
+
+    def say(self, text: str, t: float | None = None) -> None:
+        self._clear()
+        print(f"{self.clock(t)} {text}", file=self.out, flush=True)
+
+    def plain(self, text: str = "") -> None:
+        self._clear()
+        print(text, file=self.out, flush=True)
+
+    def progress(self, s: dict[str, Any], every: int) -> None:
+        step, steps = s["step"], s["steps"]
+        tps = sum(w.get("tokens_per_s", 0.0) for w in s.get("workers", []))
+        parts = [
+            f"step {step:>{len(str(steps))}}/{steps}",
+            f"loss {s['loss']:.3f}" if s.get("loss") is not None else "loss   -  ",
+            f"val {s['val_loss']:.3f}" if s.get("val_loss") is not None else "val   -  ",
+            f"{tps:>6.0f} tok/s",
+            f"{s['world_size']} worker{'s' if s['world_size'] != 1 else ''}",
+            f"gen {s['generation']}",
+            s["state"],
+        ]
+        line = "  ".join(parts)
+        if self.tty:
+            bar_w = 24
+            done = int(bar_w * step / max(steps, 1))
+            self.out.write(f"\r\x1b[2K{self.clock()} [{'#' * done}{'.' * (bar_w - done)}] {line}")
+            self.out.flush()
+            self.live = True
+        elif step != self.last_step_printed and (step % every == 0 or step == steps):
+            print(f"{self.clock()} {line}", file=self.out, flush=True)
+            self.last_step_printed = step
+
+    def _clear(self) -> None:
+        if self.live:
+            self.out.write("\r\x1b[2K")
+            self.live = False
+
+    def done(self) -> None:
+        if self.live:
+            self.out.write("\n")
+            self.out.flush()
+            self.live = False
+
+
+def describe_event(e: dict[str, Any], killed_at: float | None) -> str | None:
+    """A sentence for the events the demo is about (None: not worth a line)."""
+    kind = e.get("kind")
+    if kind == "node.joined":
+        return f"node.joined      {e.get('node')} ({e.get('slots', 1)} slot)"
+    if kind == "group.started":
+        return f"group.started    generation {e.get('generation')}, {e.get('world_size')} workers"
+    if kind == "worker.failed":
+        code = e.get("code")
+        how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}" if code is not None else e.get("detail", "")
+        after = f", detected {e['t'] - killed_at:.2f}s after the kill" if killed_at is not None and isinstance(e.get("t"), int | float) else ""
+        return f"worker.failed    rank {e.get('rank')} on {e.get('node', '?')}: {e.get('reason')} ({how}){after}"
+    if kind == "group.stopped":
+        return f"group.stopped    generation {e.get('generation')} ({e.get('reason')})"
+    if kind == "group.resumed":
+        return (
+            f"group.resumed    generation {e.get('generation')} resumed from step {e.get('from_step')}: "
+            f"{e.get('seconds_since_failure')}s after the failure, {e.get('steps_recomputed')} steps recomputed"
+        )
+    if kind == "job.queued" and e.get("reason"):
+        return f"job.queued       {e.get('reason')}"
+    if kind in ("job.succeeded", "job.failed", "job.cancelled"):
+        return f"{kind:<16} {e.get('error') or ''}".rstrip()
+    return None
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Run:
+    """What the demo has seen of its job so far."""
+
+    job_id: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
+    events_after: int = 0
+    events: list[dict[str, Any]] = field(default_factory=list)
+    killed_at: float | None = None
+    killed: str = ""
+    resumed: dict[str, Any] | None = None
+    news_at: float = field(default_factory=time.monotonic)
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, out: TextIO) -> None:
+        self.args, self.out = args, out
+        self.signals = 0
+        self.root = Path(tempfile.mkdtemp(prefix="dpool-demo-"))
+        self.pool = LocalPool(self.root)
+        self.started = time.time()
+        self.screen = Screen(out, self.started)
+        self.run = Run()
+
+    # Signal handlers only record; the loop raises Interrupted at its next turn.
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.signals += 1
+
+    def _check(self) -> None:
+        if self.signals:
+            raise Interrupted()
+        self.pool.check_alive()
+
+    def main(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        code, kept = EXIT_FAILED, True
+        try:
+            code = self._demo()
+            kept = False
+        except Interrupted:
+            self.screen.plain()
+            self.screen.say("interrupted: stopping the pool")
+            code = EXIT_INTERRUPTED
+        except DemoFailed as e:
+            self.screen.plain()
+            self.screen.say(f"demo failed: {e}")
+        except (Unreachable, RemoteError) as e:
+            self.screen.plain()
+            self.screen.say(f"demo failed: the control plane: {getattr(e, 'message', e)}")
+        finally:
+            self.screen.done()
+            self.pool.stop(self.out, hurry=self.signals > 1)
+            signal.signal(signal.SIGINT, old[signal.SIGINT])
+            signal.signal(signal.SIGTERM, old[signal.SIGTERM])
+            if kept or code != EXIT_OK:
+                print(f"pool stopped; its logs and state are kept in {self.root}", file=self.out, flush=True)
+            else:
+                shutil.rmtree(self.root, ignore_errors=True)
+                print("pool stopped", file=self.out, flush=True)
+        return code
+
+    def _demo(self) -> int:
+        a, s = self.args, self.screen
+        spec = demo_spec(a.steps)
+        steps = spec.train.steps
+        kill_at = a.kill_at if a.kill_at is not None else max(1, steps // 3)
+        n_params = "0.86M-parameter" if spec.model.layers == 4 and spec.model.dim == 128 else f"{spec.model.layers}-layer, dim {spec.model.dim}"
+        s.plain(f"dpool demo: {a.workers} local workers train a {n_params} GPT on Python's standard library ({steps} steps);")
+        s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
+        s.plain()
+
+        self.pool.start(a.workers)
+        s.say(f"pool: {', '.join(d.name for d in self.pool.daemons)} (dpd pids {', '.join(str(d.proc.pid) for d in self.pool.daemons)}); control plane {self.pool.addr}")
+        with Client(self.pool.addr, 5.0) as c:
+            self._wait_registered(c, a.workers)
+            reply = c.call(m.Submit(job=spec.to_dict(), source="demo.toml"), m.Submitted)
+            self.run.job_id = reply.job_id
+            s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, checkpoint every {spec.checkpoint.every_steps} steps)")
+            self._follow(c, kill_at, every=max(1, steps // 20))
+            st = self.run.status
+            if st["state"] != "succeeded":
+                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; see `dpctl logs`-style output in {self.root}/node-*/jobs/*/slot-*/worker.log")
+            if self.run.resumed is None:
+                raise DemoFailed(f"job {self.run.job_id} succeeded, but no automatic resume was seen ({self.run.killed or 'no worker was killed'})")
+            rec = fetch_job(c, self.run.job_id, samples=True)
+        self._finish(rec)
+        return EXIT_OK
+
+    def _wait_registered(self, c: Client, n: int) -> None:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        seen = 0
+        while time.monotonic() < deadline:
+            self._check()
+            try:
+                nodes = [x for x in c.call(m.Nodes(), m.NodesReply).nodes if x["state"] != "lost"]
+            except Unreachable:
+                nodes = []  # the serving dpd is still starting
+            if len(nodes) > seen:
+                seen = len(nodes)
+            if seen >= n:
+                self.screen.say(f"{n} nodes registered: {', '.join(x['name'] + ' (' + x['platform'] + ', mlx ' + x['mlx_version'] + ')' for x in nodes)}")
+                return
+            time.sleep(POLL_S)
+        raise DemoFailed(f"only {seen} of {n} daemons registered within {REGISTER_TIMEOUT_S:.0f}s; their logs:\n" + "\n".join(f"  {d.name}:\n{tail(d.log)}" for d in self.pool.daemons))
+
+    def _follow(self, c: Client, kill_at: int, every: int) -> None:
+        run, s = self.run, self.screen
+        while True:
+            self._check()
+            st = c.call(m.Status(job=run.job_id), m.StatusReply).jobs[0]
+            if st != run.status:
+                run.news_at = time.monotonic()
+            run.status = st
+            self._events(c)
+            if st["state"] in TERMINAL:
+                s.progress(st, every)
+                s.done()
+                return
+            if st["state"] in ("running", "recovering") and st["step"] > 0:
+                s.progress(st, every)
+            if run.killed_at is None and st["state"] == "running" and st["generation"] == 1 and st["step"] >= kill_at:
+                self._kill(st)
+            if time.monotonic() - run.news_at > STALL_TIMEOUT_S:
+                raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st['state']}, step {st['step']})")
+            time.sleep(POLL_S)
+
+    def _events(self, c: Client) -> None:
+        run = self.run
+        while True:
+            reply = c.call(m.Events(job=run.job_id, after=run.events_after), m.EventsReply)
+            run.events_after = reply.cursor
+            for e in reply.events:
+                run.events.append(e)
+                run.news_at = time.monotonic()
+                if e.get("kind") == "group.resumed" and run.resumed is None:
+                    run.resumed = e
+                text = describe_event(e, run.killed_at)
+                if text:
+                    self.screen.say(text, e.get("t"))
+            if not reply.more:
+                return
+
+    def _kill(self, st: dict[str, Any]) -> None:
+        """SIGKILL one trainer: the highest rank, preferring a node that does not serve the control
+        plane (the serving node can die too, but that is a different demo)."""
+        workers = sorted(st["workers"], key=lambda w: (self.pool.by_name(w["node"]) is not None and self.pool.by_name(w["node"]).serving, -w["rank"]))  # type: ignore[union-attr]
+        if not workers:
+            return
+        victim = workers[0]
+        pid = self._trainer_pid(victim, st["generation"], st["world_size"])
+        if pid is None:
+            return  # its trainer is not up yet: try again at the next poll
+        self.run.killed_at = time.time()
+        self.run.killed = f"rank {victim['rank']} on {victim['node']}, pid {pid}, at step {st['step']}"
+        self.screen.say(f"SIGKILL -> trainer of rank {victim['rank']} on {victim['node']} (pid {pid}) at step {st['step']}", self.run.killed_at)
+        self.pool.trainers.add(pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    def _trainer_pid(self, worker: dict[str, Any], generation: int, world: int) -> int | None:
+        """The pid of a rank's trainer: as the control plane reports it in the job's status when it
+        does, else the trainer child of that node's dpd started for this generation and rank."""
+        pid = worker.get("pid")
+        if isinstance(pid, int) and pid > 0:
+            return pid
+        d = self.pool.by_name(worker["node"])
+        if d is None:
+            return None
+        for child in children(d.proc.pid):
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+                env = Path(f"/proc/{child}/environ").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if "dpool.trainer" not in argv or "--generation" not in argv:
+                continue
+            if argv[argv.index("--generation") + 1] != str(generation):
+                continue
+            if world == 1 or f"MLX_RANK={worker['rank']}" in env:
+                return child
+        return None
+
+    def _finish(self, rec: Any) -> None:
+        s, run = self.screen, self.run
+        st = rec.status
+        r = run.resumed or {}
+        evals = rec.evals
+        s.plain()
+        s.say(f"job {st['id']} succeeded: {st['steps']} steps in {time.time() - self.started:.0f}s, {st['generation']} generations")
+        s.plain(
+            f"  recovery:        {run.killed} was killed; generation {r.get('generation')} resumed from step {r.get('from_step')}, "
+            f"{r.get('seconds_since_failure')}s after the failure, {r.get('steps_recomputed')} steps recomputed"
+        )
+        if evals:
+            first = evals[0]
+            s.plain(f"  validation loss: {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']} (from {first['val_loss']:.4f} at step {first['step']})")
+        else:
+            s.plain("  validation loss: none was logged")
+        if rec.samples:
+            last = rec.samples[-1]
+            s.plain(f"  sample at step {last['step']}:")
+            for line in str(last.get("text", "")).splitlines()[:12]:
+                s.plain(f"    | {line}")
+        path = plot(rec, Path.cwd() / PLOT_FILE)
+        s.plain(f"  loss curve:      {path}")
+        s.plain(f"  (the same views: dpctl --coordinator {self.pool.addr} status|metrics|events|plot {st['id']}, while a pool runs)")
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("demo", help="a local pool trains the demo job, survives a killed worker, and stops")
+    s.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=f"local workers, one dpd each (default {DEFAULT_WORKERS})")
+    s.add_argument("--steps", type=int, help="override the demo job's train.steps (default: the job file's, 200)")
+    s.add_argument("--kill-at", dest="kill_at", type=int, help="the step at which one worker is SIGKILLed (default: a third of the way)")
+    s.set_defaults(fn=None, local_fn=cmd_demo)  # its own pool: no --coordinator needed
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """The `dpctl demo` entry."""
+    if a.workers < 1 or a.workers > 8:
+        print(f"dpctl demo: --workers {a.workers}: must be between 1 and 8", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        spec = demo_spec(a.steps)
+    except JobFileError as e:
+        print(f"dpctl demo: --steps {a.steps}: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    steps = spec.train.steps
+    if a.kill_at is not None and not 1 <= a.kill_at < steps:
+        print(f"dpctl demo: --kill-at {a.kill_at}: must be between 1 and {steps - 1} (the job has {steps} steps)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if steps < 2:
+        print(f"dpctl demo: --steps {steps}: must be at least 2, so that a worker can be killed mid-run", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return Demo(a, sys.stdout).main()
