@@ -223,6 +223,21 @@ def cmd_cancel(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_drain(c: Client, a: argparse.Namespace) -> int:
+    reply = c.call(m.Drain(node=a.node), m.DrainReply)
+    if reply.state == "draining":
+        print(f"node {reply.node} draining: its workers checkpoint and leave (no step lost); it takes no new work until `dpctl undrain {reply.node}`")
+    else:
+        print(f"node {reply.node} drained: it takes no new work until `dpctl undrain {reply.node}`")
+    return EXIT_OK
+
+
+def cmd_undrain(c: Client, a: argparse.Namespace) -> int:
+    reply = c.call(m.Undrain(node=a.node), m.UndrainReply)
+    print(f"node {reply.node} takes work again ({reply.state})")
+    return EXIT_OK
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -266,6 +281,14 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
     s.add_argument("job")
     s.set_defaults(fn=cmd_cancel)
+
+    s = sub.add_parser("drain", help="a node's workers checkpoint and leave (no step lost); it takes no new work")
+    s.add_argument("node")
+    s.set_defaults(fn=cmd_drain)
+
+    s = sub.add_parser("undrain", help="a drained (or set aside) node takes work again")
+    s.add_argument("node")
+    s.set_defaults(fn=cmd_undrain)
 
     client_plot.add_parser(sub)
     client_watch.add_parser(sub)

@@ -49,6 +49,8 @@ LOG_BATCH_LINES = 500
 LOG_LINE_MAX = 8192
 IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
 EXITS_KEPT = 64
+HELD_MAX = 20_000  # metric, sample and checkpoint reports kept while the coordinator is away
+KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
 
 
 class Refused(Exception):
@@ -111,6 +113,7 @@ class Agent:
         self.worker_addr = ""
         self.registered = False
         self.dropped = 0
+        self.held: collections.deque[Message] = collections.deque(maxlen=HELD_MAX)  # reports kept while away
         self._last_sent = 0.0
 
     # -- life ----------------------------------------------------------------------------------
@@ -216,6 +219,9 @@ class Agent:
             if isinstance(msg, m.NodeRegistered):
                 self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
                 self.registered = True
+                held, self.held = list(self.held), collections.deque(maxlen=HELD_MAX)
+                for h in held:
+                    self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
                 return
             if isinstance(msg, m.Error) and msg.code == ErrorCode.DUPLICATE_NAME:
@@ -262,7 +268,10 @@ class Agent:
 
     def _send(self, msg: Message) -> None:
         if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
-            self.dropped += 1
+            if isinstance(msg, KEPT_WHILE_AWAY):
+                self.held.append(msg)  # sent once registered again: the job's record stays whole
+            else:
+                self.dropped += 1
             return
         try:
             self.craw.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
@@ -353,6 +362,7 @@ class Agent:
         if hostfile is not None:
             env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
         env["DPOOL_WORKER_ADDR"] = self.worker_addr
+        env["DPOOL_DAEMON_PID"] = str(os.getpid())  # the trainer exits when its daemon is gone
         env["PYTHONUNBUFFERED"] = "1"
         shares = ",".join(str(s) for s in msg.shares)
         cmd = [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation)]
@@ -365,6 +375,7 @@ class Agent:
                 env=env,
                 cwd=str(run_dir),
                 start_new_session=True,  # its own process group: stopping it stops its children too
+                preexec_fn=_die_with_parent(os.getpid()),
                 limit=1 << 20,
             )
         except OSError as e:
@@ -418,6 +429,7 @@ class Agent:
         w.stopping = True
         self.log.info("worker.stopping", job=w.job, rank=w.rank, pid=w.pid, why=why, grace_s=self.stop_grace_s)
         self._signal(w, signal.SIGTERM)
+        self._signal(w, signal.SIGCONT)  # a stopped (SIGSTOP) trainer acts on SIGTERM only once continued
         w.tasks.append(asyncio.create_task(self._kill_after_grace(w)))
 
     async def _kill_after_grace(self, w: Worker) -> None:
@@ -508,3 +520,22 @@ class Agent:
         while w.lines:
             batch, w.lines = w.lines[:LOG_BATCH_LINES], w.lines[LOG_BATCH_LINES:]
             self._send(m.NodeLogs(job=w.job, generation=w.generation, rank=w.rank, lines=batch))
+
+
+def _die_with_parent(parent: int):
+    """A preexec_fn: on Linux the trainer gets SIGKILL when this daemon dies (PR_SET_PDEATHSIG), so
+    a SIGKILLed dpd leaves no orphan training on. (macOS has no such call: the trainer's WorkerLink
+    watches its parent pid instead.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the daemon died before prctl took effect
+            os._exit(1)
+
+    return preexec

@@ -75,6 +75,7 @@ class Coordinator:
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         now = self.clock()
+        self.pool.remembered = self.store.set_aside_nodes()
         for job in self.store.load_jobs():
             self.pool.restore(job, now)
         self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs), curve=self.keys is not None)
@@ -221,6 +222,14 @@ class Coordinator:
                 job = self._job(ref)
                 self._run(self.pool.cancel(now, job))
                 return m.CancelReply(job_id=job.id, state=str(job.state))
+            case m.Drain(node=name) | m.Undrain(node=name):
+                if name not in self.pool.nodes:
+                    known = ", ".join(sorted(self.pool.nodes)) or "none"
+                    raise ProtocolError(ErrorCode.NOT_FOUND, f"no node {name!r} in the pool (nodes: {known})")
+                drain = isinstance(msg, m.Drain)
+                self._run(self.pool.drain(now, name) if drain else self.pool.undrain(now, name))
+                node = self.pool.nodes[name]
+                return (m.DrainReply if drain else m.UndrainReply)(node=name, state=str(node.state), reason=node.reason)
             case m.NodeRegister():
                 return self._register(peer, msg, now)
         name = self.node_of.get(peer)

@@ -53,6 +53,10 @@ class MsgType(enum.StrEnum):
     LOGS_REPLY = "logs.reply"
     CANCEL = "cancel"
     CANCEL_REPLY = "cancel.reply"
+    DRAIN = "drain"
+    DRAIN_REPLY = "drain.reply"
+    UNDRAIN = "undrain"
+    UNDRAIN_REPLY = "undrain.reply"
     # dpd (node agent) -> coordinator
     NODE_REGISTER = "node.register"
     NODE_REGISTERED = "node.registered"  # coordinator's reply
@@ -363,6 +367,44 @@ class CancelReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.CANCEL_REPLY
     job_id: str
     state: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Drain(Message):
+    """Its groups checkpoint and restart without it; the node takes no new work until undrain."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DRAIN
+    node: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class DrainReply(Message):
+    """`state`: the node's state after the request (`draining` while its workers leave)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.DRAIN_REPLY
+    node: str
+    state: str
+    reason: str | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Undrain(Message):
+    """Take work again (also lifts a node set aside after repeated failures)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.UNDRAIN
+    node: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class UndrainReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.UNDRAIN_REPLY
+    node: str
+    state: str
+    reason: str | None = None
 
 
 # -- dpd -> coordinator ------------------------------------------------------------------------

@@ -5,11 +5,19 @@ The daemon sets `DPOOL_WORKER_ADDR` (a ZeroMQ address it listens on) when it sta
 send is non-blocking into a bounded queue: when the daemon is slow or gone, reports are dropped
 (and counted) rather than ever slowing a training step. The one message back, `worker.stop`, is
 read by `stop_requested()`, a non-blocking poll.
+
+A trainer must not outlive its daemon (nobody would stop it, and its slot would be given to another
+worker). On Linux the daemon asks the kernel to SIGKILL it (PR_SET_PDEATHSIG); on macOS there is no
+such call, so the link watches the parent pid (`DPOOL_DAEMON_PID`): once it changes, the next step
+boundary counts as a stop request (checkpoint, exit 75), and a trainer still alive `ORPHAN_GRACE_S`
+later (stuck in MLX's init, or in an all_sum whose peers are gone) exits at once.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 from typing import Any
 
 import zmq
@@ -29,6 +37,10 @@ from dpool.protocol.messages import (
 ENV_ADDR = "DPOOL_WORKER_ADDR"
 SEND_HWM = 10_000  # messages queued for the daemon before further sends are dropped
 LINGER_MS = 500  # how long close() waits to deliver what is queued (the last checkpoint report)
+ENV_PARENT = "DPOOL_DAEMON_PID"
+ORPHAN_CHECK_S = 0.5
+ORPHAN_GRACE_S = 10.0
+EXIT_ORPHANED = 70
 
 
 class WorkerLink:
@@ -43,6 +55,11 @@ class WorkerLink:
         self._sock.connect(addr)
         self._next_id = 1
         self._stop = False
+        self.orphaned = False
+        parent = os.environ.get(ENV_PARENT, "")
+        self._parent = int(parent) if parent.isdigit() else os.getppid()
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch_parent, name="dpool-parent-watch", daemon=True).start()
 
     @classmethod
     def from_env(cls) -> WorkerLink | None:
@@ -76,8 +93,20 @@ class WorkerLink:
 
     # -- the daemon's request ------------------------------------------------------------------
 
+    def _watch_parent(self) -> None:
+        while not self._closed.wait(ORPHAN_CHECK_S):
+            if os.getppid() != self._parent:
+                self.orphaned = True
+                print(f"dpool: the daemon (pid {self._parent}) is gone; stopping at the next step", file=sys.stderr, flush=True)
+                if not self._closed.wait(ORPHAN_GRACE_S):
+                    os._exit(EXIT_ORPHANED)  # stuck where no step boundary comes: leave now
+                return
+
     def stop_requested(self) -> bool:
-        """True once the daemon asked this worker to checkpoint at the next step boundary and exit."""
+        """True once the daemon asked this worker to checkpoint at the next step boundary and exit
+        (or the daemon is gone)."""
+        if self.orphaned:
+            return True
         while not self._stop:
             try:
                 frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
@@ -92,6 +121,7 @@ class WorkerLink:
         return self._stop
 
     def close(self) -> None:
+        self._closed.set()
         self._sock.close()  # lingers LINGER_MS to deliver what is queued
         self._ctx.term()
 
