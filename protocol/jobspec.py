@@ -103,6 +103,11 @@ def _spec(check, doc: str, default: Any = _MISSING):
 class WorkersSpec:
     min: int = _spec(_int(1), "the job stays queued until this many worker slots are free", 1)
     max: int = _spec(_int(1), "the most worker slots the job takes", 8)
+    balance: bool = _spec(
+        lambda v: None if isinstance(v, bool) else "must be true or false",
+        "move sequences of the global batch to faster workers while the job runs",
+        True,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,15 +199,6 @@ class JobSpec:
     def to_dict(self) -> dict[str, Any]:
         """The job as plain data (what travels on the wire and into SQLite)."""
         return dataclasses.asdict(self)
-
-    @property
-    def micro_batch_max(self) -> int:
-        """The micro batch bound in sequences ('auto' picks one that keeps activations small)."""
-        mb = self.train.micro_batch
-        if isinstance(mb, int):
-            return mb
-        # 'auto': ~64k tokens of activations per micro batch, at most the global batch.
-        return max(1, min(self.train.global_batch, 65536 // self.model.context))
 
     def training_hash(self) -> str:
         """Hash of everything that shapes the loss curve; checkpoints of another hash are refused."""

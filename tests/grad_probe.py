@@ -31,7 +31,7 @@ def main(job: str, out: str, cache: str, shares_arg: str | None) -> None:
     opt.init(model.trainable_parameters())
     _restore(spec, __import__("pathlib").Path(out + f".rank{group.rank}"), group, model, opt, get_logger())
     offset, share = split_shares(shares)[group.rank]
-    stepper = Stepper(model, opt, group, spec.micro_batch_max, spec.train.grad_clip)
+    stepper = Stepper(model, opt, group, spec.train.micro_batch if isinstance(spec.train.micro_batch, int) else spec.train.global_batch, spec.train.grad_clip)
     names, grads, _ = stepper.reduce(sampler.sequences(1, offset, share))
     mx.eval(grads)  # every rank must run the collective, not only the one that saves
     if group.rank == 0:

@@ -72,7 +72,9 @@ def start(
     shares: list[int] | None = None,
     env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
+    pin: list[list[str]] | None = None,
 ) -> Group:
+    """Start `world` ranks; `pin` optionally prefixes each rank's command (e.g. taskset)."""
     tmp.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", run_dir, *(extra_args or [])]
     if shares:
@@ -90,7 +92,7 @@ def start(
         logs.append(log)
         with open(log, "wb") as out:
             procs.append(
-                subprocess.Popen(args, env=trainer_env(extra), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen([*(pin[rank] if pin else []), *args], env=trainer_env(extra), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             )
     return Group(procs, logs)
 

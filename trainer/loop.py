@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
+from dpool.trainer.balance import Balancer, auto_micro_batch, machine_memory_bytes
 from dpool.trainer.data import VOCAB_SIZE, BatchSampler, eval_windows, load_corpus, split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.model import build_model, generate
@@ -148,10 +149,18 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         )
     t = spec.train
     sampler = BatchSampler(corpus.train, spec.model.context, t.global_batch, t.seed)
-    offset, share = split_shares(shares)[rank]
     # Held-out set: eval.batches global batches of fixed windows; each rank scores its share of each.
-    val = eval_windows(corpus.val, spec.model.context, spec.eval.batches * t.global_batch, t.seed)
-    val = val.reshape(spec.eval.batches, t.global_batch, -1)[:, offset : offset + share].reshape(-1, val.shape[-1])
+    val_all = eval_windows(corpus.val, spec.model.context, spec.eval.batches * t.global_batch, t.seed)
+    val_all = val_all.reshape(spec.eval.batches, t.global_batch, -1)
+    memory = machine_memory_bytes()
+
+    def micro_for(share: int) -> int:
+        if isinstance(t.micro_batch, int):
+            return min(t.micro_batch, share)
+        m = spec.model
+        return auto_micro_batch(share, m.layers, m.dim, m.heads, m.context, VOCAB_SIZE, memory)
+
+    offset, share = split_shares(shares)[rank]
 
     model = build_model(spec.model, VOCAB_SIZE, t.seed)
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
@@ -160,17 +169,20 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, params=n_params,
-        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=spec.micro_batch_max,
+        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=micro_for(share),
     )
     if link:
         link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
 
-    stepper = Stepper(model, optimizer, group, spec.micro_batch_max, t.grad_clip)
+    stepper = Stepper(model, optimizer, group, micro_for(share), t.grad_clip)
+    balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
+    announce: list[int] | None = None
     metrics = MetricsLog(run_dir, start, enabled=rank == 0)
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
     job_hash = spec.training_hash()
 
     def evaluate(step: int) -> None:
+        val = val_all[:, offset : offset + share].reshape(-1, val_all.shape[-1])
         val_loss = stepper.eval_loss(val)
         row = {"kind": "eval", "step": step, "val_loss": val_loss}
         metrics.append(metrics.metrics, row)
@@ -197,7 +209,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     for step in range(start + 1, t.steps + 1):
         rows = sampler.sequences(step, offset, share)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
-        stats = stepper.step(rows, lr, stop_requested=bool(link and link.stop_requested()))
+        stats = stepper.step(rows, lr, stop_requested=bool(link and link.stop_requested()), announce=announce)
         now = time.perf_counter()
         seconds, last = now - last, now
         if link:
@@ -206,7 +218,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             row = {
                 "kind": "train", "step": step, "loss": stats.loss, "lr": lr, "tokens": stats.tokens,
                 "tokens_per_s": stats.tokens / seconds, "world_size": world, "generation": generation,
-                "grad_norm": stats.grad_norm,
+                "grad_norm": stats.grad_norm, "shares": shares,
                 "rank_tokens_per_s": [s * spec.model.context / max(c, 1e-9) for s, c in zip(shares, stats.rank_seconds, strict=True)],
             }
             metrics.append(metrics.metrics, row)
@@ -235,6 +247,19 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             if link:
                 link.sample(row)
         report_checkpoints(writer.completed())
+        # Balance: rank 0 proposes from measured speeds; the split it announced in this step's
+        # all_sum reached every rank together, and all switch from the next step on.
+        announce = None
+        if stats.new_shares and stats.new_shares != shares:
+            log.info("rebalanced", step=step, old=shares, shares=stats.new_shares)
+            shares = stats.new_shares
+            offset, share = split_shares(shares)[rank]
+            stepper.micro = micro_for(share)
+            if balancer:
+                balancer.adopt(shares)
+        elif balancer:
+            balancer.observe(stats.rank_seconds)
+            announce = balancer.propose()
         if stats.stop:
             # Every rank saw the flag in the same all_sum, so all stop after the same step.
             stopped = True

@@ -43,6 +43,7 @@ class StepStats:
     rank_seconds: list[float]  # each rank's compute time (without the collective): balance input
     grad_norm: float  # before clipping
     stop: bool  # some rank was asked to checkpoint and stop after this step
+    new_shares: list[int] | None  # rank 0 announced a new split, used from the next step on
 
 
 class Stepper:
@@ -77,25 +78,32 @@ class Stepper:
         assert acc is not None, "a rank's share is never empty (shares are >= 1)"
         return tree_flatten(acc), total
 
-    def reduce(self, rows: np.ndarray, stop_requested: bool = False) -> tuple[list[str], list[mx.array], mx.array]:
+    def reduce(
+        self, rows: np.ndarray, stop_requested: bool = False, announce: list[int] | None = None
+    ) -> tuple[list[str], list[mx.array], mx.array]:
         """The pool's mean gradient (names, arrays) and the summed control vector, identical on every rank."""
         t0 = time.perf_counter()
         flat, loss = self.grad_sums(rows)
         compute = time.perf_counter() - t0
         tokens = rows.shape[0] * (rows.shape[1] - 1)
         world, rank = self.group.size, self.group.rank
-        # Control vector: [loss sum, tokens, stop flag, seconds of rank 0..world-1]. Summing it
-        # gives every rank the pool's totals, and each rank's own time in its own slot.
-        control = [0.0] * (3 + world)
+        # Control vector: [loss sum, tokens, stop flag, seconds of ranks 0..w-1, shares 0..w-1].
+        # Summing it gives every rank the pool's totals, each rank's time in its own slot, and
+        # the split rank 0 announces (only rank 0 writes those slots; all zero: no change).
+        control = [0.0] * (3 + 2 * world)
         control[1], control[2], control[3 + rank] = float(tokens), float(stop_requested), compute
+        if announce and rank == 0:
+            control[3 + world :] = [float(s) for s in announce]
         ctl = mx.concatenate([loss.reshape(1).astype(mx.float32), mx.array(control[1:], dtype=mx.float32)])
         summed = self.group.all_sum_fused([g for _, g in flat] + [ctl])
         ctl_sum = summed[-1]
         inv = 1.0 / ctl_sum[1]  # every rank divides by the pool's token count
         return [k for k, _ in flat], [g * inv for g in summed[:-1]], ctl_sum
 
-    def step(self, rows: np.ndarray, lr: float, stop_requested: bool = False) -> StepStats:
-        names, grads, ctl_sum = self.reduce(rows, stop_requested)
+    def step(
+        self, rows: np.ndarray, lr: float, stop_requested: bool = False, announce: list[int] | None = None
+    ) -> StepStats:
+        names, grads, ctl_sum = self.reduce(rows, stop_requested, announce)
         norm = mx.sqrt(sum((g * g).sum() for g in grads))
         if self.grad_clip > 0:
             scale = mx.minimum(1.0, self.grad_clip / (norm + 1e-6))
@@ -105,8 +113,11 @@ class Stepper:
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
         mx.eval(self.model.parameters(), self.optimizer.state, ctl_sum, norm)
         c = ctl_sum.tolist()
+        world = self.group.size
+        announced = [round(x) for x in c[3 + world :]]
         return StepStats(
-            loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3:], grad_norm=float(norm.item()), stop=c[2] > 0
+            loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3 : 3 + world], grad_norm=float(norm.item()),
+            stop=c[2] > 0, new_shares=announced if any(announced) else None,
         )
 
     def eval_loss(self, rows: np.ndarray) -> float:

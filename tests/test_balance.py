@@ -1,0 +1,110 @@
+"""Balance: faster ranks take bigger shares while the job runs; the loss curve does not move."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import ring
+
+from dpool.trainer.balance import (
+    Balancer,
+    apportion,
+    auto_micro_batch,
+    bytes_per_sequence,
+    step_time,
+)
+
+
+def test_apportion_is_proportional_whole_and_never_zero():
+    assert apportion([1, 1, 1], 24) == [8, 8, 8]
+    assert apportion([1, 2, 3], 24) == [4, 8, 12]
+    assert sum(apportion([0.3, 7.1, 2.2], 31)) == 31
+    assert apportion([1000.0, 0.001], 4) == [3, 1], "a slow rank keeps one sequence"
+    with pytest.raises(ValueError):
+        apportion([1, 1, 1], 2)
+
+
+def test_balancer_moves_work_to_the_faster_rank_and_ignores_noise():
+    b = Balancer([12, 12], window=3)
+    for _ in range(2):
+        b.observe([1.0, 2.0])  # rank 1 takes twice as long for the same share
+        assert b.propose() is None, "waits for a full window"
+    b.observe([1.0, 2.0])
+    new = b.propose()
+    assert new == [16, 8]
+    assert step_time(new, b.speeds()) < step_time([12, 12], b.speeds())
+    b.adopt(new)
+    assert b.speeds() is None, "timings under the old split are dropped"
+    for _ in range(3):
+        b.observe([1.33, 1.40])  # nearly even now: a 5% difference is not worth a change
+    assert b.propose() is None
+
+
+def test_balancer_median_shrugs_off_one_outlier():
+    b = Balancer([8, 8], window=4)
+    for t in ([1.0, 1.0], [1.0, 9.0], [1.0, 1.0], [1.0, 1.0]):  # one compile-time spike
+        b.observe(t)
+    assert b.propose() is None
+
+
+def test_small_memory_machines_get_smaller_micro_batches():
+    per_seq = bytes_per_sequence(4, 128, 4, 64, 256)
+    big = auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=64 << 30)
+    small = auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=per_seq * 12)
+    assert big == 16 and small == 3
+    assert auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=1) == 1
+
+
+JOB = """\
+name = "balance"
+[model]
+layers = 2
+dim = 64
+heads = 4
+context = 64
+[train]
+steps = 30
+global_batch = 24
+micro_batch = {micro}
+lr = 1e-3
+warmup_steps = 3
+log_every_steps = 1
+[checkpoint]
+every_steps = 30
+[eval]
+every_steps = 30
+batches = 1
+sample_every_steps = 30
+sample_tokens = 8
+"""
+
+
+@pytest.mark.skipif(not shutil.which("taskset") or (os.cpu_count() or 1) < 2, reason="needs taskset and 2 CPUs")
+def test_a_slowed_rank_gets_a_smaller_share_and_the_curve_holds(tmp_path):
+    """Rank 1 shares its CPU with a busy loop (a slower machine); rank 0 has a CPU to itself."""
+    job = tmp_path / "job.toml"
+    job.write_text(JOB.format(micro='"auto"'))
+    env = {"DPOOL_CACHE_DIR": str(tmp_path / "cache"), "OPENBLAS_NUM_THREADS": "1"}
+    ring.run(job, str(tmp_path / "alone"), 1, tmp_path / "logs", env=env)
+    spinner = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"], start_new_session=True)
+    try:
+        g = ring.run(job, str(tmp_path / "pair" / "r{rank}"), 2, tmp_path / "logs", env=env,
+                     pin=[["taskset", "-c", "0"], ["taskset", "-c", "1"]])
+    finally:
+        os.killpg(spinner.pid, signal.SIGKILL)
+        spinner.wait()
+    out = [json.loads(line) for line in g.output(0).splitlines() if line.startswith("{")]
+    changes = [e for e in out if e.get("event") == "rebalanced"]
+    assert changes, "the slowed rank's share never changed"
+    assert changes[-1]["shares"][0] > changes[-1]["shares"][1], changes
+    rows = ring.metrics(tmp_path / "pair" / "r0")
+    assert rows[1]["shares"] == [12, 12] and rows[30]["shares"][0] > 12
+    alone = ring.metrics(tmp_path / "alone")
+    worst = max(abs(alone[s]["loss"] - rows[s]["loss"]) for s in range(1, 31))
+    assert worst < 1e-4, f"balancing changed the loss curve by {worst:.2e}"
