@@ -39,6 +39,7 @@ HANDSHAKE_REASONS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "the peer does not use CURVE (a dpd or dpctl without --keys)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "the peer's CURVE handshake does not decrypt (it holds another pool's coordinator.key)",
 }
+HANDSHAKE_DROPPED = "the peer closed the connection during the CURVE handshake (a dpd or dpctl without --keys?)"
 HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
@@ -188,9 +189,14 @@ class CurveServer:
 
     def _on_event(self, _mon: zmq.Socket[Any], frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)
-        if event["event"] != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-            return  # AUTH: the ZAP handler logged it with the key; NO_DETAIL: a dropped connection
-        reason = HANDSHAKE_REASONS.get(int(event["value"]), f"CURVE handshake failed (ZMTP error {event['value']:#x})")
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return  # the ZAP handler logged it, with the key
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # the peer hung up mid-handshake: what a peer without keys often does when it sees the
+            # mismatch first (which side notices first is a race)
+            reason = HANDSHAKE_DROPPED
+        else:
+            reason = HANDSHAKE_REASONS.get(int(event["value"]), f"CURVE handshake failed (ZMTP error {event['value']:#x})")
         self._warn("auth.handshake_failed", reason, endpoint=event["endpoint"].decode(errors="replace"), reason=reason)
 
     def _warn(self, event: str, what: str, **fields: Any) -> None:
