@@ -7,6 +7,7 @@ started it, DPOOL_WORKER_ADDR names the daemon's socket and every step is report
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -110,6 +111,8 @@ def _restore(
         except ckpt.CheckpointError:
             have = 0
     (holders,) = group.sum_ints([have])
+    if step > 0 and holders < group.size:
+        _check_same_layout(group, model, optimizer)
     local = holders == group.size
     if step > 0 and (local or group.rank == 0):
         weights, opt_state = ckpt.load_arrays(run_dir, step)
@@ -128,6 +131,22 @@ def _restore(
     mx.eval(model.parameters(), optimizer.state)
     how = "fresh" if step == 0 else ("local" if local else "broadcast")
     return step, how
+
+
+def _check_same_layout(group: Group, model, optimizer) -> None:
+    """Before a broadcast: every rank must hold the same names, shapes and dtypes, or the fused
+    collective would pair mismatched buffers (and hang or corrupt) instead of failing clearly."""
+    items = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    items += sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
+    text = ";".join(f"{k}:{v.shape}:{v.dtype}" for k, v in items)
+    mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    (theirs,) = group.broadcast_ints([mine])
+    (differ,) = group.sum_ints([int(mine != theirs)])
+    if differ:
+        raise RuntimeError(
+            f"{differ} rank(s) build a model or optimizer state that differs from rank 0's "
+            "(different mlx or dpool versions?); cannot receive its checkpoint"
+        )
 
 
 def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int) -> int:
