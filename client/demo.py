@@ -332,7 +332,7 @@ class Demo:
         s.plain()
 
         self.pool.start(a.workers)
-        s.say(f"pool: {', '.join(d.name for d in self.pool.daemons)} (dpd pids {', '.join(str(d.proc.pid) for d in self.pool.daemons)}); control plane {self.pool.addr}")
+        s.say(f"pool: {', '.join(d.name for d in self.pool.daemons)} (dpd pids {', '.join(str(d.proc.pid) for d in self.pool.daemons)}); control plane {self.pool.addr}; state in {self.root}")
         with Client(self.pool.addr, 5.0) as c:
             self._wait_registered(c, a.workers)
             reply = c.call(m.Submit(job=spec.to_dict(), source="demo.toml"), m.Submitted)

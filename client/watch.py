@@ -9,6 +9,7 @@ can be logged or piped. Exit 0 when the job succeeded, 1 when it failed or was c
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from typing import Any, TextIO
@@ -70,8 +71,8 @@ def render(s: dict[str, Any], events: list[dict[str, Any]], width: int = 100) ->
     lines.append("")
     lines.append("recent events")
     shown = [e for e in events if e.get("kind") not in QUIET_EVENTS][-RECENT_EVENTS:]
-    lines += [f"  {event_text(e)}"[:width] for e in shown] or ["  (none yet)"]
-    return lines
+    lines += [f"  {event_text(e)}" for e in shown] or ["  (none yet)"]
+    return [line[:width] for line in lines]  # a wrapped line would throw the in-place redraw off
 
 
 def watch(c: Client, job: str, out: TextIO, *, tty: bool | None = None, poll_s: float = POLL_S) -> int:
@@ -92,7 +93,7 @@ def watch(c: Client, job: str, out: TextIO, *, tty: bool | None = None, poll_s: 
                 break
         events = (events + new)[-200:]
         if tty:
-            block = render(s, events)
+            block = render(s, events, shutil.get_terminal_size((120, 40)).columns - 1)
             # Move up over the previous block and clear it, then draw the new one.
             out.write((f"\x1b[{drawn}F" if drawn else "") + "\x1b[J" + "\n".join(block) + "\n")
             out.flush()

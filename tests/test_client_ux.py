@@ -1,0 +1,221 @@
+"""The user-facing views: `dpctl demo`, `dpctl plot` and `dpctl watch`, with real processes.
+
+The demo test runs the README's first command, shortened (40 steps, a worker killed at step 12):
+a real local pool, a real SIGKILL, a real automatic resume. It takes about a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Processes, free_port, pids_with, wait_for
+
+from dpool.client.plot import JobRecord, restarts
+from dpool.client.rpc import Client
+from dpool.client.watch import render
+from dpool.protocol import messages as m
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = """\
+name = "{name}"
+[workers]
+min = {min}
+max = {min}
+[model]
+layers = 1
+dim = 32
+heads = 2
+context = 32
+[train]
+steps = 12
+global_batch = 4
+warmup_steps = 2
+log_every_steps = 1
+[checkpoint]
+every_steps = 5
+[eval]
+every_steps = 6
+batches = 1
+sample_every_steps = 1000
+"""
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) of a PNG, after checking its signature and header chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def dpctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dpool.client.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def test_the_packaged_demo_job_is_examples_demo_toml() -> None:
+    from dpool.client.demo import demo_job_text, demo_spec
+
+    assert (ROOT / "client" / "demo.toml").read_bytes() == (ROOT / "examples" / "demo.toml").read_bytes()
+    assert demo_job_text() == (ROOT / "examples" / "demo.toml").read_text()
+    assert demo_spec(None).train.steps == 200
+    assert demo_spec(40).train.steps == 40
+
+
+def test_demo_refuses_bad_flags() -> None:
+    r = dpctl("demo", "--steps", "40", "--kill-at", "40")
+    assert r.returncode == 2 and "--kill-at 40" in r.stderr and "between 1 and 39" in r.stderr
+    r = dpctl("demo", "--workers", "0")
+    assert r.returncode == 2 and "--workers 0" in r.stderr
+
+
+@pytest.mark.slow
+def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Processes, tmp_path: Path) -> None:
+    # TMPDIR puts the demo's pool under tmp_path, so the fixture can clean it up if this test fails.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("DPOOL_COORDINATOR", None)
+    log = tmp_path / "demo.out"
+    demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2", "--steps", "40", "--kill-at", "12"], log, cwd=tmp_path, env=env)
+    code = demo.wait(timeout=400)
+    out = log.read_text()
+    assert code == 0, out[-4000:]
+
+    # The kill, its detection and the automatic resume as generation 2 from a checkpoint.
+    kill = re.search(r"SIGKILL -> trainer of rank (\d+) on (\S+) \(pid (\d+)\) at step (\d+)", out)
+    assert kill, out
+    killed_pid, killed_step = int(kill.group(3)), int(kill.group(4))
+    assert killed_step >= 12
+    assert re.search(r"worker\.failed +rank \d+ on \S+: exit \(killed by signal 9\)", out), out
+    resumed = re.search(r"group\.resumed +generation 2 resumed from step (\d+): ([\d.]+)s after the failure, (\d+) steps recomputed", out)
+    assert resumed, out
+    from_step, recomputed = int(resumed.group(1)), int(resumed.group(3))
+    assert from_step % 10 == 0 and from_step <= killed_step  # demo.toml checkpoints every 10 steps
+    assert recomputed >= 0 and from_step + recomputed <= killed_step + 2  # steps done since that checkpoint
+
+    final = re.search(r"validation loss: ([\d.]+) at step 40 \(from ([\d.]+) at step 0\)", out)
+    assert final, out
+    assert float(final.group(1)) < float(final.group(2))  # it learned something
+    assert "sample at step 40:" in out
+
+    width, height = png_size(tmp_path / "demo-loss.png")
+    assert width > 400 and height > 300
+
+    # Nothing of the pool is left: not its daemons, not the trainers, not the one it killed.
+    pool = re.search(r"\(dpd pids ([\d, ]+)\); control plane \S+; state in (\S+)", out)
+    assert pool, out
+    daemon_pids = [int(p) for p in pool.group(1).split(", ")]
+    assert len(daemon_pids) == 2
+    assert not [p for p in [*daemon_pids, killed_pid] if alive(p)]
+    assert pids_with(pool.group(2)) == []
+    assert out.rstrip().endswith("pool stopped")
+    assert not Path(pool.group(2)).exists()  # a successful demo cleans up its state
+
+
+class OneNodePool:
+    def __init__(self, procs: Processes, root: Path) -> None:
+        self.root = root
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", "solo", "--workers", "1", "--state-dir", str(root / "state"), "--serve", self.addr]
+        procs.start(cmd, root / "dpd.log")
+        wait_for("the node registered", lambda: self.call(m.Nodes(), m.NodesReply).nodes, 30, every=0.2)
+
+    def call(self, msg: m.Message, expect: type[Any]) -> Any:
+        with Client(self.addr, 5.0) as c:
+            try:
+                return c.call(msg, expect)
+            except Exception:
+                return None
+
+    def dpctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return dpctl("--coordinator", self.addr, *args, cwd=self.root, timeout=timeout)
+
+    def submit(self, name: str, workers_min: int = 1) -> str:
+        path = self.root / f"{name}.toml"
+        path.write_text(TINY.format(name=name, min=workers_min))
+        r = self.dpctl("submit", str(path))
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+
+@pytest.mark.slow
+def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, tmp_path: Path) -> None:
+    pool = OneNodePool(processes, tmp_path)
+    job = pool.submit("watched")
+
+    # Not a terminal: one line per change, until the job ends; exit 0 because it succeeded.
+    r = pool.dpctl("watch", job)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
+    lines = r.stdout.splitlines()
+    steps = [int(s) for s in re.findall(r"step (\d+)/12", r.stdout)]
+    assert steps == sorted(steps) and steps[-1] == 12 and len(set(steps)) > 1, r.stdout
+    assert "succeeded" in lines[-1] and "val_loss" in lines[-1]
+    assert any("group.started" in line for line in lines)
+
+    # On a finished job it shows the end at once.
+    r = pool.dpctl("watch", job, timeout=20)
+    assert r.returncode == 0 and "succeeded" in r.stdout
+
+    out = tmp_path / "plots" / "watched.png"
+    r = pool.dpctl("plot", job, "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "12 steps, 3 evaluations, 0 restarts" in r.stdout
+    width, height = png_size(out)
+    assert width > 400 and height > 300
+
+    # A job that cannot start (it needs 2 workers, the pool has 1), then cancelled: watch exits 1.
+    queued = pool.submit("needs-two", workers_min=2)
+    watcher = subprocess.Popen([sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "watch", queued], stdout=subprocess.PIPE, text=True)
+    try:
+        assert pool.dpctl("cancel", queued).returncode == 0
+        assert watcher.wait(timeout=30) == 1
+        assert "cancelled" in (watcher.stdout.read() if watcher.stdout else "")
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()
+
+    r = pool.dpctl("plot", "no-such-job", "-o", str(tmp_path / "x.png"))
+    assert r.returncode == 2 and not (tmp_path / "x.png").exists()
+
+
+def test_restarts_come_from_resume_events_and_generation_changes() -> None:
+    rows = [{"kind": "train", "step": s, "loss": 3.0, "generation": 1 if s <= 12 else 2 if s <= 30 else 3, "world_size": 2} for s in range(1, 41)]
+    events = [{"t": 1.0, "kind": "group.resumed", "generation": 2, "from_step": 10, "seconds_since_failure": 2.5, "steps_recomputed": 3}]
+    rec = JobRecord({"id": "j", "name": "j", "state": "succeeded", "step": 40, "steps": 40, "generation": 3}, rows, events)
+    assert restarts(rec) == [
+        {"generation": 2, "from_step": 10, "steps_recomputed": 3, "seconds": 2.5},
+        {"generation": 3, "from_step": 30, "steps_recomputed": 0, "seconds": None},  # no event: from the metrics
+    ]
+
+
+def test_the_terminal_view_shows_workers_and_recent_events() -> None:
+    status = {
+        "id": "stdlib-gpt-1a2b3c", "name": "stdlib-gpt", "state": "running", "step": 57, "steps": 200, "generation": 2,
+        "world_size": 2, "checkpoint_step": 50, "loss": 2.5123, "val_loss": 2.61, "error": None,
+        "workers": [{"rank": 0, "node": "node-0", "share": 8, "tokens_per_s": 4400.0}, {"rank": 1, "node": "node-1", "share": 8, "tokens_per_s": 4410.0}],
+    }
+    events = [{"t": 1.0 + i, "kind": "checkpoint.saved", "step": i} for i in range(10)] + [
+        {"t": 20.0, "kind": "worker.failed", "rank": 1, "node": "node-1", "reason": "exit", "code": -9},
+        {"t": 22.0, "kind": "group.resumed", "generation": 2, "from_step": 50, "seconds_since_failure": 2.0, "steps_recomputed": 3},
+    ]
+    text = "\n".join(render(status, events, width=200))
+    assert "RUNNING" in text and "step 57/200" in text and "generation 2" in text and "tokens/s 8810" in text
+    assert re.search(r"1 +node-1 +8 +4410", text)
+    assert "worker.failed" in text and "steps_recomputed=3" in text
+    assert "checkpoint.saved" not in text  # frequent events do not push the interesting ones out
