@@ -1,0 +1,284 @@
+"""Elastic recovery end to end: real dpd processes on loopback, real trainers, real faults.
+
+Every scenario runs the same tiny job file and ends with the job `succeeded` and a loss curve equal
+(within 1e-3) to the reference: the same job file trained by one trainer process without any fault
+(the curve does not depend on the membership, DESIGN.md). Faults are injected once the job is
+mid-run; timings are never asserted here (bench/recovery.py measures them), only what a user sees:
+the job survives, `dpctl events` tells what happened, and nothing is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Processes, free_port, pids_with, wait_for
+
+from dpool.client.rpc import Client
+from dpool.protocol import messages as m
+
+pytestmark = pytest.mark.slow
+
+JOB = """\
+name = "{name}"
+[workers]
+min = {min}
+max = {max}
+[model]
+layers = 2
+dim = 64
+heads = 2
+context = 32
+[train]
+steps = {steps}
+global_batch = 12
+warmup_steps = 2
+log_every_steps = 1
+[checkpoint]
+every_steps = 4
+[eval]
+every_steps = 1000
+batches = 1
+sample_every_steps = 1000
+"""
+STEPS = 60
+JOB_TIMEOUT = 240.0
+TOL = 1e-3
+
+
+def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS) -> Path:
+    path = dir / f"{name}.toml"
+    path.write_text(JOB.format(name=name, min=lo, max=hi, steps=steps))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The fault-free curve: the job file trained by one trainer process alone (started once, in
+    the background, and awaited when the first scenario compares against it)."""
+    root = tmp_path_factory.mktemp("reference")
+    job = job_file(root, "ref")
+    log = open(root / "trainer.log", "wb")  # noqa: SIM115 -- closed below
+    proc = subprocess.Popen([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cache: dict[int, float] = {}
+
+    def curve() -> dict[int, float]:
+        if not cache:
+            assert proc.wait(timeout=JOB_TIMEOUT) == 0, (root / "trainer.log").read_text()[-2000:]
+            rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+            cache.update({r["step"]: r["loss"] for r in rows if r["kind"] == "train"})
+        return cache
+
+    try:
+        yield curve
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+class Pool:
+    """A local pool: `n0` serves, the others join; each daemon has its own state dir."""
+
+    def __init__(self, procs: Processes, root: Path) -> None:
+        self.procs, self.root = procs, root
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
+        self.n_logs = 0
+
+    def dpd(self, name: str, *, serve: bool = False) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", "1", "--state-dir", str(self.root / f"state-{name}"), "--stop-grace", "5"]
+        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
+        self.n_logs += 1
+        p = self.procs.start(cmd, self.root / f"dpd-{self.n_logs}-{name}.log")
+        self.daemons[name] = p
+        return p
+
+    def start(self, n: int) -> Pool:
+        for i in range(n):
+            self.dpd(f"n{i}", serve=i == 0)
+        self.wait_nodes(n)
+        return self
+
+    def wait_nodes(self, n: int) -> None:
+        wait_for(f"{n} live nodes", lambda: len([x for x in self.nodes() if x["state"] != "lost"]) == n, 60)
+
+    def call(self, msg: m.Message, expect: type[Any]) -> Any:
+        with Client(self.addr, 5.0) as c:
+            return c.call(msg, expect)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        try:
+            return self.call(m.Nodes(), m.NodesReply).nodes
+        except Exception:
+            return []  # the coordinator is being restarted
+
+    def status(self, job: str) -> dict[str, Any] | None:
+        try:
+            return self.call(m.Status(job=job), m.StatusReply).jobs[0]
+        except Exception:
+            return None
+
+    def wait(self, what: str, job: str, check: Any, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
+        return wait_for(what, lambda: (s := self.status(job)) is not None and check(s) and s, timeout, every=0.05)
+
+    def dpctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    def dpctl_json(self, *args: str) -> Any:
+        r = self.dpctl(*args, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def submit(self, path: Path) -> str:
+        r = self.dpctl("submit", str(path))
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    def trainer_pids(self, node: str, job: str) -> list[int]:
+        return pids_with(f"state-{node}/jobs/{job}/")
+
+    def finish(self, job: str, reference: Any) -> list[dict[str, Any]]:
+        """Wait for the end; assert success and the reference curve; return the job's events."""
+        final = self.wait(f"job {job} to end", job, lambda s: s["state"] in ("succeeded", "failed", "cancelled"))
+        events = self.dpctl_json("events", job)
+        assert final["state"] == "succeeded", (final, events, self.dpctl("logs", job).stdout[-3000:])
+        assert final["step"] == STEPS
+        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+        ref = reference()
+        worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
+        assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
+        return events
+
+
+def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind]
+
+
+def mid_run(pool: Pool, job: str, step: int = 6) -> dict[str, Any]:
+    return pool.wait(f"job {job} at step {step}", job, lambda s: s["state"] == "running" and s["step"] >= step, timeout=120)
+
+
+@pytest.fixture
+def pool(processes: Processes, tmp_path: Path) -> Pool:
+    return Pool(processes, tmp_path)
+
+
+def test_sigkill_of_a_trainer_resumes_from_the_checkpoint(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "kill-trainer"))
+    mid_run(pool, job)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGKILL)
+    events = pool.finish(job, reference)
+    failed = kinds(events, "worker.failed")
+    assert failed[0]["node"] == "n1" and failed[0]["reason"] == "exit" and failed[0]["code"] == -9
+    resumed = kinds(events, "group.resumed")
+    assert resumed and resumed[0]["generation"] >= 2 and resumed[0]["cause"] == "failure"
+    assert 0 <= resumed[0]["steps_recomputed"] < 4 + 6  # at most a checkpoint interval (plus steps in flight)
+    assert kinds(events, "job.failed") == []
+
+
+def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "kill-dpd"))
+    mid_run(pool, job)
+    assert pool.trainer_pids("n2", job)
+    pool.daemons["n2"].send_signal(signal.SIGKILL)
+    # Its trainer does not live on as an orphan (PR_SET_PDEATHSIG).
+    wait_for("n2's trainer gone", lambda: not pool.trainer_pids("n2", job), 10)
+    events = pool.finish(job, reference)
+    assert kinds(events, "worker.failed") and kinds(events, "group.resumed")
+    assert any(n["name"] == "n2" and n["state"] == "lost" for n in pool.nodes())
+
+
+def test_sigstop_of_a_trainer_is_caught_by_the_progress_deadline(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "stop-trainer"))
+    mid_run(pool, job)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGSTOP)  # nothing exits: its peers spin inside all_sum
+    events = pool.finish(job, reference)
+    failed = kinds(events, "worker.failed")
+    assert failed and failed[0]["reason"] == "stalled", failed
+    assert kinds(events, "group.resumed")
+    wait_for("the stopped trainer reaped", lambda: not os.path.exists(f"/proc/{victim}") or _zombie(victim), 10)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "kill-coordinator"))
+    mid_run(pool, job)
+    pool.daemons["n0"].send_signal(signal.SIGKILL)
+    pool.daemons["n0"].wait()
+    wait_for("n0's trainer gone", lambda: not pool.trainer_pids("n0", job), 10)
+    time.sleep(1.0)  # the pool without its control plane: the other daemons keep their state
+    pool.dpd("n0", serve=True)  # same name, same state dir: the coordinator reloads its SQLite
+    events = pool.finish(job, reference)
+    assert kinds(events, "group.resumed")
+    names = {n["name"]: n["state"] for n in pool.nodes()}
+    assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
+
+
+def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "grow", hi=4))
+    mid_run(pool, job, step=2)
+    pool.dpd("n3")
+    events = pool.finish(job, reference)
+    resumed = kinds(events, "group.resumed")
+    assert resumed and all(e["steps_recomputed"] == 0 and e["cause"] == "membership" for e in resumed), events
+    assert any(e["world_size"] == 4 for e in kinds(events, "group.started"))
+    assert kinds(events, "rebalanced") and kinds(events, "worker.failed") == []
+    assert any(e["node"] == "n3" for e in kinds(events, "node.joined"))
+
+
+def test_drain_moves_work_off_a_node_without_recomputing(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "drain"))
+    mid_run(pool, job, step=4)
+    r = pool.dpctl("drain", "n2")
+    assert r.returncode == 0 and "n2" in r.stdout, r.stderr
+    events = pool.finish(job, reference)
+    resumed = kinds(events, "group.resumed")
+    assert resumed and resumed[0]["steps_recomputed"] == 0 and resumed[0]["cause"] == "membership"
+    assert kinds(events, "node.drained") and kinds(events, "worker.failed") == []
+    assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
+    n2 = next(n for n in pool.nodes() if n["name"] == "n2")
+    assert (n2["state"], n2["reason"]) == ("idle", "drained")
+    assert pool.dpctl("undrain", "n2").returncode == 0
+    n2 = next(n for n in pool.nodes() if n["name"] == "n2")
+    assert n2["reason"] is None
+    assert pool.dpctl("drain", "no-such-node").returncode == 2
+
+
+def test_below_workers_min_the_job_waits_queued_then_finishes(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    pool.start(2)
+    job = pool.submit(job_file(tmp_path, "below-min", lo=2, hi=2))
+    mid_run(pool, job)
+    pool.daemons["n1"].send_signal(signal.SIGKILL)
+    pool.daemons["n1"].wait()
+    queued = pool.wait("the job back in the queue", job, lambda s: s["state"] == "queued", timeout=60)
+    assert queued["checkpoint_step"] is not None
+    wait_for("n1 lost", lambda: any(n["name"] == "n1" and n["state"] == "lost" for n in pool.nodes()), 30)
+    pool.dpd("n1")  # the node comes back (same state dir, so it still holds its checkpoints)
+    events = pool.finish(job, reference)
+    assert kinds(events, "job.queued") and kinds(events, "group.resumed")
