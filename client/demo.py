@@ -461,7 +461,8 @@ class Demo:
         if rec.samples:
             last = rec.samples[-1]
             s.plain(f"  sample at step {last['step']}:")
-            for line in str(last.get("text", "")).splitlines()[:12]:
+            text = "".join(ch if ch.isprintable() or ch == "\n" else " " for ch in str(last.get("text", "")).replace("\t", "    "))
+            for line in [ln.rstrip() for ln in text.splitlines() if ln.strip()][:12]:
                 s.plain(f"    | {line}")
         path = plot(rec, Path.cwd() / PLOT_FILE)
         s.plain(f"  loss curve:      {path}")

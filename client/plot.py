@@ -122,7 +122,9 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
         window = max(1, min(25, len(train) // 10))
         if window > 1:
             ys = [r["loss"] for r in train]
-            smooth = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
+            # Centred (and narrower at the ends), so the mean neither lags nor bends at the edges.
+            spans = [min(window // 2, i, len(ys) - 1 - i) for i in range(len(ys))]
+            smooth = [sum(ys[i - h : i + h + 1]) / (2 * h + 1) for i, h in enumerate(spans)]
             ax_loss.plot(xs, smooth, color="#2171b5", linewidth=1.8, label=f"train loss ({window}-step mean)")
     if evals:
         ax_loss.plot(
@@ -152,7 +154,10 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
         for r in tps:
             w = r.get("world_size")
             if w != prev_world and isinstance(w, int):
-                ax_tps.annotate(f"{w} worker{'s' if w != 1 else ''}", (r["step"], r["tokens_per_s"]), textcoords="offset points", xytext=(4, 6), fontsize=8, color="#238b45")
+                ax_tps.annotate(
+                    f"{w} worker{'s' if w != 1 else ''}", xy=(r["step"], 1.0), xycoords=("data", "axes fraction"), xytext=(4, -2),
+                    textcoords="offset points", va="top", fontsize=8, color="#238b45",
+                )
                 prev_world = w
         vals = sorted(r["tokens_per_s"] for r in tps)
         ax_tps.set_ylim(0, vals[int(0.98 * (len(vals) - 1))] * 1.3)
