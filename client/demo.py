@@ -139,7 +139,8 @@ class LocalPool:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(d.proc.pid, signal.SIGKILL)  # its session: the daemon and anything it forked there
                 d.proc.wait()
-        for pid in sorted(self.trainers):
+        # Trainers whose dpd died first were re-parented: find them by the state dir they run in.
+        for pid in sorted(self.trainers | set(pids_under(self.root))):
             if is_ours(pid, self.root):
                 print(f"  trainer pid {pid} outlived its dpd: SIGKILL", file=out)
                 with contextlib.suppress(ProcessLookupError):
@@ -164,10 +165,19 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def pids_under(root: Path) -> list[int]:
+    """Processes whose command line names `root` (this demo's unique temp dir): its trainers."""
+    out = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if entry.name.isdigit() and int(entry.name) != os.getpid() and is_ours(int(entry.name), root):
+            out.append(int(entry.name))
+    return out
+
+
 def is_ours(pid: int, root: Path) -> bool:
     """Whether `pid` is still a process of this demo's pool (guards against a reused pid)."""
     try:
-        return str(root) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        return f"{root}{os.sep}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
 

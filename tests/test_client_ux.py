@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -125,6 +126,24 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
     assert pids_with(pool.group(2)) == []
     assert out.rstrip().endswith("pool stopped")
     assert not Path(pool.group(2)).exists()  # a successful demo cleans up its state
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_pool(processes: Processes, tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("DPOOL_COORDINATOR", None)
+    log = tmp_path / "demo.out"
+    demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2"], log, cwd=tmp_path, env=env)
+    wait_for("the demo's group to start", lambda: "group.started" in log.read_text(), 120, every=0.2)
+    pool = re.search(r"\(dpd pids ([\d, ]+)\); control plane \S+; state in (\S+)", log.read_text())
+    assert pool
+    assert len(pids_with(pool.group(2))) >= 4  # two daemons, two trainers
+    os.kill(demo.pid, signal.SIGINT)
+    assert demo.wait(timeout=60) == 130
+    out = log.read_text()
+    assert "interrupted: stopping the pool" in out and "pool stopped" in out
+    assert not [p for p in pool.group(1).split(", ") if alive(int(p))]
+    assert pids_with(pool.group(2)) == []
 
 
 class OneNodePool:
