@@ -304,8 +304,11 @@ class JobMachine:
                     # STARTING|RUNNING -> RECOVERING: its daemon stopped it (dpd shutting down): the
                     # node leaves; a membership change, so no restart is used and no node blamed.
                     return [failed, *self._stop_group(now, "now", "membership", f"rank {rank} on node {node} stopped by its daemon")]
-                # STARTING|RUNNING -> RECOVERING: a rank died; its peers fail within ~0.1 s.
-                return self._fail(now, [failed], [node], f"rank {rank} on node {node} failed: exit code {code}")
+                # STARTING|RUNNING -> RECOVERING: a rank died; its peers fail within ~0.1 s. Exit 1
+                # is what a rank whose peer vanished exits with ("connection to a peer was lost"),
+                # and it often arrives first, so it does not count against its node.
+                blame = [node] if code != 1 else []
+                return self._fail(now, [failed], blame, f"rank {rank} on node {node} failed: exit code {code}")
             case NodeLost(node=node, ranks=ranks) if st in ACTIVE and self.launched_or_stopping():
                 gone = [r for r in ranks if r in self.live]
                 self.live.difference_update(ranks)

@@ -502,8 +502,8 @@ def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns(
 def test_a_node_whose_workers_fail_three_times_in_a_row_is_set_aside() -> None:
     pool = running_pool(("a", "b"))
     for gen in (1, 2, 3):
-        pool.worker_exited(2.0 + gen, "b", "j", gen, 1, 0, 1, False)
-        out = pool.worker_exited(2.0 + gen, "a", "j", gen, 0, 0, 1, False)
+        pool.worker_exited(2.0 + gen, "b", "j", gen, 1, 0, -11, False)  # b's trainer segfaults
+        out = pool.worker_exited(2.0 + gen, "a", "j", gen, 0, 0, 1, False)  # a's: peer lost (not blamed)
         if gen < 3:
             prepare_all(pool, out, 2.5 + gen)
             for r, n in enumerate(("a", "b")):
