@@ -1,6 +1,6 @@
 """The user-facing views: `dpctl demo`, `dpctl plot` and `dpctl watch`, with real processes.
 
-The demo test runs the README's first command, shortened (40 steps, a worker killed at step 12):
+The demo test runs the README's first command, shortened (30 steps, a worker killed at step 12):
 a real local pool, a real SIGKILL, a real automatic resume. It takes about a minute on two cores.
 """
 
@@ -92,7 +92,7 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("DPOOL_COORDINATOR", None)
     log = tmp_path / "demo.out"
-    demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2", "--steps", "40", "--kill-at", "12"], log, cwd=tmp_path, env=env)
+    demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2", "--steps", "30", "--kill-at", "12"], log, cwd=tmp_path, env=env)
     code = demo.wait(timeout=400)
     out = log.read_text()
     assert code == 0, out[-4000:]
@@ -107,12 +107,13 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
     assert resumed, out
     from_step, recomputed = int(resumed.group(1)), int(resumed.group(3))
     assert from_step % 10 == 0 and from_step <= killed_step  # demo.toml checkpoints every 10 steps
-    assert recomputed >= 0 and from_step + recomputed <= killed_step + 2  # steps done since that checkpoint
+    # Recomputed: the steps done since that checkpoint, at least up to the one the demo saw before killing.
+    assert killed_step <= from_step + recomputed <= killed_step + 5
 
-    final = re.search(r"validation loss: ([\d.]+) at step 40 \(from ([\d.]+) at step 0\)", out)
+    final = re.search(r"validation loss: ([\d.]+) at step 30 \(from ([\d.]+) at step 0\)", out)
     assert final, out
     assert float(final.group(1)) < float(final.group(2))  # it learned something
-    assert "sample at step 40:" in out
+    assert "sample at step 30:" in out
 
     width, height = png_size(tmp_path / "demo-loss.png")
     assert width > 400 and height > 300
