@@ -257,9 +257,14 @@ def describe_event(e: dict[str, Any], killed_at: float | None) -> str | None:
         return f"group.stopped    generation {e.get('generation')} ({e.get('reason')})"
     if kind == "group.resumed":
         return (
-            f"group.resumed    generation {e.get('generation')} resumed from step {e.get('from_step')}: "
+            f"group.resumed    generation {e.get('generation')} resumed from step {e.get('from_step')}"
+            f"{'' if e.get('cause', 'failure') == 'failure' else ' after a ' + str(e.get('cause')) + ' change'}: "
             f"{e.get('seconds_since_failure')}s after the failure, {e.get('steps_recomputed')} steps recomputed"
         )
+    if kind == "group.growing":
+        return f"group.growing    generation {e.get('generation')}: {e.get('free_slots')} free slot(s), checkpoint and restart wider"
+    if kind == "node.drained":
+        return f"node.drained     {e.get('node')}"
     if kind == "job.queued" and e.get("reason"):
         return f"job.queued       {e.get('reason')}"
     if kind in ("job.succeeded", "job.failed", "job.cancelled"):
@@ -351,7 +356,7 @@ class Demo:
             self._follow(c, kill_at, every=max(1, steps // 20))
             st = self.run.status
             if st["state"] != "succeeded":
-                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; see `dpctl logs`-style output in {self.root}/node-*/jobs/*/slot-*/worker.log")
+                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; the workers' output is in {self.root}/node-*/jobs/{self.run.job_id}/slot-*/worker.log")
             if self.run.resumed is None:
                 raise DemoFailed(f"job {self.run.job_id} succeeded, but no automatic resume was seen ({self.run.killed or 'no worker was killed'})")
             rec = fetch_job(c, self.run.job_id, samples=True)
@@ -388,9 +393,9 @@ class Demo:
                 s.progress(st, every)
                 s.done()
                 return
-            if st["state"] in ("running", "recovering") and st["step"] > 0:
+            if st["state"] == "running" and st["step"] > 0 and any(w.get("tokens_per_s") for w in st["workers"]):
                 s.progress(st, every)
-            if run.killed_at is None and st["state"] == "running" and st["generation"] == 1 and st["step"] >= kill_at:
+            if run.killed_at is None and st["state"] == "running" and st["step"] >= kill_at:
                 self._kill(st)
             if time.monotonic() - run.news_at > STALL_TIMEOUT_S:
                 raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st['state']}, step {st['step']})")
@@ -404,8 +409,9 @@ class Demo:
             for e in reply.events:
                 run.events.append(e)
                 run.news_at = time.monotonic()
-                if e.get("kind") == "group.resumed" and run.resumed is None:
-                    run.resumed = e
+                after_kill = run.killed_at is not None and float(e.get("t", 0)) >= run.killed_at - 1.0
+                if e.get("kind") == "group.resumed" and run.resumed is None and after_kill and e.get("cause", "failure") == "failure":
+                    run.resumed = e  # the resume that the kill caused (not a growth or drain)
                 text = describe_event(e, run.killed_at)
                 if text:
                     self.screen.say(text, e.get("t"))
@@ -476,7 +482,9 @@ class Demo:
                 s.plain(f"    | {line}")
         path = plot(rec, Path.cwd() / PLOT_FILE)
         s.plain(f"  loss curve:      {path}")
-        s.plain(f"  (the same views: dpctl --coordinator {self.pool.addr} status|metrics|events|plot {st['id']}, while a pool runs)")
+        s.plain()
+        s.plain("Your own pool: `dpd run --serve` on one machine, `dpd run --join tcp://HOST:7340` on the others (see README),")
+        s.plain("then `dpctl submit examples/demo.toml`, `dpctl watch stdlib-gpt`, `dpctl plot stdlib-gpt -o loss.png`.")
 
 
 def add_parser(sub: Any) -> None:
