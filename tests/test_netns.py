@@ -1,0 +1,105 @@
+"""Separate hosts on one machine: daemons in network namespaces, each with its own address on a
+bridge, the MLX ring between them over those addresses. Cutting one host's link kills nothing: the
+coordinator must notice by heartbeat and progress deadlines, restart without that host, and finish
+on the reference curve. Needs root and iproute2; skipped cleanly otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Processes, wait_for
+from test_recovery import STEPS, Pool, job_file, kinds, mid_run
+from test_recovery import reference as reference  # the fault-free curve fixture, shared
+
+pytestmark = pytest.mark.slow
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+@pytest.fixture
+def hosts() -> Iterator[dict[str, str]]:
+    """Three namespaces on a bridge: name -> address; the root namespace is 10.77.x.254."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need Linux, root and iproute2")
+    tag = f"{os.getpid() % 10000}"
+    subnet = f"10.{77 + os.getpid() % 100}"
+    bridge = f"dpbr{tag}"
+    names = {f"n{i}": f"dp{tag}n{i}" for i in range(1, 3)}
+    made: list[tuple[str, str]] = []
+    try:
+        if _ip("link", "add", bridge, "type", "bridge", check=False).returncode != 0:
+            pytest.skip("cannot create a bridge here (no CAP_NET_ADMIN?)")
+        made.append(("link", bridge))
+        _ip("addr", "add", f"{subnet}.0.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        addrs = {"n0": f"{subnet}.0.254"}
+        for i, (node, ns) in enumerate(names.items(), start=1):
+            _ip("netns", "add", ns)
+            made.append(("netns", ns))
+            host_end, ns_end = f"dv{tag}h{i}", f"dv{tag}c{i}"
+            _ip("link", "add", host_end, "type", "veth", "peer", "name", ns_end)
+            made.append(("link", host_end))
+            _ip("link", "set", ns_end, "netns", ns)
+            _ip("link", "set", host_end, "master", bridge)
+            _ip("link", "set", host_end, "up")
+            _ip("-n", ns, "addr", "add", f"{subnet}.0.{i}/24", "dev", ns_end)
+            _ip("-n", ns, "link", "set", ns_end, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            addrs[node] = f"{subnet}.0.{i}"
+            addrs[f"{node}.ns"], addrs[f"{node}.link"] = ns, host_end
+        yield addrs
+    finally:
+        for kind, name in reversed(made):
+            if kind == "netns":
+                _ip("netns", "delete", name, check=False)
+            else:
+                _ip("link", "delete", name, check=False)
+
+
+class NetnsPool(Pool):
+    def __init__(self, procs: Processes, root: Path, hosts: dict[str, str]) -> None:
+        super().__init__(procs, root)
+        self.hosts = hosts
+        self.addr = f"tcp://{hosts['n0']}:{7400 + os.getpid() % 500}"
+
+    def dpd(self, name: str, *, serve: bool = False) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", "1", "--insecure",
+            "--state-dir", str(self.root / f"state-{name}"), "--stop-grace", "5", "--advertise", self.hosts[name],
+        ]
+        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
+        if not serve:
+            cmd = ["ip", "netns", "exec", self.hosts[f"{name}.ns"], *cmd]
+        self.n_logs += 1
+        p = self.procs.start(cmd, self.root / f"dpd-{self.n_logs}-{name}.log")
+        self.daemons[name] = p
+        return p
+
+
+def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
+    pool = NetnsPool(processes, tmp_path, hosts).start(3)
+    assert {n["name"]: n["address"] for n in pool.nodes()} == {n: hosts[n] for n in ("n0", "n1", "n2")}
+    job = pool.submit(job_file(tmp_path, "netns"))
+    mid_run(pool, job)
+    _ip("link", "set", hosts["n2.link"], "down")  # nothing is killed: packets just stop
+    events = pool.finish(job, reference)
+    failed = kinds(events, "worker.failed")
+    assert failed and failed[0]["reason"] in ("heartbeat", "stalled"), failed
+    assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
+    assert pool.status(job)["step"] == STEPS  # type: ignore[index]
+    # The cut host's trainer is still there (nothing reached it); the fixture's teardown ends it.
+    for p in list(pool.daemons.values()):
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    wait_for("daemons stopped", lambda: all(p.poll() is not None for p in pool.daemons.values()), 30)
