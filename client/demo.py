@@ -155,31 +155,47 @@ def tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + line[:300] for line in text[-lines:])
 
 
-def children(pid: int) -> list[int]:
-    """The direct children of `pid` (Linux /proc; empty elsewhere)."""
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                out += [int(c) for c in (task / "children").read_text().split()]
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, parent pid, command line) of every process: from /proc on Linux, else from `ps`
+    (macOS). Each daemon of the demo has one slot, so a trainer is found by its parent's pid."""
+    out: list[tuple[int, int, str]] = []
+    proc = Path("/proc")
+    if (proc / "self" / "stat").exists():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            out.append((int(entry.name), ppid, args))
+        return out
+    try:
+        text = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,args="], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return out
+    for line in text.splitlines():
+        parts = line.split(None, 2)
+        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+            out.append((int(parts[0]), int(parts[1]), parts[2]))
     return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, parent, _ in processes() if parent == pid]
 
 
 def pids_under(root: Path) -> list[int]:
     """Processes whose command line names `root` (this demo's unique temp dir): its trainers."""
-    out = []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if entry.name.isdigit() and int(entry.name) != os.getpid() and is_ours(int(entry.name), root):
-            out.append(int(entry.name))
-    return out
+    mark = f"{root}{os.sep}"
+    return [p for p, _, args in processes() if mark in args and p != os.getpid()]
 
 
 def is_ours(pid: int, root: Path) -> bool:
     """Whether `pid` is still a process of this demo's pool (guards against a reused pid)."""
-    try:
-        return f"{root}{os.sep}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+    return pid in pids_under(root)
 
 
 # -- showing it ----------------------------------------------------------------------------------
@@ -425,7 +441,7 @@ class Demo:
         if not workers:
             return
         victim = workers[0]
-        pid = self._trainer_pid(victim, st["generation"], st["world_size"])
+        pid = self._trainer_pid(victim, st["generation"])
         if pid is None:
             return  # its trainer is not up yet: try again at the next poll
         self.run.killed_at = time.time()
@@ -435,27 +451,21 @@ class Demo:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    def _trainer_pid(self, worker: dict[str, Any], generation: int, world: int) -> int | None:
+    def _trainer_pid(self, worker: dict[str, Any], generation: int) -> int | None:
         """The pid of a rank's trainer: as the control plane reports it in the job's status when it
-        does, else the trainer child of that node's dpd started for this generation and rank."""
+        does, else the trainer child of that node's dpd started for this generation."""
         pid = worker.get("pid")
         if isinstance(pid, int) and pid > 0:
             return pid
         d = self.pool.by_name(worker["node"])
         if d is None:
             return None
-        for child in children(d.proc.pid):
-            try:
-                argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
-                env = Path(f"/proc/{child}/environ").read_bytes().decode(errors="replace").split("\0")
-            except OSError:
+        for pid, parent, args in processes():
+            argv = args.split()
+            if parent != d.proc.pid or "dpool.trainer" not in argv or "--generation" not in argv[:-1]:
                 continue
-            if "dpool.trainer" not in argv or "--generation" not in argv:
-                continue
-            if argv[argv.index("--generation") + 1] != str(generation):
-                continue
-            if world == 1 or f"MLX_RANK={worker['rank']}" in env:
-                return child
+            if argv[argv.index("--generation") + 1] == str(generation):
+                return pid  # one slot per dpd in the demo: this node's trainer of this generation
         return None
 
     def _finish(self, rec: Any) -> None:
