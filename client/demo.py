@@ -340,6 +340,9 @@ class Demo:
         except (Unreachable, RemoteError) as e:
             self.screen.plain()
             self.screen.say(f"demo failed: the control plane: {getattr(e, 'message', e)}")
+        except OSError as e:
+            self.screen.plain()
+            self.screen.say(f"demo failed: {e}")  # e.g. demo-loss.png cannot be written here
         finally:
             self.screen.done()
             self.pool.stop(self.out, hurry=self.signals > 1)
