@@ -241,7 +241,7 @@ class Screen:
             self.out.write(f"\r\x1b[2K{self.clock()} [{'#' * done}{'.' * (bar_w - done)}] {line}")
             self.out.flush()
             self.live = True
-        elif step != self.last_step_printed and (step % every == 0 or step == steps):
+        elif step // every != self.last_step_printed // every or (step == steps and step != self.last_step_printed):
             print(f"{self.clock()} {line}", file=self.out, flush=True)
             self.last_step_printed = step
 
@@ -360,8 +360,8 @@ class Demo:
         spec = demo_spec(a.steps)
         steps = spec.train.steps
         kill_at = a.kill_at if a.kill_at is not None else max(1, steps // 3)
-        n_params = "0.86M-parameter" if spec.model.layers == 4 and spec.model.dim == 128 else f"{spec.model.layers}-layer, dim {spec.model.dim}"
-        s.plain(f"dpool demo: {a.workers} local workers train a {n_params} GPT on Python's standard library ({steps} steps);")
+        model = f"{spec.model.layers}-layer GPT (dim {spec.model.dim}, context {spec.model.context})"
+        s.plain(f"dpool demo: {a.workers} local workers train a {model} on Python's standard library, {steps} steps;")
         s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
         s.plain()
 
@@ -403,11 +403,18 @@ class Demo:
         run, s = self.run, self.screen
         while True:
             self._check()
-            st = c.call(m.Status(job=run.job_id), m.StatusReply).jobs[0]
+            try:
+                st = c.call(m.Status(job=run.job_id), m.StatusReply).jobs[0]
+                self._events(c)
+            except Unreachable:
+                st = run.status  # a busy machine can delay an answer; the stall deadline still holds
             if st != run.status:
                 run.news_at = time.monotonic()
             run.status = st
-            self._events(c)
+            if time.monotonic() - run.news_at > STALL_TIMEOUT_S:
+                raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st.get('state', 'unknown')}, step {st.get('step', '?')})")
+            if not st:
+                continue
             if st["state"] in TERMINAL:
                 s.progress(st, every)
                 s.done()
@@ -416,8 +423,6 @@ class Demo:
                 s.progress(st, every)
             if run.killed_at is None and st["state"] == "running" and st["step"] >= kill_at:
                 self._kill(st)
-            if time.monotonic() - run.news_at > STALL_TIMEOUT_S:
-                raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st['state']}, step {st['step']})")
             time.sleep(POLL_S)
 
     def _events(self, c: Client) -> None:
