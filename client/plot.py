@@ -91,6 +91,17 @@ def restarts(rec: JobRecord) -> list[dict[str, Any]]:
     return [out[g] for g in sorted(out)]
 
 
+def centred_mean(xs: list[Any], ys: list[float]) -> tuple[list[Any], list[float], int]:
+    """A moving mean over about a tenth of the points (at most 21): centred, so it does not lag,
+    and only where its whole window exists, so it does not bend at the ends. Returns the points
+    and the window (1: too few points to smooth)."""
+    h = max(0, min(10, len(ys) // 20))
+    if h == 0:
+        return xs, ys, 1
+    inner = range(h, len(ys) - h)
+    return [xs[i] for i in inner], [sum(ys[i - h : i + h + 1]) / (2 * h + 1) for i in inner], 2 * h + 1
+
+
 def plot(rec: JobRecord, path: str | Path) -> Path:
     """Write the figure to `path` (PNG) and return it."""
     import matplotlib
@@ -118,14 +129,10 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
     # -- loss ------------------------------------------------------------------------------
     if train:
         xs = [r["step"] for r in train]
-        ax_loss.plot(xs, [r["loss"] for r in train], color="#9ecae1", linewidth=1.0, label="train loss (per step)")
-        window = max(1, min(25, len(train) // 10))
-        if window > 1:
-            ys = [r["loss"] for r in train]
-            # Centred (and narrower at the ends), so the mean neither lags nor bends at the edges.
-            spans = [min(window // 2, i, len(ys) - 1 - i) for i in range(len(ys))]
-            smooth = [sum(ys[i - h : i + h + 1]) / (2 * h + 1) for i, h in enumerate(spans)]
-            ax_loss.plot(xs, smooth, color="#2171b5", linewidth=1.8, label=f"train loss ({window}-step mean)")
+        sx, sy, n = centred_mean(xs, [r["loss"] for r in train])
+        ax_loss.plot(xs, [r["loss"] for r in train], color="#9ecae1" if n > 1 else "#2171b5", linewidth=1.0 if n > 1 else 1.6, label="train loss (per step)")
+        if n > 1:
+            ax_loss.plot(sx, sy, color="#2171b5", linewidth=1.8, label=f"train loss ({n}-step mean)")
     if evals:
         ax_loss.plot(
             [r["step"] for r in evals], [r["val_loss"] for r in evals], color="#d94801", marker="o", markersize=5, linewidth=1.6, label="validation loss"
@@ -148,7 +155,11 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
     tps = [r for r in train if _finite(r.get("tokens_per_s"))]
     if tps:
         xs = [r["step"] for r in tps]
-        ax_tps.plot(xs, [r["tokens_per_s"] for r in tps], color="#41ab5d", linewidth=1.0, label="tokens/s (whole pool)")
+        ys = [r["tokens_per_s"] for r in tps]
+        sx, sy, n = centred_mean(xs, ys)
+        ax_tps.plot(xs, ys, color="#a1d99b" if n > 1 else "#238b45", linewidth=0.9 if n > 1 else 1.4, label="tokens/s (whole pool)")
+        if n > 1:
+            ax_tps.plot(sx, sy, color="#238b45", linewidth=1.6, label=f"tokens/s ({n}-step mean)")
         # Mark the world size where it changes, so a slower stretch reads as fewer workers.
         prev_world = None
         for r in tps:
