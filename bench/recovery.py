@@ -147,7 +147,7 @@ class LocalPool:
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        for pid in pids_with(str(self.root)):
+        for pid in pids_with(f"{self.root}/state-"):  # trainers of a killed dpd (never this process)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
