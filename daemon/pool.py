@@ -532,6 +532,11 @@ class Pool:
                 continue
             if m.from_step is None or job.step <= m.from_step or m.interrupted_at is not None:
                 continue  # no step of this generation yet
+            if job.step >= int(job.spec["train"]["steps"]):
+                continue  # finishing: a rank that is done frees its slot, which is no reason to grow
+            own = {(s.node, s.index) for s in plan.ranks}
+            if not any((name, i) not in own for name, n in self.nodes.items() for i in n.free()):
+                continue  # only this job's own slots are free (its ranks are exiting)
             hi = min(int(job.spec["workers"]["max"]), int(job.spec["train"]["global_batch"]))
             if plan.world_size >= hi:
                 continue

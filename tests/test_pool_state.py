@@ -464,6 +464,22 @@ def test_a_joining_node_grows_the_job_at_a_checkpoint_without_using_a_restart() 
     assert records(out, "rebalanced") == [{"generation": 2, "shares": [2, 2, 2], "previous": [3, 3]}]
 
 
+def test_a_rank_finishing_frees_its_slot_without_growing_the_job() -> None:
+    """At the last step the first rank to exit 0 frees a slot of the job's own: not a reason to
+    checkpoint and restart wider (it used to cost a pointless generation at the very end)."""
+    pool = running_pool(("a", "b"), hi=3)
+    pool.worker_exited(2.0, "b", "j", 1, 1, 0, -9, False)
+    out = pool.worker_exited(2.1, "a", "j", 1, 0, 0, 1, False)
+    out = restart(pool, out, 3.0, resume=5)
+    for step in range(7, 21):
+        for r in range(2):
+            pool.progress(4.0 + 0.05 * step, "j", 2, r, step, 192, 0.05)
+    out = pool.worker_exited(6.0, "a", "j", 2, 0, 0, 0, False)
+    assert sends(out, m.GroupStop) == [] and records(out, "group.growing") == []
+    out = pool.worker_exited(6.1, "b", "j", 2, 1, 0, 0, False)
+    assert pool.jobs["j"].state is JobState.SUCCEEDED
+
+
 def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None:
     pool = running_pool()
     out = pool.drain(2.0, "c")
