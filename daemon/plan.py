@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dpool.protocol.shares import apportion
+
 
 @dataclass(frozen=True, slots=True)
 class Slot:
@@ -73,6 +75,17 @@ def equal_shares(global_batch: int, world_size: int) -> list[int]:
         raise ValueError(f"cannot split {global_batch} sequences over {world_size} workers")
     q, r = divmod(global_batch, world_size)
     return [q + 1 if i < r else q for i in range(world_size)]
+
+
+def speed_shares(global_batch: int, speeds: Sequence[float | None]) -> list[int]:
+    """Shares proportional to each rank's measured speed; equal while any rank's is unknown.
+
+    The trainer refines them while it runs (it measures every step); this only gives a new
+    generation a head start from what the last one measured.
+    """
+    if any(v is None or v <= 0 for v in speeds):
+        return equal_shares(global_batch, len(speeds))
+    return apportion([float(v) for v in speeds if v is not None], global_batch)
 
 
 def ring_hostfile(ranks: Sequence[Slot], endpoints: Mapping[Slot, str]) -> list[list[str]]:

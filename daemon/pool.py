@@ -23,7 +23,7 @@ from typing import Any
 
 from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobState
-from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, equal_shares, ring_hostfile
+from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
     Action,
     Job,
@@ -321,7 +321,8 @@ class Pool:
         pend = job.pending
         assert pend is not None
         spec = job.spec
-        shares = equal_shares(int(spec["train"]["global_batch"]), len(pend.slots))
+        # Proportional to what the last generation measured per node, when it measured them all.
+        shares = speed_shares(int(spec["train"]["global_batch"]), [job.speeds.get(s.node) for s in pend.slots])
         hostfile = ring_hostfile(pend.slots, pend.endpoints)
         plan = GroupPlan(
             job=job.id,
@@ -331,7 +332,8 @@ class Pool:
             hostfile=tuple(tuple(h) for h in hostfile),
         )
         previous = job.plan
-        job.plan, job.pending = plan, None
+        previous_shares = job.shares or (previous.shares if previous else None)
+        job.plan, job.pending, job.shares = plan, None, None
         job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(plan.ranks)}
         job.watch = StepWatch.for_job(spec, now, job.watch)
         deadline = now + float(spec["recovery"]["start_timeout_s"])
@@ -342,8 +344,8 @@ class Pool:
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
         )
-        if previous is not None and previous.shares != plan.shares:
-            actions.append(Record(job.id, "rebalanced", now, {"generation": plan.generation, "shares": list(shares), "previous": list(previous.shares)}))
+        if previous_shares is not None and previous_shares != plan.shares:
+            actions.append(Record(job.id, "rebalanced", now, {"generation": plan.generation, "shares": list(shares), "previous": list(previous_shares), "cause": "membership"}))
         return actions
 
     def _abort_start(self, job: Job, now: float, reason: str) -> list[Action]:
@@ -399,11 +401,33 @@ class Pool:
         job = self.jobs.get(job_id)
         if job is None or (job.plan is not None and generation < job.plan.generation):
             return []
+        actions: list[Action] = []
         if row.get("kind") == "train" and isinstance(row.get("loss"), int | float):
             job.loss = float(row["loss"])
+            if job.plan is not None and generation == job.plan.generation:
+                actions += self._measured(job, row, now)
         elif row.get("kind") == "eval" and isinstance(row.get("val_loss"), int | float):
             job.val_loss = float(row["val_loss"])
-        return []
+        return actions
+
+    def _measured(self, job: Job, row: dict[str, Any], now: float) -> list[Action]:
+        """Rank 0's row carries each rank's speed and the split in force: keep the speeds for the
+        next plan, and record a change of split the trainer made on its own."""
+        plan = job.plan
+        assert plan is not None
+        speeds, shares = row.get("rank_tokens_per_s"), row.get("shares")
+        if isinstance(speeds, list) and len(speeds) == plan.world_size:
+            for slot, v in zip(plan.ranks, speeds, strict=True):
+                if isinstance(v, int | float) and v > 0:
+                    job.speeds[slot.node] = float(v)
+        if not (isinstance(shares, list) and len(shares) == plan.world_size and all(isinstance(x, int) for x in shares)):
+            return []
+        current = job.shares or plan.shares
+        if tuple(shares) == tuple(current):
+            return []
+        job.shares = tuple(shares)
+        fields = {"generation": plan.generation, "step": row.get("step"), "shares": shares, "previous": list(current), "cause": "speed"}
+        return [Record(job.id, "rebalanced", now, fields), JobChanged(job.id)]
 
     def checkpoint(self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, step: int, seconds: float) -> list[Action]:
         node = self.nodes.get(node_name)

@@ -130,6 +130,8 @@ class Job:
     reconcile_by: float | None = None  # after a coordinator restart: ranks must reappear by then
     watch: StepWatch | None = None  # the running generation's progress deadline
     grown_in: int = 0  # the generation a growth was asked of (at most once per generation)
+    shares: tuple[int, ...] | None = None  # the split in force, when the trainer rebalanced the plan's
+    speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
 
     @property
     def state(self) -> JobState:
@@ -147,7 +149,13 @@ class Job:
             for r, slot in enumerate(plan.ranks):
                 run = self.ranks.get(r)
                 workers.append(
-                    {"rank": r, "node": slot.node, "share": plan.shares[r], "tokens_per_s": round(run.tokens_per_s, 1) if run else 0.0}
+                    {
+                        "rank": r,
+                        "node": slot.node,
+                        "share": (self.shares or plan.shares)[r],
+                        "tokens_per_s": round(run.tokens_per_s, 1) if run else 0.0,
+                        "pid": run.pid if run else None,
+                    }
                 )
         return {
             "id": self.id,

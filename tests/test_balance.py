@@ -12,9 +12,9 @@ import sys
 import pytest
 import ring
 
+from dpool.protocol.shares import apportion
 from dpool.trainer.balance import (
     Balancer,
-    apportion,
     auto_micro_batch,
     bytes_per_sequence,
     step_time,

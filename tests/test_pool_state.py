@@ -461,7 +461,7 @@ def test_a_joining_node_grows_the_job_at_a_checkpoint_without_using_a_restart() 
     (resumed,) = records(out, "group.resumed")
     assert resumed["steps_recomputed"] == 0 and resumed["cause"] == "membership"
     assert job.machine.restarts == 0 and job.plan is not None and job.plan.world_size == 3
-    assert records(out, "rebalanced") == [{"generation": 2, "shares": [2, 2, 2], "previous": [3, 3]}]
+    assert records(out, "rebalanced") == [{"generation": 2, "shares": [2, 2, 2], "previous": [3, 3], "cause": "membership"}]
 
 
 def test_a_rank_finishing_frees_its_slot_without_growing_the_job() -> None:
@@ -478,6 +478,21 @@ def test_a_rank_finishing_frees_its_slot_without_growing_the_job() -> None:
     assert sends(out, m.GroupStop) == [] and records(out, "group.growing") == []
     out = pool.worker_exited(6.1, "b", "j", 2, 1, 0, 0, False)
     assert pool.jobs["j"].state is JobState.SUCCEEDED
+
+
+def test_the_trainers_own_rebalancing_is_recorded_and_seeds_the_next_plan() -> None:
+    pool = running_pool(("a", "b"), hi=2)
+    row = {"kind": "train", "step": 8, "loss": 3.0, "shares": [4, 2], "rank_tokens_per_s": [2000.0, 1000.0]}
+    out = pool.metric(2.0, "j", 1, row)
+    assert records(out, "rebalanced") == [{"generation": 1, "step": 8, "shares": [4, 2], "previous": [3, 3], "cause": "speed"}]
+    assert [w["share"] for w in pool.jobs["j"].status()["workers"]] == [4, 2]
+    assert records(pool.metric(2.1, "j", 1, {**row, "step": 9}), "rebalanced") == [], "only changes are events"
+    # A crash: the next generation starts from the measured split instead of an equal one.
+    pool.worker_exited(3.0, "b", "j", 1, 1, 0, -9, False)
+    out = pool.worker_exited(3.1, "a", "j", 1, 0, 0, 1, False)
+    out = prepare_all(pool, out, 4.0)
+    (start, *_) = sends(out, m.GroupStart)
+    assert start.msg.shares == [4, 2]  # type: ignore[attr-defined]
 
 
 def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None:

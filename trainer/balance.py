@@ -14,23 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dpool.protocol.shares import apportion
 
-def apportion(weights: list[float], total: int) -> list[int]:
-    """Split `total` proportionally to `weights`, every part >= 1 (largest remainder)."""
-    n = len(weights)
-    if total < n:
-        raise ValueError(f"cannot give {n} ranks at least one of {total} sequences")
-    w = [max(x, 1e-12) for x in weights]
-    exact = [total * x / sum(w) for x in w]
-    parts = [int(e) for e in exact]
-    order = sorted(range(n), key=lambda i: exact[i] - parts[i], reverse=True)
-    for i in order[: total - sum(parts)]:
-        parts[i] += 1
-    for i in range(n):  # every rank keeps at least one sequence, taken from the biggest share
-        if parts[i] == 0:
-            parts[max(range(n), key=parts.__getitem__)] -= 1
-            parts[i] = 1
-    return parts
 
 def step_time(shares: list[int], speeds: list[float]) -> float:
     """Predicted step time: the slowest rank's share / its speed (sequences per second)."""
