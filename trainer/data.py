@@ -41,9 +41,17 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
 def _stdlib_files() -> list[Path]:
-    root = stdlib_root()
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    """The standard library's .py files; installed packages are pruned from the walk, not filtered
+    after it (site-packages can hold far more files than the standard library: a restart pays this)."""
+    out = []
+    for folder, dirs, files in os.walk(stdlib_root()):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        out += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(out)
 
 
 def source_files(spec: JobSpec) -> list[Path]:

@@ -150,7 +150,17 @@ def _check_same_layout(group: Group, model, optimizer) -> None:
 
 
 def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int) -> int:
+    marks = {"process": time.time() - _process_start()}  # start-up phases, logged: a restart pays them
+    t_mark = time.perf_counter()
+
+    def mark(name: str) -> None:
+        nonlocal t_mark
+        now = time.perf_counter()
+        marks[name] = round(now - t_mark, 3)
+        t_mark = now
+
     group = Group()
+    mark("group")
     rank, world = group.rank, group.size
     log = get_logger(job=spec.name, rank=rank, generation=generation)
     shares = parse_shares(shares_arg, world, spec.train.global_batch)
@@ -159,6 +169,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     link = _worker_link()
 
     corpus = load_corpus(spec, os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache")
+    mark("data")
     (fp0,) = group.broadcast_ints([corpus.fingerprint])
     (mismatched,) = group.sum_ints([int(fp0 != corpus.fingerprint)])
     if mismatched:
@@ -184,11 +195,13 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     model = build_model(spec.model, VOCAB_SIZE, t.seed)
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
     optimizer.init(model.trainable_parameters())
+    mark("model")
     start, how = _restore(spec, run_dir, group, model, optimizer, log)
+    mark("restore")
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, params=n_params,
-        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=micro_for(share),
+        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=micro_for(share), startup_s=marks,
     )
     if link:
         link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
@@ -292,6 +305,18 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         return EXIT_STOPPED
     log.info("trainer.finished", steps=t.steps)
     return EXIT_DONE
+
+
+def _process_start() -> float:
+    """When this process started (wall clock), to count interpreter and import time too."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()  # not Linux: start-up before this point is not counted
 
 
 def _worker_link():
