@@ -83,9 +83,17 @@ def speed_shares(global_batch: int, speeds: Sequence[float | None]) -> list[int]
     The trainer refines them while it runs (it measures every step); this only gives a new
     generation a head start from what the last one measured.
     """
-    if any(v is None or v <= 0 for v in speeds):
-        return equal_shares(global_batch, len(speeds))
-    return apportion([float(v) for v in speeds if v is not None], global_batch)
+    equal = equal_shares(global_batch, len(speeds))
+    known = [float(v) for v in speeds if v is not None and v > 0]
+    if len(known) < len(speeds):
+        return equal
+    weighted = apportion(known, global_batch)
+
+    def step_time(shares: list[int]) -> float:
+        return max(s / v for s, v in zip(shares, known, strict=True))
+
+    # As the trainer does: a split that does not shorten the step by 10% is not worth leaving equal.
+    return weighted if step_time(weighted) <= 0.9 * step_time(equal) else equal
 
 
 def ring_hostfile(ranks: Sequence[Slot], endpoints: Mapping[Slot, str]) -> list[list[str]]:

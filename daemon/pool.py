@@ -419,7 +419,9 @@ class Pool:
         if isinstance(speeds, list) and len(speeds) == plan.world_size:
             for slot, v in zip(plan.ranks, speeds, strict=True):
                 if isinstance(v, int | float) and v > 0:
-                    job.speeds[slot.node] = float(v)
+                    # Smoothed: one step's timing on a busy machine is noise, not a speed.
+                    old = job.speeds.get(slot.node)
+                    job.speeds[slot.node] = float(v) if old is None else 0.9 * old + 0.1 * float(v)
         if not (isinstance(shares, list) and len(shares) == plan.world_size and all(isinstance(x, int) for x in shares)):
             return []
         current = job.shares or plan.shares
