@@ -186,31 +186,61 @@ def tokens_per_s(rows: list[dict]) -> float:
     return statistics.median(train)
 
 
-def bench_trainer(root: Path, addr: str, steps: int) -> None:
-    job = root / "bench.toml"
-    job.write_text(JOB.format(steps=steps))
-    alone_dir = root / "alone"
-    subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(alone_dir)], check=True, capture_output=True, timeout=900)
-    alone = tokens_per_s([json.loads(line) for line in (alone_dir / "metrics.jsonl").read_text().splitlines()])
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run_alone(root: Path, job: Path, i: int) -> float:
+    run_dir = root / f"alone-{i}"
+    env = dict(os.environ, DPOOL_CACHE_DIR=str(root / "cache"))
+    subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(run_dir)], check=True, capture_output=True, timeout=900, env=env)
+    return tokens_per_s([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+def run_under(addr: str, job: Path, daemon_pid: int) -> tuple[float, float]:
+    """tokens/s of the job run by the pool, and the daemon's CPU seconds per second of training."""
     with Client(addr, 5.0) as c:
         job_id = c.call(m.Submit(job=load_job(job).to_dict(), source=str(job)), m.Submitted).job_id
-        deadline = time.monotonic() + 900
+        cpu0, t0 = cpu_seconds(daemon_pid), time.monotonic()
+        deadline = t0 + 900
         while time.monotonic() < deadline:
             state = c.call(m.Status(job=job_id), m.StatusReply).jobs[0]["state"]
             if state in ("succeeded", "failed", "cancelled"):
                 break
             time.sleep(0.5)
+        cpu = (cpu_seconds(daemon_pid) - cpu0) / (time.monotonic() - t0)
         if state != "succeeded":
             raise SystemExit(f"the benchmark job ended {state}")
         rows = c.call(m.Metrics(job=job_id), m.MetricsReply).rows
-    under = tokens_per_s(rows)
-    row("trainer tokens/s under dpd", under, "tok/s", "python -m dpool.trainer alone", alone, True)
-    print(f"{'':<34} control-plane cost: {100 * (1 - under / alone):+.2f}% of the trainer's throughput (goal: < 1%)")
+    return tokens_per_s(rows), cpu
+
+
+def bench_trainer(root: Path, addr: str, steps: int, trials: int, daemon_pid: int) -> None:
+    job = root / "bench.toml"
+    job.write_text(JOB.format(steps=steps))
+    run_alone(root, job, -1)  # builds the token cache outside the timed runs
+    alone, under, cpu = [], [], []
+    for i in range(trials):  # interleaved, so drift in machine load hits both sides
+        alone.append(run_alone(root, job, i))
+        u, c = run_under(addr, job, daemon_pid)
+        under.append(u)
+        cpu.append(c)
+    a, u = statistics.median(alone), statistics.median(under)
+    row("trainer tokens/s under dpd", u, "tok/s", "python -m dpool.trainer alone", a, True)
+    print(f"{'':<34} control-plane cost: {100 * (1 - u / a):+.2f}% of the trainer's throughput (goal: < 1%)")
+    print(f"{'':<34} trials alone {', '.join(f'{x:.0f}' for x in alone)}; under dpd {', '.join(f'{x:.0f}' for x in under)}")
+    print(f"{'':<34} the serving dpd's own CPU while it ran the job: {100 * statistics.median(cpu):.1f}% of one core")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="training steps per trainer run")
+    p.add_argument("--trials", type=int, default=3, help="interleaved trainer runs, alone and under dpd")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--progress", type=int, default=50_000)
     a = p.parse_args()
@@ -220,7 +250,7 @@ def main() -> int:
     try:
         bench_status(addr, a.requests)
         bench_progress(addr, a.progress)
-        bench_trainer(root, addr, a.steps)
+        bench_trainer(root, addr, a.steps, a.trials, daemon.pid)
     finally:
         stop(daemon)
         shutil.rmtree(root, ignore_errors=True)

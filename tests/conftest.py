@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -90,3 +92,75 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield procs
     finally:
         procs.stop_all()
+
+
+class LocalPool:
+    """A pool of real `dpd` processes on loopback: `n0` serves, the others join; each daemon has its
+    own state dir under `root`. Talks to the coordinator the way dpctl does (the real client)."""
+
+    def __init__(self, procs: Processes, root: Path) -> None:
+        self.procs, self.root = procs, root
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: list[Path] = []
+
+    def dpd(self, name: str, *, serve: bool = False, workers: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        state = self.root / f"state-{name}"
+        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", str(workers), "--state-dir", str(state), "--stop-grace", "5"]
+        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
+        log = self.root / f"dpd-{len(self.logs)}-{name}.log"
+        self.logs.append(log)
+        p = self.procs.start([*cmd, *extra], log)
+        if name not in self.daemons or self.daemons[name].poll() is not None:
+            self.daemons[name] = p  # the live daemon of that name (a refused duplicate is not it)
+        return p
+
+    def start(self, *slots: int) -> LocalPool:
+        """A serving daemon `n0` and one joining daemon per further entry, with these slots."""
+        for i, n in enumerate(slots):
+            self.dpd(f"n{i}", serve=i == 0, workers=n)
+        self.wait_nodes(len(slots))
+        return self
+
+    def wait_nodes(self, n: int, timeout: float = 60) -> None:
+        wait_for(f"{n} live nodes", lambda: len([x for x in self.nodes() if x["state"] != "lost"]) == n, timeout)
+
+    def call(self, msg: Any, expect: type[Any]) -> Any:
+        from dpool.client.rpc import Client
+
+        with Client(self.addr, 5.0) as c:
+            return c.call(msg, expect)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        from dpool.protocol import messages as m
+
+        try:
+            return self.call(m.Nodes(), m.NodesReply).nodes
+        except Exception:
+            return []  # the coordinator is (re)starting
+
+    def status(self, job: str) -> dict[str, Any] | None:
+        """The job's status object, or None while the coordinator does not answer."""
+        from dpool.protocol import messages as m
+
+        try:
+            return self.call(m.Status(job=job), m.StatusReply).jobs[0]
+        except Exception:
+            return None
+
+    def dpctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+    def dpctl_json(self, *args: str) -> Any:
+        r = self.dpctl(*args, "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    def submit(self, path: Path) -> str:
+        r = self.dpctl("submit", str(path))
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    def trainer_pids(self, node: str, job: str) -> list[int]:
+        return pids_with(f"state-{node}/jobs/{job}/")

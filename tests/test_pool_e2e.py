@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import conftest
 import msgpack
 import pytest
 import zmq
 from conftest import Processes, free_port, pids_with, wait_for
 
-from dpool.client.rpc import Client
 from dpool.protocol import messages as m
 
 TINY = """\
@@ -56,59 +56,14 @@ def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = 20)
     return path
 
 
-class LocalPool:
-    def __init__(self, procs: Processes, root: Path) -> None:
-        self.procs, self.root = procs, root
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs: list[Path] = []
-
-    def dpd(self, name: str, *, serve: bool = False, workers: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
-        state = self.root / f"state-{name}"
-        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", str(workers), "--state-dir", str(state), "--stop-grace", "5"]
-        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
-        log = self.root / f"dpd-{len(self.logs)}-{name}.log"
-        self.logs.append(log)
-        p = self.procs.start([*cmd, *extra], log)
-        self.daemons.setdefault(name, p)
-        return p
-
-    def start(self, *slots: int) -> LocalPool:
-        """A serving daemon `n0` and one joining daemon per further entry, with these slots."""
-        for i, n in enumerate(slots):
-            self.dpd(f"n{i}", serve=i == 0, workers=n)
-        wait_for(f"{len(slots)} nodes registered", lambda: len([n for n in self.nodes() if n["state"] != "lost"]) == len(slots), 30)
-        return self
-
-    def call(self, msg: m.Message, expect: type[Any]) -> Any:
-        with Client(self.addr, 5.0) as c:
-            return c.call(msg, expect)
-
-    def nodes(self) -> list[dict[str, Any]]:
-        try:
-            return self.call(m.Nodes(), m.NodesReply).nodes
-        except Exception:
-            return []
-
+class LocalPool(conftest.LocalPool):
     def status(self, job: str) -> dict[str, Any]:
-        return self.call(m.Status(job=job), m.StatusReply).jobs[0]
+        st = super().status(job)
+        assert st is not None, f"the coordinator at {self.addr} did not answer"
+        return st
 
     def wait_state(self, job: str, *states: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
         return wait_for(f"job {job} in {states}", lambda: (s := self.status(job))["state"] in states and s, timeout, every=0.25)
-
-    def dpctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-    def dpctl_json(self, *args: str) -> Any:
-        r = self.dpctl(*args, "--json")
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
-
-    def submit(self, path: Path) -> str:
-        r = self.dpctl("submit", str(path))
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
 
 
 @pytest.fixture

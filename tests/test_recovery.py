@@ -20,10 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes, free_port, pids_with, wait_for
-
-from dpool.client.rpc import Client
-from dpool.protocol import messages as m
+from conftest import LocalPool, Processes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -86,67 +83,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         log.close()
 
 
-class Pool:
-    """A local pool: `n0` serves, the others join; each daemon has its own state dir."""
+class Pool(LocalPool):
+    """A local pool of one-slot daemons."""
 
-    def __init__(self, procs: Processes, root: Path) -> None:
-        self.procs, self.root = procs, root
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
-        self.n_logs = 0
-
-    def dpd(self, name: str, *, serve: bool = False) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", "1", "--state-dir", str(self.root / f"state-{name}"), "--stop-grace", "5"]
-        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
-        self.n_logs += 1
-        p = self.procs.start(cmd, self.root / f"dpd-{self.n_logs}-{name}.log")
-        self.daemons[name] = p
-        return p
-
-    def start(self, n: int) -> Pool:
-        for i in range(n):
-            self.dpd(f"n{i}", serve=i == 0)
-        self.wait_nodes(n)
+    def start(self, n: int) -> Pool:  # type: ignore[override]
+        super().start(*[1] * n)
         return self
-
-    def wait_nodes(self, n: int) -> None:
-        wait_for(f"{n} live nodes", lambda: len([x for x in self.nodes() if x["state"] != "lost"]) == n, 60)
-
-    def call(self, msg: m.Message, expect: type[Any]) -> Any:
-        with Client(self.addr, 5.0) as c:
-            return c.call(msg, expect)
-
-    def nodes(self) -> list[dict[str, Any]]:
-        try:
-            return self.call(m.Nodes(), m.NodesReply).nodes
-        except Exception:
-            return []  # the coordinator is being restarted
-
-    def status(self, job: str) -> dict[str, Any] | None:
-        try:
-            return self.call(m.Status(job=job), m.StatusReply).jobs[0]
-        except Exception:
-            return None
 
     def wait(self, what: str, job: str, check: Any, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
         return wait_for(what, lambda: (s := self.status(job)) is not None and check(s) and s, timeout, every=0.05)
-
-    def dpctl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-
-    def dpctl_json(self, *args: str) -> Any:
-        r = self.dpctl(*args, "--json")
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
-
-    def submit(self, path: Path) -> str:
-        r = self.dpctl("submit", str(path))
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
-
-    def trainer_pids(self, node: str, job: str) -> list[int]:
-        return pids_with(f"state-{node}/jobs/{job}/")
 
     def finish(self, job: str, reference: Any) -> list[dict[str, Any]]:
         """Wait for the end; assert success and the reference curve; return the job's events."""
