@@ -11,7 +11,6 @@ import os
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
 from dpool.client import watch as client_watch
-from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.client.rpc import Client, RemoteError, Unreachable, pages
 from dpool.client.tables import age, clock, num, size, table
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, load_job
@@ -60,17 +59,6 @@ def coordinator_address(flag: str | None) -> str:
 
 def emit_json(value: Any) -> None:
     sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode() + "\n")
-
-
-def pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
-    """Every page of a paged query (metrics, events, samples, logs)."""
-    after = 0
-    while True:
-        reply = fetch(after)
-        yield reply
-        if not reply.more:
-            return
-        after = reply.cursor
 
 
 # -- commands ----------------------------------------------------------------------------------

@@ -9,12 +9,11 @@ shaded. The same code writes `demo-loss.png` for `dpctl demo`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpool.client.rpc import Client
+from dpool.client.rpc import Client, pages
 from dpool.protocol import messages as m
 
 
@@ -44,27 +43,17 @@ def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
-    after = 0
-    while True:
-        reply = fetch(after)
-        yield reply
-        if not reply.more:
-            return
-        after = reply.cursor
-
-
 def fetch_job(c: Client, job: str, *, samples: bool = False) -> JobRecord:
     """Status, every metric row and every event of `job` (and its samples when asked)."""
     status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
     job_id = status["id"]
     rec = JobRecord(status)
-    for reply in _pages(lambda after: c.call(m.Metrics(job=job_id, after=after), m.MetricsReply)):
+    for reply in pages(lambda after: c.call(m.Metrics(job=job_id, after=after), m.MetricsReply)):
         rec.metrics += reply.rows
-    for reply in _pages(lambda after: c.call(m.Events(job=job_id, after=after), m.EventsReply)):
+    for reply in pages(lambda after: c.call(m.Events(job=job_id, after=after), m.EventsReply)):
         rec.events += reply.events
     if samples:
-        for reply in _pages(lambda after: c.call(m.Samples(job=job_id, after=after), m.SamplesReply)):
+        for reply in pages(lambda after: c.call(m.Samples(job=job_id, after=after), m.SamplesReply)):
             rec.samples += reply.rows
     return rec
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import zmq
 
@@ -70,3 +71,14 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
+    """Every page of a paged query (metrics, events, samples, logs)."""
+    after = 0
+    while True:
+        reply = fetch(after)
+        yield reply
+        if not reply.more:
+            return
+        after = reply.cursor
