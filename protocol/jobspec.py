@@ -275,6 +275,11 @@ def _cross_check(spec: JobSpec, source: str) -> None:
             raise JobFileError(source, "model.path", _MISSING, "required when model.kind = 'mlx_lm'")
         if not os.path.isdir(os.path.join(spec.base_dir, os.path.expanduser(m.path))):
             raise JobFileError(source, "model.path", m.path, "must be an existing model directory")
+        # Refused rather than silently training the built-in GPT in its place.
+        raise JobFileError(
+            source, "model.kind", m.kind,
+            "mlx_lm models are not supported by this version of dpool yet; use kind = 'gpt'",
+        )
     elif m.path is not None or m.lora_rank is not None:
         key = "model.path" if m.path is not None else "model.lora_rank"
         raise JobFileError(source, key, m.path if m.path is not None else m.lora_rank, "only for model.kind = 'mlx_lm'")

@@ -44,6 +44,7 @@ BAD = [
     ("section that is not a table", GOOD + "\ncheckpoint = 5\n", "checkpoint"),
     ("kind outside the allowed", GOOD.replace("layers = 1", 'layers = 1\nkind = "rnn"'), "model.kind"),
     ("mlx_lm without a path", GOOD.replace("layers = 1", 'layers = 1\nkind = "mlx_lm"'), "model.path"),
+    ("mlx_lm, not supported yet", GOOD.replace("layers = 1", 'layers = 1\nkind = "mlx_lm"\npath = "."'), "model.kind"),
     ("warmup longer than the run", GOOD.replace("warmup_steps = 1", "warmup_steps = 50"), "train.warmup_steps"),
     ("not TOML at all", "name = \n[[[", "toml"),
 ]
