@@ -110,10 +110,14 @@ class LocalPool:
         cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
         log = self.root / f"dpd-{len(self.logs)}-{name}.log"
         self.logs.append(log)
-        p = self.procs.start([*cmd, *extra], log)
+        p = self.procs.start([*self.prefix(name, serve), *cmd, *extra], log)
         if name not in self.daemons or self.daemons[name].poll() is not None:
             self.daemons[name] = p  # the live daemon of that name (a refused duplicate is not it)
         return p
+
+    def prefix(self, name: str, serve: bool) -> list[str]:
+        """What a daemon's command runs under (nothing here; a network namespace for netns tests)."""
+        return []
 
     def start(self, *slots: int) -> LocalPool:
         """A serving daemon `n0` and one joining daemon per further entry, with these slots."""

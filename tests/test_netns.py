@@ -73,18 +73,11 @@ class NetnsPool(Pool):
         self.hosts = hosts
         self.addr = f"tcp://{hosts['n0']}:{7400 + os.getpid() % 500}"
 
-    def dpd(self, name: str, *, serve: bool = False) -> subprocess.Popen[bytes]:
-        cmd = [
-            sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", "1", "--insecure",
-            "--state-dir", str(self.root / f"state-{name}"), "--stop-grace", "5", "--advertise", self.hosts[name],
-        ]
-        cmd += ["--serve", self.addr] if serve else ["--join", self.addr]
-        if not serve:
-            cmd = ["ip", "netns", "exec", self.hosts[f"{name}.ns"], *cmd]
-        self.n_logs += 1
-        p = self.procs.start(cmd, self.root / f"dpd-{self.n_logs}-{name}.log")
-        self.daemons[name] = p
-        return p
+    def prefix(self, name: str, serve: bool) -> list[str]:
+        return [] if serve else ["ip", "netns", "exec", self.hosts[f"{name}.ns"]]
+
+    def dpd(self, name: str, *, serve: bool = False, workers: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+        return super().dpd(name, serve=serve, workers=workers, extra=(*extra, "--insecure", "--advertise", self.hosts[name]))
 
 
 def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
