@@ -43,6 +43,7 @@ from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 from dpool.protocol.security import ClientKeys, curve_client
+from dpool.protocol.sockets import pending
 
 LOG_FLUSH_S = 0.2
 LOG_BATCH_LINES = 500
@@ -255,16 +256,13 @@ class Agent:
 
     def _recv(self) -> Message | None:
         assert self.craw is not None
-        while True:
-            try:
-                frames = self.craw.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return None
+        for frames in pending(self.craw):
             try:
                 msg, _ = m.decode(frames)
                 return msg
             except ProtocolError as e:
                 self.log.warning("frame.rejected", source="coordinator", code=str(e.code), error=e.message)
+        return None
 
     def _send(self, msg: Message) -> None:
         if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
@@ -465,11 +463,7 @@ class Agent:
         assert raw is not None
         while True:
             await sock.poll(1000)
-            while True:
-                try:
-                    frames = raw.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for frames in pending(raw):
                 if len(frames) < 2:
                     continue
                 try:

@@ -26,6 +26,7 @@ from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 from dpool.protocol.security import CurveServer, ServerKeys
+from dpool.protocol.sockets import pending
 
 BATCH = 500  # frames handled between commits and ticks
 BAD_FRAME_LOGS_PER_S = 5
@@ -92,11 +93,7 @@ class Coordinator:
             while not stopping.is_set():
                 timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
-                    for _ in range(BATCH):
-                        try:
-                            frames = raw.recv_multipart(flags=zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                    for frames in pending(raw, BATCH):
                         self._handle_frames(frames)
                 now = self.clock()
                 if now >= next_tick:

@@ -31,6 +31,8 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from dpool.protocol.sockets import pending
+
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ALLOWED = "allowed"
 KEYS_ENV = "DPOOL_KEYS"
@@ -163,11 +165,7 @@ class CurveServer:
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         while True:
             await sock.poll(500)
-            while True:
-                try:
-                    frames = raw.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+            for frames in pending(raw):
                 handle(raw, frames)
 
     def _on_zap(self, zap: zmq.Socket[Any], frames: list[bytes]) -> None:

@@ -33,6 +33,7 @@ from dpool.protocol.messages import (
     WorkerSample,
     decode,
 )
+from dpool.protocol.sockets import pending
 
 ENV_ADDR = "DPOOL_WORKER_ADDR"
 SEND_HWM = 10_000  # messages queued for the daemon before further sends are dropped
@@ -105,19 +106,16 @@ class WorkerLink:
     def stop_requested(self) -> bool:
         """True once the daemon asked this worker to checkpoint at the next step boundary and exit
         (or the daemon is gone)."""
-        if self.orphaned:
+        if self.orphaned or self._stop:
             return True
-        while not self._stop:
-            try:
-                frames = self._sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for frames in pending(self._sock):
             try:
                 msg, _ = decode(frames)
             except ProtocolError:
                 continue  # the daemon is trusted, but a bad frame must not kill training
             if msg.TYPE is MsgType.WORKER_STOP:
                 self._stop = True
+                break
         return self._stop
 
     def close(self) -> None:
