@@ -1,8 +1,9 @@
 """Writing a job back to TOML, for the trainer a daemon starts (`python -m dpool.trainer JOB.toml`).
 
 The job travels on the wire as `JobSpec.to_dict()`; the daemon writes it into its state dir. Paths
-are made absolute first (the written file lives far from the user's job file), so the written job
-has the same `training_hash()` as the submitted one.
+stay as the user wrote them, with `base_dir` (the submitted job file's folder) written beside them:
+the trainer resolves them on its own machine (`~` is that machine's home), and the written job has
+the same `training_hash()` as the submitted one.
 """
 
 from __future__ import annotations
@@ -32,12 +33,7 @@ def _value(v: Any) -> str:
 def dump_job(spec: JobSpec) -> str:
     """The job as a TOML document that `load_job` reads back to an equal JobSpec (base_dir aside)."""
     data = spec.to_dict()
-    data.pop("base_dir", None)
-    if spec.data.source != "stdlib":
-        data["data"]["source"] = spec.resolved_source()
-    if spec.model.path is not None:
-        data["model"]["path"] = os.path.normpath(os.path.join(spec.base_dir, os.path.expanduser(spec.model.path)))
-    lines = [f"name = {_value(data['name'])}"]
+    lines = [f"name = {_value(data['name'])}", f"base_dir = {_value(os.path.abspath(spec.base_dir))}"]
     for section in SECTIONS:
         lines.append("")
         lines.append(f"[{section}]")

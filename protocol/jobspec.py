@@ -112,20 +112,55 @@ class WorkersSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelSpec:
-    kind: str = _spec(_choice("gpt", "mlx_lm"), "'gpt' (built in) or 'mlx_lm' (a local model directory)", "gpt")
-    layers: int = _spec(_int(1, 256), "transformer blocks", 4)
-    dim: int = _spec(_int(8, 16384), "model width", 128)
-    heads: int = _spec(_int(1, 256), "attention heads; must divide dim", 4)
-    context: int = _spec(_int(2, 65536), "tokens per sequence", 128)
-    positions: str = _spec(_choice("rope", "learned"), "position encoding", "rope")
-    path: str | None = _spec(_opt(_str()), "kind = 'mlx_lm': a local Hugging Face-format directory", None)
-    lora_rank: int | None = _spec(_opt(_int(1, 1024)), "kind = 'mlx_lm': train LoRA adapters of this rank only", None)
+    kind: str = _spec(_choice("gpt", "mlx_lm"), "'gpt' (built in) or 'mlx_lm' (a language model that mlx-lm loads)", "gpt")
+    context: int = _spec(
+        _int(2, 65536), "gpt: tokens per sequence; mlx_lm: the longest example in tokens (longer ones are truncated)",
+        None,
+    )
+    # kind = "gpt"
+    layers: int = _spec(_int(1, 256), "gpt: transformer blocks", 4)
+    dim: int = _spec(_int(8, 16384), "gpt: model width", 128)
+    heads: int = _spec(_int(1, 256), "gpt: attention heads; must divide dim", 4)
+    positions: str = _spec(_choice("rope", "learned"), "gpt: position encoding", "rope")
+    # kind = "mlx_lm"
+    path: str | None = _spec(
+        _opt(_str()),
+        "mlx_lm: a model directory as mlx-lm loads it (resolved on each worker), or a Hugging Face repo id",
+        None,
+    )
+    fine_tune: str = _spec(_choice("lora", "dora", "full"), "mlx_lm: what is trained", "lora")
+    lora_rank: int = _spec(_int(1, 1024), "mlx_lm, lora/dora: adapter rank", 8)
+    lora_scale: float = _spec(_float(0.0, 1e6, lo_open=True), "mlx_lm, lora/dora: adapter scale", 20.0)
+    lora_dropout: float = _spec(_float(0.0, 0.95), "mlx_lm, lora/dora: dropout on the adapters' input", 0.0)
+    lora_layers: int = _spec(
+        _int(1, 100000), "mlx_lm, lora/dora: adapters on the last N transformer blocks (all when N is larger)", 16
+    )
+    grad_checkpoint: bool = _spec(
+        lambda v: None if isinstance(v, bool) else "must be true or false",
+        "mlx_lm: recompute each block's activations in the backward pass (less memory, more time)",
+        False,
+    )
+
+    def __post_init__(self) -> None:
+        if self.context is None:  # the kind's own default: a window for the GPT, an example's cap for mlx_lm
+            object.__setattr__(self, "context", DEFAULT_CONTEXT.get(self.kind, 128))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSpec:
-    source: str = _spec(_str(), "'stdlib' or a path/glob of .txt/.jsonl files", "stdlib")
-    val_fraction: float = _spec(_float(0.0, 0.5, lo_open=True), "fraction of documents held out", 0.05)
+    source: str = _spec(
+        _str(),
+        "gpt: 'stdlib' or a path/glob of .txt/.jsonl files; mlx_lm: a directory with train.jsonl (and valid.jsonl)",
+        "stdlib",
+    )
+    val_fraction: float = _spec(
+        _float(0.0, 0.5, lo_open=True), "fraction of documents (mlx_lm: examples, without a valid.jsonl) held out", 0.05
+    )
+    mask_prompt: bool = _spec(
+        lambda v: None if isinstance(v, bool) else "must be true or false",
+        "mlx_lm: train on the completion (or the last assistant message) only, as mlx-lm's --mask-prompt",
+        False,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -159,6 +194,9 @@ class EvalSpec:
     batches: int = _spec(_int(1), "held-out batches (of global_batch sequences) per evaluation", 20)
     sample_every_steps: int = _spec(_int(1), "a generated text sample every this many steps", 200)
     sample_tokens: int = _spec(_int(1, 100000), "tokens per sample", 200)
+    sample_prompt: str | None = _spec(
+        _opt(_str()), "the sample's prompt: a user message for chat data, else plain text (default: 'def ' / 'Hello')", None
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,25 +232,60 @@ class JobSpec:
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
-    base_dir: str = "."  # where relative data paths are resolved (the job file's folder)
+    base_dir: str = "."  # where relative paths are resolved: the folder of the job file as submitted
 
     def to_dict(self) -> dict[str, Any]:
-        """The job as plain data (what travels on the wire and into SQLite)."""
-        return dataclasses.asdict(self)
+        """The job as plain data (what travels on the wire and into SQLite): the keys of its kind."""
+        out = dataclasses.asdict(self)
+        out["model"] = self._model_fields()
+        if self.model.kind == "gpt":
+            out["data"].pop("mask_prompt")
+        return out
 
     def training_hash(self) -> str:
-        """Hash of everything that shapes the loss curve; checkpoints of another hash are refused."""
+        """Hash of everything that shapes the loss curve; checkpoints of another hash are refused.
+
+        Paths enter as the user wrote them, not resolved: `~/data` is the same job on every
+        machine although it names a different folder on each (the content is compared across
+        ranks separately, by fingerprint)."""
         train = dataclasses.asdict(self.train)
         train.pop("log_every_steps")
         train.pop("micro_batch")  # accumulation does not change the math
-        body = {"model": dataclasses.asdict(self.model), "data": dataclasses.asdict(self.data), "train": train}
-        body["data"]["source"] = self.resolved_source()
+        body = {"model": self._model_fields(), "data": self.to_dict()["data"], "train": train}
         return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def _model_fields(self) -> dict[str, Any]:
+        """The model keys that apply to this kind (the others are refused in the job file)."""
+        model = dataclasses.asdict(self.model)
+        keep = GPT_KEYS if self.model.kind == "gpt" else MLX_LM_KEYS
+        return {k: v for k, v in model.items() if k in keep or k in ("kind", "context")}
+
+    def resolve(self, path: str) -> str:
+        """A local path of the job file, on this machine: `~` is this machine's home, and a relative
+        path is taken from the job file's folder."""
+        return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(path)))
 
     def resolved_source(self) -> str:
         if self.data.source == "stdlib":
             return "stdlib"
-        return os.path.normpath(os.path.join(self.base_dir, os.path.expanduser(self.data.source)))
+        return self.resolve(self.data.source)
+
+
+GPT_KEYS = ("layers", "dim", "heads", "positions")
+MLX_LM_KEYS = ("path", "fine_tune", "lora_rank", "lora_scale", "lora_dropout", "lora_layers", "grad_checkpoint")
+DEFAULT_CONTEXT = {"gpt": 128, "mlx_lm": 2048}
+HF_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_location(spec: JobSpec) -> tuple[str, str]:
+    """Where an mlx_lm job's model is on this machine: ("dir", path) for a local directory, or
+    ("repo", id) for a Hugging Face repo id that mlx-lm resolves (its cache, else a download).
+    A path that exists here wins, as in mlx-lm; a repo id is never made into a path."""
+    assert spec.model.path is not None
+    local = spec.resolve(spec.model.path)
+    if os.path.exists(local) or not HF_REPO_RE.match(spec.model.path):
+        return "dir", local
+    return "repo", spec.model.path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,28 +313,54 @@ def _build(cls: type, table: Any, prefix: str, source: str) -> Any:
 
 
 def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None = None) -> JobSpec:
-    """Validate a parsed TOML document (or the dict of `JobSpec.to_dict`, which carries base_dir)."""
+    """Validate a parsed TOML document (or the dict of `JobSpec.to_dict`, which carries base_dir).
+
+    Pure: no file system access. Paths are resolved where the training runs (`check_paths`, in the
+    trainer), never on the coordinator or the client."""
     data = dict(data)
     carried = data.pop("base_dir", None)
-    base_dir = base_dir or (carried if isinstance(carried, str) else ".")
+    if carried is not None and not isinstance(carried, str):
+        raise JobFileError(source, "base_dir", carried, "must be a string (a folder)")
+    base_dir = carried or base_dir or "."
     for key in data:
         if key != "name" and key not in SECTIONS:
-            raise JobFileError(source, key, data[key], "unknown key; allowed: name, " + ", ".join(SECTIONS))
+            raise JobFileError(source, key, data[key], "unknown key; allowed: name, base_dir, " + ", ".join(SECTIONS))
     name = data.get("name", _MISSING)
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
     sections = {key: _build(cls, data.get(key, {}), key, source) for key, cls in SECTIONS.items()}
+    _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source)
     spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
     _cross_check(spec, source)
     return spec
 
 
+def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], source: str) -> None:
+    """A key of the other kind is refused, not silently ignored: it would not do what it says."""
+    other = MLX_LM_KEYS if kind == "gpt" else GPT_KEYS
+    for key in other:
+        if key in model:
+            owner = "mlx_lm" if kind == "gpt" else "gpt"
+            raise JobFileError(source, f"model.{key}", model[key], f"only for model.kind = '{owner}'")
+    if kind == "gpt" and "mask_prompt" in data:
+        raise JobFileError(source, "data.mask_prompt", data["mask_prompt"], "only for model.kind = 'mlx_lm'")
+
+
 def _cross_check(spec: JobSpec, source: str) -> None:
     m, t, w = spec.model, spec.train, spec.workers
-    if m.dim % m.heads:
-        raise JobFileError(source, "model.heads", m.heads, f"must divide model.dim = {m.dim}")
-    if (m.dim // m.heads) % 2 and m.positions == "rope":
-        raise JobFileError(source, "model.dim", m.dim, "dim / heads must be even for rotary positions")
+    if m.kind == "gpt":
+        if m.dim % m.heads:
+            raise JobFileError(source, "model.heads", m.heads, f"must divide model.dim = {m.dim}")
+        if (m.dim // m.heads) % 2 and m.positions == "rope":
+            raise JobFileError(source, "model.dim", m.dim, "dim / heads must be even for rotary positions")
+    else:
+        if not m.path:
+            raise JobFileError(source, "model.path", _MISSING, "required when model.kind = 'mlx_lm'")
+        if spec.data.source == "stdlib":
+            raise JobFileError(
+                source, "data.source", spec.data.source,
+                "model.kind = 'mlx_lm' needs a directory holding train.jsonl (and optionally valid.jsonl)",
+            )
     if w.max < w.min:
         raise JobFileError(source, "workers.max", w.max, f"must be >= workers.min = {w.min}")
     if t.global_batch < w.min:
@@ -270,21 +369,23 @@ def _cross_check(spec: JobSpec, source: str) -> None:
         )
     if t.warmup_steps > t.steps:
         raise JobFileError(source, "train.warmup_steps", t.warmup_steps, f"must be <= train.steps = {t.steps}")
-    if m.kind == "mlx_lm":
-        if not m.path:
-            raise JobFileError(source, "model.path", _MISSING, "required when model.kind = 'mlx_lm'")
-        if not os.path.isdir(os.path.join(spec.base_dir, os.path.expanduser(m.path))):
-            raise JobFileError(source, "model.path", m.path, "must be an existing model directory")
-        # Refused rather than silently training the built-in GPT in its place.
+
+
+def check_paths(spec: JobSpec, source: str) -> None:
+    """The job's local paths exist on this machine (the trainer calls it before anything else)."""
+    if spec.model.kind == "mlx_lm":
+        where, path = model_location(spec)
+        if where == "dir" and not os.path.isdir(path):
+            raise JobFileError(source, "model.path", spec.model.path, f"no such directory on this machine ({path})")
+        folder = spec.resolved_source()
+        if not os.path.isfile(os.path.join(folder, "train.jsonl")):
+            what = "no such directory" if not os.path.isdir(folder) else "it holds no train.jsonl"
+            raise JobFileError(source, "data.source", spec.data.source, f"{what} on this machine ({folder})")
+    elif spec.data.source != "stdlib" and not data_files(spec):
         raise JobFileError(
-            source, "model.kind", m.kind,
-            "mlx_lm models are not supported by this version of dpool yet; use kind = 'gpt'",
+            source, "data.source", spec.data.source,
+            f"no .txt or .jsonl files match this path or glob on this machine ({spec.resolved_source()})",
         )
-    elif m.path is not None or m.lora_rank is not None:
-        key = "model.path" if m.path is not None else "model.lora_rank"
-        raise JobFileError(source, key, m.path if m.path is not None else m.lora_rank, "only for model.kind = 'mlx_lm'")
-    if spec.data.source != "stdlib" and not data_files(spec):
-        raise JobFileError(source, "data.source", spec.data.source, "no .txt or .jsonl files match this path or glob")
 
 
 def data_files(spec: JobSpec) -> list[str]:
@@ -312,7 +413,7 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
 
 def describe() -> str:
     """Every key with its default and meaning, for `--help` and the README."""
-    lines = ["name  (required)  [a-z0-9-]{1,63}"]
+    lines = ["name  (required)  [a-z0-9-]{1,63}", "base_dir  (default: the job file's folder)  where relative paths are resolved"]
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         for f in fields(cls):

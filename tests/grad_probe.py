@@ -12,11 +12,11 @@ import numpy as np
 
 from dpool.protocol.jobspec import load_job
 from dpool.protocol.logs import configure_logging, get_logger
-from dpool.trainer.data import VOCAB_SIZE, BatchSampler, load_corpus, split_shares
+from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.loop import _restore, parse_shares
-from dpool.trainer.model import build_model
 from dpool.trainer.step import Stepper
+from dpool.trainer.task import build_task
 
 
 def main(job: str, out: str, cache: str, shares_arg: str | None) -> None:
@@ -24,15 +24,15 @@ def main(job: str, out: str, cache: str, shares_arg: str | None) -> None:
     spec = load_job(job)
     group = Group()
     shares = parse_shares(shares_arg, group.size, spec.train.global_batch)
-    corpus = load_corpus(spec, cache)
-    sampler = BatchSampler(corpus.train, spec.model.context, spec.train.global_batch, spec.train.seed)
-    model = build_model(spec.model, VOCAB_SIZE, spec.train.seed)
+    task = build_task(spec, __import__("pathlib").Path(cache))
+    model = task.model
     opt = optim.AdamW(learning_rate=spec.train.lr)
     opt.init(model.trainable_parameters())
     _restore(spec, __import__("pathlib").Path(out + f".rank{group.rank}"), group, model, opt, get_logger())
     offset, share = split_shares(shares)[group.rank]
-    stepper = Stepper(model, opt, group, spec.train.micro_batch if isinstance(spec.train.micro_batch, int) else spec.train.global_batch, spec.train.grad_clip)
-    names, grads, _ = stepper.reduce(sampler.sequences(1, offset, share))
+    micro = spec.train.micro_batch if isinstance(spec.train.micro_batch, int) else spec.train.global_batch
+    stepper = Stepper(task, opt, group, micro, spec.train.grad_clip, spec.train.seed)
+    names, grads, _ = stepper.reduce(task.examples(1, offset, share))
     mx.eval(grads)  # every rank must run the collective, not only the one that saves
     if group.rank == 0:
         np.savez(out, **{n: np.array(g) for n, g in zip(names, grads, strict=True)})

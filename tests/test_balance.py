@@ -15,8 +15,7 @@ import ring
 from dpool.protocol.shares import apportion
 from dpool.trainer.balance import (
     Balancer,
-    auto_micro_batch,
-    bytes_per_sequence,
+    micro_from_memory,
     step_time,
 )
 
@@ -54,11 +53,20 @@ def test_balancer_median_shrugs_off_one_outlier():
 
 
 def test_small_memory_machines_get_smaller_micro_batches():
-    per_seq = bytes_per_sequence(4, 128, 4, 64, 256)
-    big = auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=64 << 30)
-    small = auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=per_seq * 12)
-    assert big == 16 and small == 3
-    assert auto_micro_batch(16, 4, 128, 4, 64, 256, memory_bytes=1) == 1
+    per_example = 40 << 20  # measured by the probe step
+    assert micro_from_memory(16, per_example, free_bytes=64 << 30) == 16
+    assert micro_from_memory(16, per_example, free_bytes=per_example * 6) == 3
+    assert micro_from_memory(16, per_example, free_bytes=1) == 1
+    assert micro_from_memory(16, per_example, free_bytes=-5) == 1  # the model alone overflows: one at a time
+
+
+def test_balancer_weighs_tokens_not_examples():
+    # Equal machines, but rank 0's examples happen to be twice as long: by examples per second it
+    # looks half as fast; by tokens per second the two are equal and the split stays.
+    b = Balancer([8, 8], window=2)
+    for _ in range(2):
+        b.observe([2.0, 1.0], rank_work=[2000, 1000])
+    assert b.speeds() == [1000.0, 1000.0] and b.propose() is None
 
 
 JOB = """\
@@ -102,7 +110,7 @@ def test_a_slowed_rank_gets_a_smaller_share_and_the_curve_holds(tmp_path):
     out = [json.loads(line) for line in g.output(0).splitlines() if line.startswith("{")]
     changes = [e for e in out if e.get("event") == "rebalanced"]
     assert changes, "the slowed rank's share never changed"
-    assert changes[-1]["shares"][0] > changes[-1]["shares"][1], changes
+    assert changes[-1]["shares"][0] > changes[-1]["shares"][1], [(e["step"], e["shares"]) for e in changes]
     rows = ring.metrics(tmp_path / "pair" / "r0")
     assert rows[1]["shares"] == [12, 12] and rows[30]["shares"][0] > 12
     alone = ring.metrics(tmp_path / "alone")

@@ -25,6 +25,19 @@ global_batch = 4
 warmup_steps = 1
 """
 
+LM = """\
+name = "lm"
+[model]
+kind = "mlx_lm"
+path = "/models/tiny"
+[data]
+source = "/data/chat"
+[train]
+steps = 5
+global_batch = 4
+warmup_steps = 1
+"""
+
 # (what is wrong, the job file, the key the message must name)
 BAD = [
     ("unknown top-level key", GOOD + "\n[optimizer]\nkind = 'sgd'\n", "optimizer"),
@@ -33,7 +46,6 @@ BAD = [
     ("negative steps", GOOD.replace("steps = 5", "steps = -5"), "train.steps"),
     ("zero global batch", GOOD.replace("global_batch = 4", "global_batch = 0"), "train.global_batch"),
     ("global batch below world size", GOOD + "\n[workers]\nmin = 8\nmax = 8\n", "train.global_batch"),
-    ("missing data path", GOOD + "\n[data]\nsource = '/no/such/corpus/*.txt'\n", "data.source"),
     ("bad name", GOOD.replace('name = "ok"', 'name = "Has Spaces"'), "name"),
     ("missing name", GOOD.replace('name = "ok"\n', ""), "name"),
     ("heads do not divide dim", GOOD.replace("heads = 2", "heads = 3"), "model.heads"),
@@ -43,8 +55,15 @@ BAD = [
     ("boolean for a number", GOOD.replace("steps = 5", "steps = true"), "train.steps"),
     ("section that is not a table", GOOD + "\ncheckpoint = 5\n", "checkpoint"),
     ("kind outside the allowed", GOOD.replace("layers = 1", 'layers = 1\nkind = "rnn"'), "model.kind"),
-    ("mlx_lm without a path", GOOD.replace("layers = 1", 'layers = 1\nkind = "mlx_lm"'), "model.path"),
-    ("mlx_lm, not supported yet", GOOD.replace("layers = 1", 'layers = 1\nkind = "mlx_lm"\npath = "."'), "model.kind"),
+    ("mlx_lm without a path", LM.replace('path = "/models/tiny"\n', ""), "model.path"),
+    ("mlx_lm on the stdlib corpus", LM.replace('source = "/data/chat"', 'source = "stdlib"'), "data.source"),
+    ("a gpt key on an mlx_lm job", LM.replace('kind = "mlx_lm"', 'kind = "mlx_lm"\nlayers = 2'), "model.layers"),
+    ("an mlx_lm key on a gpt job", GOOD.replace("layers = 1", 'layers = 1\nfine_tune = "lora"'), "model.fine_tune"),
+    ("unknown fine-tune", LM.replace('kind = "mlx_lm"', 'kind = "mlx_lm"\nfine_tune = "qlora"'), "model.fine_tune"),
+    ("dropout of one", LM.replace('kind = "mlx_lm"', 'kind = "mlx_lm"\nlora_dropout = 1.0'), "model.lora_dropout"),
+    ("mask_prompt on a gpt job", GOOD + "\n[data]\nmask_prompt = true\n", "data.mask_prompt"),
+    ("mask_prompt not a boolean", LM.replace('source = "/data/chat"', 'source = "/data/chat"\nmask_prompt = "yes"'), "data.mask_prompt"),
+    ("a name with a trailing newline", GOOD.replace('name = "ok"', 'name = "ok\\n"'), "name"),
     ("warmup longer than the run", GOOD.replace("warmup_steps = 1", "warmup_steps = 50"), "train.warmup_steps"),
     ("not TOML at all", "name = \n[[[", "toml"),
 ]
@@ -60,7 +79,23 @@ def test_bad_job_file_is_refused_naming_the_key(tmp_path, what, text, key):
     assert "\n" not in message and str(path) in message and key in message, message
 
 
-@pytest.mark.parametrize(("what", "text", "key"), BAD[:4] + BAD[6:7], ids=[b[0] for b in BAD[:4] + BAD[6:7]])
+# Paths are resolved where the training runs: the trainer refuses them, naming this machine.
+MISSING_PATHS = [
+    ("missing data path", GOOD + "\n[data]\nsource = '/no/such/corpus/*.txt'\n", "data.source"),
+    ("missing model directory", LM.replace("/models/tiny", "/no/such/model"), "model.path"),
+]
+
+
+def test_the_client_does_not_resolve_paths(tmp_path):
+    for _, text, _ in MISSING_PATHS:
+        (tmp_path / "job.toml").write_text(text)
+        load_job(tmp_path / "job.toml")  # parses: the paths belong to the workers
+
+
+ON_TRAINER = BAD[:4] + MISSING_PATHS
+
+
+@pytest.mark.parametrize(("what", "text", "key"), ON_TRAINER, ids=[b[0] for b in ON_TRAINER])
 def test_trainer_exits_2_with_one_line(tmp_path, what, text, key):
     path = tmp_path / "job.toml"
     path.write_text(text)
@@ -71,6 +106,8 @@ def test_trainer_exits_2_with_one_line(tmp_path, what, text, key):
     assert run.returncode == 2, run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and key in lines[0] and str(path) in lines[0], run.stderr
+    if "path" in what:
+        assert "on this machine" in lines[0], run.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -104,3 +141,27 @@ def test_relative_data_path_resolves_against_the_job_file(tmp_path):
     (tmp_path / "job.toml").write_text(GOOD + '\n[data]\nsource = "corpus/*.txt"\n')
     spec = load_job(tmp_path / "job.toml")
     assert spec.resolved_source() == str(tmp_path / "corpus" / "*.txt")
+
+
+def test_mlx_lm_defaults_and_wire_round_trip():
+    spec = parse_job({"name": "lm", "model": {"kind": "mlx_lm", "path": "~/models/m"}, "data": {"source": "~/chat"}})
+    m = spec.model
+    assert (m.fine_tune, m.lora_rank, m.lora_scale, m.lora_layers, m.context) == ("lora", 8, 20.0, 16, 2048)
+    wire = spec.to_dict()
+    assert "layers" not in wire["model"] and wire["model"]["path"] == "~/models/m"
+    assert parse_job(wire, source="wire") == spec
+    gpt = parse_job({"name": "g"})
+    assert gpt.model.context == 128 and "fine_tune" not in gpt.to_dict()["model"]
+
+
+def test_written_job_keeps_paths_and_hash(tmp_path):
+    from dpool.protocol.jobfile import dump_job
+
+    spec = parse_job(
+        {"name": "lm", "model": {"kind": "mlx_lm", "path": "models/m"}, "data": {"source": "~/chat"}},
+        base_dir=str(tmp_path / "client"),
+    )
+    (tmp_path / "job.toml").write_text(dump_job(spec))
+    again = load_job(tmp_path / "job.toml")
+    assert again.training_hash() == spec.training_hash()
+    assert again.resolve(again.model.path) == str(tmp_path / "client" / "models" / "m")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from dpool.trainer.blas import reexec_with_openblas
 
@@ -20,7 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shares", help="sequences of each global batch per rank, comma-separated (default: equal)")
     parser.add_argument("--generation", type=int, default=1, help="group (re)start count, recorded in metrics")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--export", metavar="OUT",
+        help="train nothing: write the newest checkpoint of --run-dir (or --step N) to OUT, as `dpctl export` does "
+        "(an mlx-lm adapter directory, or a model directory)",
+    )
+    parser.add_argument("--step", type=int, help="with --export: the checkpoint step to export (default: the newest)")
     args = parser.parse_args(argv)
+    if args.step is not None and not args.export:
+        parser.error("--step goes with --export")
 
     # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
     reexec_with_openblas("dpool.trainer", argv)
@@ -28,14 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     from dpool.protocol.jobspec import JobFileError, load_job
     from dpool.protocol.logs import configure_logging, get_logger
     from dpool.trainer import loop
-    from dpool.trainer.checkpoint import CheckpointMismatch
+    from dpool.trainer.checkpoint import CheckpointError, CheckpointMismatch
     from dpool.trainer.data import DataError
+    from dpool.trainer.lm import ModelError
 
     configure_logging(args.log_level)
     try:
         spec = load_job(args.job)
-        return loop.run(spec, args.run_dir, args.shares, args.generation)
-    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError) as e:
+        if args.export:
+            step, files = loop.export(spec, Path(args.run_dir), Path(args.export), args.step, source=args.job)
+            print(f"exported step {step} of {spec.name} to {args.export}: {', '.join(files)}")
+            return loop.EXIT_DONE
+        return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job)
+    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return loop.EXIT_BAD_INPUT
+    except CheckpointError as e:  # --export of a checkpoint that does not fit its job
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT
     except KeyboardInterrupt:

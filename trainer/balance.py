@@ -1,7 +1,9 @@
 """Balance: faster ranks take bigger shares of the global batch, decided while the job runs.
 
 Every step's all_sum already carries each rank's compute time (the time to produce its gradient
-sums, without waiting for peers). Rank 0 turns those into sequences per second per rank, and when
+sums, without waiting for peers) and the tokens it trained. Rank 0 turns those into tokens per
+second per rank (examples of a language model differ in length: a rank's count of examples says
+little about its work), and when
 a new split would shorten the step (the slowest rank's time) by enough to matter, announces it in
 the next step's all_sum; every rank switches at the same step. Shares never change the math
 (gradients are token sums over the whole global batch), only who computes which slice.
@@ -33,21 +35,24 @@ class Balancer:
     shares: list[int]
     window: int = 4
     min_gain: float = 0.10
-    _seconds: deque[list[float]] = field(default_factory=deque)
+    _rates: deque[list[float]] = field(default_factory=deque)
 
-    def observe(self, rank_seconds: list[float]) -> None:
-        self._seconds.append(list(rank_seconds))
-        while len(self._seconds) > self.window:
-            self._seconds.popleft()
+    def observe(self, rank_seconds: list[float], rank_work: list[float] | None = None) -> None:
+        """One step's compute seconds per rank, and the work each did in them (trained tokens;
+        default: its share of sequences, all of one length)."""
+        work = rank_work if rank_work is not None else self.shares
+        self._rates.append([w / max(t, 1e-9) for w, t in zip(work, rank_seconds, strict=True)])
+        while len(self._rates) > self.window:
+            self._rates.popleft()
 
     def speeds(self) -> list[float] | None:
-        """Median sequences/s per rank over the window, or None until the window is full."""
-        if len(self._seconds) < self.window:
+        """Median work per second per rank over the window, or None until the window is full."""
+        if len(self._rates) < self.window:
             return None
         out = []
-        for r, share in enumerate(self.shares):
-            times = sorted(row[r] for row in self._seconds)
-            out.append(share / max(times[len(times) // 2], 1e-9))
+        for r in range(len(self.shares)):
+            rates = sorted(row[r] for row in self._rates)
+            out.append(rates[len(rates) // 2])
         return out
 
     def propose(self) -> list[int] | None:
@@ -64,13 +69,13 @@ class Balancer:
     def adopt(self, shares: list[int]) -> None:
         """Shares changed (every rank switched): timings under the old split no longer apply."""
         self.shares = list(shares)
-        self._seconds.clear()
+        self._rates.clear()
 
 
 # ---------------------------------------------------------------------------------------------
 # Memory: micro batches sized to the machine, so a small-memory worker accumulates more, smaller ones.
 
-ACTIVATION_BUDGET = 0.25  # of the machine's memory, for one micro batch's activations and gradients
+ACTIVATION_BUDGET = 0.5  # of the memory free once the model is loaded: one micro batch's activations
 
 
 def machine_memory_bytes() -> int:
@@ -83,16 +88,10 @@ def machine_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def bytes_per_sequence(layers: int, dim: int, heads: int, context: int, vocab: int) -> int:
-    """A generous estimate of what one sequence keeps alive for the backward pass (float32):
-    per token and layer ~16 activations of width dim plus the attention weights, and the logits
-    with their softmax and gradient."""
-    per_token = layers * (16 * dim + 2 * heads * context) + 3 * vocab
-    return 4 * context * per_token
+def micro_from_memory(share: int, bytes_per_example: int, free_bytes: int) -> int:
+    """The most examples per micro batch that fit the budget, at least 1, at most `share`.
 
-
-def auto_micro_batch(share: int, layers: int, dim: int, heads: int, context: int, vocab: int,
-                     memory_bytes: int) -> int:
-    """The most sequences per micro batch that fit this machine's budget, at least 1, at most `share`."""
-    fit = int(memory_bytes * ACTIVATION_BUDGET) // bytes_per_sequence(layers, dim, heads, context, vocab)
+    `bytes_per_example` is measured (a probe step's peak memory at the widest shape), so the same
+    rule serves a 1M-parameter GPT and a quantized 8B model."""
+    fit = int(max(free_bytes, 0) * ACTIVATION_BUDGET) // max(bytes_per_example, 1)
     return max(1, min(share, fit))

@@ -1,6 +1,8 @@
 """Checkpoints: one self-describing bundle per step, written off the step path, verified on load.
 
-    checkpoints/step-N/model.safetensors      weights
+    checkpoints/step-N/model.safetensors      what is trained (all weights of the GPT or of a full
+                                              fine-tune; the adapters of LoRA/DoRA: never a frozen
+                                              base), in the model's own dtypes (bf16 stays bf16)
     checkpoints/step-N/optimizer.safetensors  AdamW state (step count, moments): weights alone diverge
     checkpoints/step-N/manifest.json          step, job hash, world size, RNG and data position,
                                               file sizes and sha256; written last
@@ -27,6 +29,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from dpool.protocol.checkpoints import (
     FORMAT_VERSION,
@@ -62,28 +65,36 @@ class Snapshot:
     """Host copies of everything a resume needs, taken between steps."""
 
     step: int
-    model: dict[str, np.ndarray]
-    optimizer: dict[str, np.ndarray]
+    model: dict[str, tuple[np.ndarray, str]]  # name -> (host copy, safetensors dtype)
+    optimizer: dict[str, tuple[np.ndarray, str]]
     manifest: dict[str, Any]
 
 
-def to_host(flat: list[tuple[str, mx.array]]) -> dict[str, np.ndarray]:
-    return {k: np.array(v, copy=True) for k, v in flat}
+def to_host(flat: list[tuple[str, mx.array]]) -> dict[str, tuple[np.ndarray, str]]:
+    """Host copies with their safetensors dtype; bfloat16, which numpy lacks, travels as its bits."""
+    out = {}
+    for k, v in flat:
+        if v.dtype == mx.bfloat16:
+            out[k] = (np.array(v.view(mx.uint16), copy=True), "BF16")
+        else:
+            a = np.array(v, copy=True)
+            out[k] = (a, _ST_DTYPES[a.dtype])
+    return out
 
 
-def _write_safetensors(path: Path, arrays: dict[str, np.ndarray]) -> tuple[int, str]:
+def _write_safetensors(path: Path, arrays: dict[str, tuple[np.ndarray, str]]) -> tuple[int, str]:
     """Write the safetensors format (8-byte header size, JSON header, raw little-endian data)."""
     header: dict[str, Any] = {}
     offset = 0
-    for name, a in arrays.items():
+    for name, (a, dtype) in arrays.items():
         n = a.nbytes
-        header[name] = {"dtype": _ST_DTYPES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     h = hashlib.sha256()
     with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw, *(np.ascontiguousarray(a).tobytes() for a in arrays.values())):
+        for chunk in (struct.pack("<Q", len(raw)), raw, *(np.ascontiguousarray(a).tobytes() for a, _ in arrays.values())):
             f.write(chunk)
             h.update(chunk)
         f.flush()
@@ -190,6 +201,20 @@ def newest_valid(run_dir: Path, job_hash: str, log) -> tuple[int, dict[str, Any]
 def load_arrays(run_dir: Path, step: int) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
     folder = step_dir(run_dir, step)
     return mx.load(str(folder / "model.safetensors")), mx.load(str(folder / "optimizer.safetensors"))
+
+
+def check_trained(weights: dict[str, mx.array], model, run_dir: Path, step: int) -> None:
+    """A checkpoint's weights must be exactly what the model trains, name, shape and dtype:
+    loading them non-strictly (a frozen base stays as loaded) must not skip or misplace one."""
+    want = {k: v for k, v in tree_flatten(model.trainable_parameters())}
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    wrong = [k for k in want if k in weights and (weights[k].shape != want[k].shape or weights[k].dtype != want[k].dtype)]
+    if missing or extra or wrong:
+        raise CheckpointError(
+            f"{step_dir(run_dir, step)}: does not fit the model it is loaded into "
+            f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape or dtype {wrong[:3]})"
+        )
 
 
 class CheckpointWriter:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,16 @@ import mlx.optimizers as optim
 import orjson
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
-from dpool.trainer.balance import Balancer, auto_micro_batch, machine_memory_bytes
-from dpool.trainer.data import VOCAB_SIZE, BatchSampler, eval_windows, load_corpus, split_shares
+from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
+from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
-from dpool.trainer.model import build_model, generate
 from dpool.trainer.step import Stepper, lr_at
+from dpool.trainer.task import build_task
 
 EXIT_DONE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
-SAMPLE_PROMPT = b"def "
 
 
 class UsageError(ValueError):
@@ -116,13 +116,15 @@ def _restore(
     local = holders == group.size
     if step > 0 and (local or group.rank == 0):
         weights, opt_state = ckpt.load_arrays(run_dir, step)
-        model.load_weights(list(weights.items()))
+        ckpt.check_trained(weights, model, run_dir, step)
+        model.load_weights(list(weights.items()), strict=False)
         optimizer.state = tree_unflatten(list(opt_state.items()))
     if not local or step == 0:
-        # Rank 0's state everywhere, bit for bit (a fresh start too: weights from the seed on rank 0).
-        names = [k for k, _ in tree_flatten(model.parameters())]
-        params = group.broadcast([v for _, v in tree_flatten(model.parameters())])
-        model.load_weights(list(zip(names, params, strict=True)))
+        # Rank 0's trained weights everywhere, bit for bit (a fresh start too: initial values from
+        # the seed on rank 0). A frozen base is every rank's own, loaded from its disk.
+        flat = tree_flatten(model.trainable_parameters())
+        params = group.broadcast([v for _, v in flat])
+        model.load_weights([(k, p) for (k, _), p in zip(flat, params, strict=True)], strict=False)
         if step > 0:
             # Sorted by name: rank 0's state came from a file, the others' from init(), in other orders.
             flat = sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
@@ -136,7 +138,7 @@ def _restore(
 def _check_same_layout(group: Group, model, optimizer) -> None:
     """Before a broadcast: every rank must hold the same names, shapes and dtypes, or the fused
     collective would pair mismatched buffers (and hang or corrupt) instead of failing clearly."""
-    items = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
+    items = sorted(tree_flatten(model.trainable_parameters()), key=lambda kv: kv[0])
     items += sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
     text = ";".join(f"{k}:{v.shape}:{v.dtype}" for k, v in items)
     mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
@@ -149,7 +151,22 @@ def _check_same_layout(group: Group, model, optimizer) -> None:
         )
 
 
-def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int) -> int:
+def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -> None:
+    """Every rank must train the same data on the same base model; name what differs."""
+    for what, mine in sorted(fingerprints.items()):
+        (fp0,) = group.broadcast_ints([mine])
+        (differ,) = group.sum_ints([int(fp0 != mine)])
+        if differ:
+            source = spec.data.source if what == "data" else spec.model.path
+            key = "data.source" if what == "data" else "model.path"
+            raise RuntimeError(
+                f"{differ} rank(s) hold different {what} than rank 0 for {key} = {source!r}; "
+                "every node needs the same files"
+                + (" (and, for 'stdlib', the same Python version)" if source == "stdlib" else "")
+            )
+
+
+def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int, source: str = "job file") -> int:
     marks = {"process": time.time() - _process_start()}  # start-up phases, logged: a restart pays them
     t_mark = time.perf_counter()
 
@@ -159,6 +176,9 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         marks[name] = round(now - t_mark, 3)
         t_mark = now
 
+    # Paths first, before joining the group: a worker that lacks them fails its start at once,
+    # with a message that names the path (its dpd adds the node), and the job fails.
+    check_paths(spec, source)
     group = Group()
     mark("group")
     rank, world = group.rank, group.size
@@ -167,55 +187,46 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     run_dir = Path(run_dir_arg.replace("{rank}", str(rank)))
     run_dir.mkdir(parents=True, exist_ok=True)
     link = _worker_link()
-
-    corpus = load_corpus(spec, os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache")
-    mark("data")
-    (fp0,) = group.broadcast_ints([corpus.fingerprint])
-    (mismatched,) = group.sum_ints([int(fp0 != corpus.fingerprint)])
-    if mismatched:
-        raise RuntimeError(
-            f"{mismatched} rank(s) built different training data than rank 0 from data.source = "
-            f"{spec.data.source!r}; every node needs the same files (and, for 'stdlib', the same Python version)"
-        )
     t = spec.train
-    sampler = BatchSampler(corpus.train, spec.model.context, t.global_batch, t.seed)
-    # Held-out set: eval.batches global batches of fixed windows; each rank scores its share of each.
-    val_all = eval_windows(corpus.val, spec.model.context, spec.eval.batches * t.global_batch, t.seed)
-    val_all = val_all.reshape(spec.eval.batches, t.global_batch, -1)
-    memory = machine_memory_bytes()
+
+    task = build_task(spec, Path(os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache"))
+    mark("model_and_data")
+    _same_everywhere(group, task.fingerprints, spec)
+    model = task.model
+    optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
+    optimizer.init(model.trainable_parameters())
+    start, how = _restore(spec, run_dir, group, model, optimizer, log)
+    mark("restore")
+    stepper = Stepper(task, optimizer, group, 1, t.grad_clip, t.seed)
+    per_example = stepper.probe_bytes() if t.micro_batch == "auto" else 0
+    free = machine_memory_bytes() - mx.get_active_memory()
 
     def micro_for(share: int) -> int:
         if isinstance(t.micro_batch, int):
             return min(t.micro_batch, share)
-        m = spec.model
-        return auto_micro_batch(share, m.layers, m.dim, m.heads, m.context, VOCAB_SIZE, memory)
+        return micro_from_memory(share, per_example, free)
 
     offset, share = split_shares(shares)[rank]
-
-    model = build_model(spec.model, VOCAB_SIZE, t.seed)
-    optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
-    optimizer.init(model.trainable_parameters())
-    mark("model")
-    start, how = _restore(spec, run_dir, group, model, optimizer, log)
-    mark("restore")
-    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    stepper.micro = micro_for(share)
     log.info(
-        "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, params=n_params,
-        tokens=corpus.sizes, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=micro_for(share), startup_s=marks,
+        "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, **task.describe(),
+        blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=stepper.micro,
+        probe_bytes_per_example=per_example or None, startup_s=marks,
     )
     if link:
         link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
 
-    stepper = Stepper(model, optimizer, group, micro_for(share), t.grad_clip)
     balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
     announce: list[int] | None = None
     metrics = MetricsLog(run_dir, start, enabled=rank == 0)
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
     job_hash = spec.training_hash()
+    gb = t.global_batch
 
     def evaluate(step: int) -> None:
-        val = val_all[:, offset : offset + share].reshape(-1, val_all.shape[-1])
-        val_loss = stepper.eval_loss(val)
+        # Held-out examples in chunks of a global batch; each rank scores its share of each chunk.
+        mine = [i for i in range(task.val_count) if offset <= i % gb < offset + share]
+        val_loss = stepper.eval_loss(task.val_examples(mine))
         row = {"kind": "eval", "step": step, "val_loss": val_loss}
         metrics.append(metrics.metrics, row)
         if rank == 0:
@@ -239,19 +250,19 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     stopped = False
     last = time.perf_counter()
     for step in range(start + 1, t.steps + 1):
-        rows = sampler.sequences(step, offset, share)
+        examples = task.examples(step, offset, share)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
-        stats = stepper.step(rows, lr, stop_requested=bool(link and link.stop_requested()), announce=announce)
+        stats = stepper.step(examples, lr, stop_requested=bool(link and link.stop_requested()), announce=announce)
         now = time.perf_counter()
         seconds, last = now - last, now
         if link:
-            link.progress(step=step, loss=stats.loss, tokens=share * spec.model.context, seconds=seconds)
+            link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds)
         if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
             row = {
                 "kind": "train", "step": step, "loss": stats.loss, "lr": lr, "tokens": stats.tokens,
                 "tokens_per_s": stats.tokens / seconds, "world_size": world, "generation": generation,
                 "grad_norm": stats.grad_norm, "shares": shares,
-                "rank_tokens_per_s": [s * spec.model.context / max(c, 1e-9) for s, c in zip(shares, stats.rank_seconds, strict=True)],
+                "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(stats.rank_tokens, stats.rank_seconds, strict=True)],
             }
             metrics.append(metrics.metrics, row)
             if link:
@@ -261,20 +272,19 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         if step % spec.checkpoint.every_steps == 0 or step == t.steps or stats.stop:
             writer.submit(ckpt.Snapshot(
                 step=step,
-                model=ckpt.to_host(tree_flatten(model.parameters())),
+                model=ckpt.to_host(tree_flatten(model.trainable_parameters())),
                 optimizer=ckpt.to_host(tree_flatten(optimizer.state)),
                 manifest={
                     "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares,
-                    "generation": generation, "rng": {"seed": t.seed, "scheme": "stateless: batches and samples from (seed, step)"},
-                    "data_position": sampler.position(step + 1), "data_key": corpus.key,
-                    "mlx_version": mx.__version__, "time": time.time(),
+                    "generation": generation, "kind": spec.model.kind,
+                    "rng": {"seed": t.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
+                    "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
                 },
             ))
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
-            text = generate(model, SAMPLE_PROMPT, spec.eval.sample_tokens, seed=t.seed + step)
-            row = {"step": step, "text": text.decode("utf-8", errors="replace")}
+            row = {"step": step, "text": task.sample(step)}
             metrics.append(metrics.samples, row)
             if link:
                 link.sample(row)
@@ -290,7 +300,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             if balancer:
                 balancer.adopt(shares)
         elif balancer:
-            balancer.observe(stats.rank_seconds)
+            balancer.observe(stats.rank_seconds, stats.rank_tokens)
             announce = balancer.propose()
         if stats.stop:
             # Every rank saw the flag in the same all_sum, so all stop after the same step.
@@ -305,6 +315,44 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         return EXIT_STOPPED
     log.info("trainer.finished", steps=t.steps)
     return EXIT_DONE
+
+
+def export(spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: str = "job file") -> tuple[int, list[str]]:
+    """Write the trained result of checkpoint `step` (default: the newest valid one) to `out`."""
+    log = get_logger(job=spec.name)
+    job_hash = spec.training_hash()
+    if step is None:
+        found = ckpt.newest_valid(run_dir, job_hash, log)
+        if found is None:
+            raise UsageError(f"{run_dir}: no valid checkpoint of job {spec.name!r} to export")
+        step = found[0]
+    else:
+        try:
+            ckpt.verify(run_dir, step, job_hash)
+        except ckpt.CheckpointMismatch:
+            raise
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"--step {step}: {e}") from None
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--export {out}: exists and is not an empty directory; nothing was written")
+    check_paths(spec, source)
+    task = build_task(spec, run_dir / "cache", with_data=False)
+    weights, _ = ckpt.load_arrays(run_dir, step)
+    ckpt.check_trained(weights, task.model, run_dir, step)
+    task.model.load_weights(list(weights.items()), strict=False)
+    mx.eval(task.model.parameters())
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        files = task.export(tmp)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("export.done", step=step, out=str(out), files=files)
+    return step, files
 
 
 def _process_start() -> float:

@@ -1,8 +1,8 @@
 """The training step: micro batches give sums, one fused all_sum, divide by the pool's tokens.
 
-Every rank computes the *sum* of its token losses and the gradient of that sum over its share
-(accumulated across micro batches), then one all_sum carries all gradient sums, the loss sum, the
-token count and a small control vector. Every rank divides by the same total, clips by the same
+Every rank computes the *sum* of its trained tokens' losses and the gradient of that sum over its
+share (accumulated across micro batches, in float32), then one all_sum carries all gradient sums,
+the loss sum, the trained-token count and a small control vector. Every rank divides by the same total, clips by the same
 global norm and applies the same AdamW update: the result does not depend on how the global batch
 was split, only on its content.
 """
@@ -19,13 +19,22 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from dpool.trainer.data import micro_batches
 from dpool.trainer.dist import Group
+from dpool.trainer.task import Example, MicroBatch, Task, pack
 
 
-def loss_sum(model: nn.Module, x: mx.array, y: mx.array) -> mx.array:
-    """Sum (not mean) of the token cross-entropies: sums add up across micro batches and ranks."""
-    return nn.losses.cross_entropy(model(x), y, reduction="sum")
+def masked_loss_sum(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
+    """Sum (not mean) of the trained tokens' cross-entropies, and their count.
+
+    The mask is mlx-lm's (`tuner.trainer.default_loss`): the target at position p (predicting token
+    p + 1) is trained when offset <= p + 1 <= length. That includes one target past the last token
+    (the padding after it), as mlx-lm counts it; so dpool's losses are the ones `mlx_lm lora`
+    reports for the same examples. Sums add up across micro batches and ranks; means would not."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    steps = mx.arange(1, targets.shape[1] + 1)
+    mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:])
+    ce = nn.losses.cross_entropy(model(inputs), targets) * mask
+    return ce.astype(mx.float32).sum(), mask.sum().astype(mx.float32)
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
@@ -38,96 +47,138 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    loss: float  # token-weighted mean over the global batch
-    tokens: int  # tokens in the global batch
+    loss: float  # token-weighted mean over the global batch's trained tokens
+    tokens: int  # trained tokens in the global batch
     rank_seconds: list[float]  # each rank's compute time (without the collective): balance input
+    rank_tokens: list[int]  # each rank's trained tokens: what its time was spent on
     grad_norm: float  # before clipping
     stop: bool  # some rank was asked to checkpoint and stop after this step
     new_shares: list[int] | None  # rank 0 announced a new split, used from the next step on
 
 
+def dropout_keys(seed: int, idents: np.ndarray) -> np.ndarray:
+    """One PRNG key per example from (seed, example identity): the identity is the example's place
+    in the run (step and position), so the keys do not depend on how the batch was split."""
+    idents = idents.astype(np.uint64)
+    hi = (idents >> np.uint64(32)).astype(np.uint32) ^ np.uint32(seed & 0xFFFFFFFF)
+    return np.stack([hi, (idents & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=1)
+
+
 class Stepper:
     """Owns the compiled-once functions; `step()` is state in (model, optimizer) and state out."""
 
-    def __init__(self, model: nn.Module, optimizer: optim.Optimizer, group: Group, micro: int, grad_clip: float):
-        self.model, self.optimizer, self.group = model, optimizer, group
-        self.micro, self.grad_clip = micro, grad_clip
-        value_and_grad = nn.value_and_grad(model, loss_sum)
-        # Compiled once per micro batch shape; the model's parameters are implicit inputs, re-read
-        # at every call, so updates made by the optimizer are seen (bench/overhead.py: ~1.2x on CPU).
-        self.loss_and_grad = mx.compile(
-            lambda x, y: value_and_grad(model, x, y), inputs=model.state, outputs=model.state
-        )
+    def __init__(self, task: Task, optimizer: optim.Optimizer, group: Group, micro: int, grad_clip: float, seed: int):
+        self.task, self.model, self.optimizer, self.group = task, task.model, optimizer, group
+        self.micro, self.grad_clip, self.seed = micro, grad_clip, seed
+        model = self.model
+        value_and_grad = nn.value_and_grad(model, masked_loss_sum)
 
-    def grad_sums(self, rows: np.ndarray) -> tuple[list[tuple[str, mx.array]], mx.array]:
-        """Loss sum and gradient sums over `rows` (this rank's share), accumulated by micro batch."""
+        def loss_and_grad(tokens, lengths, keys):
+            task.set_dropout_keys(keys)  # read by the dropout layers, as traced inputs
+            return value_and_grad(model, tokens, lengths)
+
+        # Compiled once per micro batch shape (widths are padded to few sizes); the model's
+        # parameters are implicit inputs, re-read at every call, so updates made by the optimizer
+        # are seen (bench/overhead.py: ~1.2x on CPU).
+        self.loss_and_grad = mx.compile(loss_and_grad, inputs=model.state, outputs=model.state)
+        self.dtypes = {k: v.dtype for k, v in tree_flatten(model.trainable_parameters())}
+
+    def batches(self, examples: list[Example]) -> list[MicroBatch]:
+        return pack(examples, self.micro, self.task.pad_to, self.task.width_cap)
+
+    def grad_sums(self, examples: list[Example]) -> tuple[list[tuple[str, mx.array]], mx.array, mx.array]:
+        """Loss sum, trained-token count and gradient sums (float32) over this rank's examples."""
         acc: dict | None = None
-        total = mx.array(0.0)
-        chunks = micro_batches(len(rows), self.micro)
-        for i, (off, n) in enumerate(chunks):
-            chunk = mx.array(rows[off : off + n])
-            loss, grads = self.loss_and_grad(chunk[:, :-1], chunk[:, 1:])
+        total, tokens = mx.array(0.0), mx.array(0.0)
+        chunks = self.batches(examples)
+        for i, mb in enumerate(chunks):
+            keys = mx.array(dropout_keys(self.seed, mb.idents))
+            (loss, ntok), grads = self.loss_and_grad(mx.array(mb.tokens), mx.array(mb.lengths), keys)
+            grads = tree_map(lambda g: g.astype(mx.float32), grads)
             acc = grads if acc is None else tree_map(mx.add, acc, grads)
-            total = total + loss
+            total, tokens = total + loss, tokens + ntok
             if i < len(chunks) - 1 or self.group.size > 1:
                 # Sync point per micro batch: memory holds one micro batch of activations, not the
                 # whole share. In a group the last one is evaluated too, so the compute time sent
                 # with the gradients (the balancer's input) excludes waiting for peers; alone, it
                 # stays lazy and joins the step's single eval.
-                mx.eval(acc, total)
+                mx.eval(acc, total, tokens)
         assert acc is not None, "a rank's share is never empty (shares are >= 1)"
-        return tree_flatten(acc), total
+        return tree_flatten(acc), total, tokens
 
     def reduce(
-        self, rows: np.ndarray, stop_requested: bool = False, announce: list[int] | None = None
+        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None
     ) -> tuple[list[str], list[mx.array], mx.array]:
         """The pool's mean gradient (names, arrays) and the summed control vector, identical on every rank."""
         t0 = time.perf_counter()
-        flat, loss = self.grad_sums(rows)
+        flat, loss, tokens = self.grad_sums(examples)
         compute = time.perf_counter() - t0
-        tokens = rows.shape[0] * (rows.shape[1] - 1)
         world, rank = self.group.size, self.group.rank
-        # Control vector: [loss sum, tokens, stop flag, seconds of ranks 0..w-1, shares 0..w-1].
-        # Summing it gives every rank the pool's totals, each rank's time in its own slot, and
-        # the split rank 0 announces (only rank 0 writes those slots; all zero: no change).
-        control = [0.0] * (3 + 2 * world)
-        control[1], control[2], control[3 + rank] = float(tokens), float(stop_requested), compute
+        # Control vector: [loss sum, tokens, stop flag, seconds of ranks 0..w-1, shares 0..w-1,
+        # tokens of ranks 0..w-1]. Summing it gives every rank the pool's totals, each rank's time
+        # and work in its own slots, and the split rank 0 announces (only rank 0 writes those
+        # slots; all zero: no change).
+        known = [0.0] * (3 + 3 * world)
+        known[2], known[3 + rank] = float(stop_requested), compute
         if announce and rank == 0:
-            control[3 + world :] = [float(s) for s in announce]
-        ctl = mx.concatenate([loss.reshape(1).astype(mx.float32), mx.array(control[1:], dtype=mx.float32)])
-        summed = self.group.all_sum_fused([g for _, g in flat] + [ctl])
+            known[3 + world : 3 + 2 * world] = [float(s) for s in announce]
+        # The loss and token sums are still lazy: placed into their slots without a sync.
+        control = mx.array(known, dtype=mx.float32).at[0].add(loss).at[1].add(tokens).at[3 + 2 * world + rank].add(tokens)
+        summed = self.group.all_sum_fused([g for _, g in flat] + [control])
         ctl_sum = summed[-1]
-        inv = 1.0 / ctl_sum[1]  # every rank divides by the pool's token count
-        return [k for k, _ in flat], [g * inv for g in summed[:-1]], ctl_sum
+        inv = 1.0 / ctl_sum[1]  # every rank divides by the pool's trained-token count
+        names = [k for k, _ in flat]
+        grads = [(g * inv).astype(self.dtypes[k]) for k, g in zip(names, summed[:-1], strict=True)]
+        return names, grads, ctl_sum
 
     def step(
-        self, rows: np.ndarray, lr: float, stop_requested: bool = False, announce: list[int] | None = None
+        self, examples: list[Example], lr: float, stop_requested: bool = False, announce: list[int] | None = None
     ) -> StepStats:
-        names, grads, ctl_sum = self.reduce(rows, stop_requested, announce)
-        norm = mx.sqrt(sum((g * g).sum() for g in grads))
+        names, grads, ctl_sum = self.reduce(examples, stop_requested, announce)
+        norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for g in grads))
         if self.grad_clip > 0:
             scale = mx.minimum(1.0, self.grad_clip / (norm + 1e-6))
-            grads = [g * scale for g in grads]
+            grads = [(g * scale).astype(g.dtype) for g in grads]
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         self.optimizer.update(self.model, tree_unflatten(list(zip(names, grads, strict=True))))
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
         mx.eval(self.model.parameters(), self.optimizer.state, ctl_sum, norm)
         c = ctl_sum.tolist()
         world = self.group.size
-        announced = [round(x) for x in c[3 + world :]]
+        announced = [round(x) for x in c[3 + world : 3 + 2 * world]]
         return StepStats(
-            loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3 : 3 + world], grad_norm=float(norm.item()),
+            loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3 : 3 + world],
+            rank_tokens=[round(x) for x in c[3 + 2 * world :]], grad_norm=float(norm.item()),
             stop=c[2] > 0, new_shares=announced if any(announced) else None,
         )
 
-    def eval_loss(self, rows: np.ndarray) -> float:
-        """Token-weighted mean held-out loss: this rank scores `rows`, the pool sums."""
-        total, tokens = mx.array(0.0), 0
-        for off, n in micro_batches(len(rows), self.micro):
-            chunk = mx.array(rows[off : off + n])
-            total = total + loss_sum(self.model, chunk[:, :-1], chunk[:, 1:])
-            tokens += n * (rows.shape[1] - 1)
-            mx.eval(total)
-        both = self.group.all_sum(mx.stack([total.astype(mx.float32), mx.array(float(tokens))]))
+    def eval_loss(self, examples: list[Example]) -> float:
+        """Token-weighted mean held-out loss over the trained tokens: this rank scores `examples`,
+        the pool sums."""
+        self.model.eval()
+        total, tokens = mx.array(0.0), mx.array(0.0)
+        try:
+            for mb in self.batches(examples):
+                loss, ntok = masked_loss_sum(self.model, mx.array(mb.tokens), mx.array(mb.lengths))
+                total, tokens = total + loss, tokens + ntok
+                mx.eval(total, tokens)
+        finally:
+            self.model.train()
+        both = self.group.all_sum(mx.stack([total.astype(mx.float32), tokens]))
         s, t = both.tolist()
         return s / t
+
+    def probe_bytes(self) -> int:
+        """Peak memory of one example at the widest shape, forward and backward: what each example
+        of a micro batch costs this model on this machine (the basis of micro_batch = "auto")."""
+        width = self.task.width_cap
+        tokens = mx.zeros((1, width), dtype=mx.int32)
+        lengths = mx.array([[0, width]], dtype=mx.int32)
+        mx.synchronize()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        (loss, _), grads = self.loss_and_grad(tokens, lengths, mx.zeros((1, 2), dtype=mx.uint32))
+        mx.eval(loss, grads)
+        peak = mx.get_peak_memory() - before
+        del grads
+        return max(int(peak), 1)

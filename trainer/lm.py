@@ -1,0 +1,242 @@
+"""The mlx-lm kind: a language model that mlx-lm loads, fine-tuned with LoRA, DoRA or in full.
+
+Everything model-shaped is mlx-lm's own: `mlx_lm.utils.load` reads the directory (or resolves a
+Hugging Face repo id as mlx-lm does), its model classes run it, `linear_to_lora_layers` builds the
+adapters (LoRA on a quantized base is QLoRA), `mlx_lm.utils.save` writes a full model. dpool adds
+what the pool needs: a model checked before anything runs, LoRA dropout whose randomness comes from
+(seed, step, example) so the split of a batch cannot change it, and exports that `mlx_lm generate
+--adapter-path` and `mlx_lm fuse` read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from dpool.protocol.jobspec import JobSpec, model_location
+from dpool.trainer.lm_data import ExampleOrder, load_lm_data
+from dpool.trainer.task import Example
+
+DEFAULT_PROMPT = "Hello"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+class ModelError(ValueError):
+    """The model directory, or the fine-tune asked of it, cannot be used (exit 2: a restart won't help)."""
+
+
+class SeededDropout(nn.Module):
+    """Dropout on an adapter's input whose mask for row b comes from that example's key alone.
+
+    mlx's random draws for one key do not share a prefix across shapes, so each row draws a
+    mask of the full `width` and keeps its first L positions: padding never changes a mask."""
+
+    def __init__(self, p: float, keys: _Keys, layer: int, width: int):
+        super().__init__()
+        self.p, self._keys, self._layer, self._width = p, keys, layer, width
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.training or self.p == 0 or self._keys.value is None:
+            return x
+        keys = self._keys.value  # (B, 2) uint32, one key per example
+        rows = []
+        for b in range(x.shape[0]):
+            key = keys[b] ^ mx.array([0, self._layer + 1], dtype=mx.uint32)
+            keep = mx.random.bernoulli(1 - self.p, (self._width, *x.shape[2:]), key=key)[: x.shape[1]]
+            rows.append(keep)
+        mask = mx.stack(rows)
+        return mx.where(mask, x / (1 - self.p), mx.zeros_like(x))
+
+
+class _Keys:
+    """Where the step puts this micro batch's per-example keys for the dropout layers to read
+    (set inside the compiled function, so they are traced inputs, not constants)."""
+
+    value: mx.array | None = None
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for m in model.modules())
+
+
+def load_base(spec: JobSpec):
+    """(model, tokenizer, config, model_dir) by mlx-lm's loader; ModelError names what is wrong."""
+    from mlx_lm.utils import load
+
+    where, path = model_location(spec)
+    shown = f"model.path = {spec.model.path!r}"
+    if where == "dir":
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ModelError(f"{shown}: no such directory on this machine ({folder})")
+        if not (folder / "config.json").is_file():
+            raise ModelError(f"{shown}: {folder} has no config.json; expected a model directory as mlx-lm loads it")
+        if not any(folder.glob("*.safetensors")):
+            raise ModelError(f"{shown}: {folder} has no *.safetensors weights")
+    try:
+        model, tokenizer, config = load(path, return_config=True)
+    except ValueError as e:  # e.g. "Model type foo not supported."
+        raise ModelError(f"{shown}: {e}") from None
+    except (FileNotFoundError, OSError, KeyError) as e:
+        raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {e})") from None
+    from mlx_lm.utils import hf_repo_to_path
+
+    model_dir = Path(path) if where == "dir" else hf_repo_to_path(path)
+    return model, tokenizer, config, model_dir
+
+
+class LMTask:
+    pad_to = 32  # as mlx-lm's iterate_batches pads
+
+    def __init__(self, spec: JobSpec, cache_dir: Path, *, with_data: bool = True):
+        self.spec = spec
+        m = spec.model
+        self.width_cap = m.context
+        model, tokenizer, config, self.model_dir = load_base(spec)
+        self.tokenizer, self.config = tokenizer, config
+        self.layers = len(model.layers)
+        self.adapter_layers = min(m.lora_layers, self.layers)
+        self._keys = _Keys()
+        self.model = self._prepare(model)
+        self.fingerprints = {"model": self._model_fingerprint()}
+        self.val_count = 0
+        if not with_data:
+            return
+        files = [self.model_dir / f for f in TOKENIZER_FILES if (self.model_dir / f).is_file()]
+        self.data = load_lm_data(spec, tokenizer, files, cache_dir)
+        self.order = ExampleOrder(len(self.data.train), spec.train.global_batch, spec.train.seed)
+        self.val_count = min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
+        self.fingerprints["data"] = self.data.fingerprint
+
+    def _prepare(self, model: nn.Module) -> nn.Module:
+        """Freeze the base; unfreeze what `fine_tune` trains. The adapters' initial values come from
+        the seed (rank 0's copy is broadcast anyway, so every rank starts from the same)."""
+        from mlx_lm.tuner.trainer import grad_checkpoint
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        m = self.spec.model
+        mx.random.seed(self.spec.train.seed)
+        model.freeze()
+        if m.fine_tune == "full":
+            if _is_quantized(model):
+                raise ModelError(
+                    f"model.fine_tune = 'full' does not apply to {self.spec.model.path!r}: its weights are "
+                    "quantized; train 'lora' or 'dora' adapters on it (QLoRA), or use an unquantized model"
+                )
+            model.unfreeze()
+        else:
+            params = {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout}
+            try:
+                linear_to_lora_layers(model, self.adapter_layers, params, use_dora=m.fine_tune == "dora")
+            except ValueError as e:  # e.g. "SwitchLinear doesn't support DoRA yet."
+                raise ModelError(f"model.fine_tune = {m.fine_tune!r} does not apply to {m.path!r}: {e}") from None
+            self._seed_dropout(model)
+        if m.grad_checkpoint:
+            grad_checkpoint(model.layers[0])
+        model.train()
+        mx.eval(model.parameters())
+        return model
+
+    def _seed_dropout(self, model: nn.Module) -> None:
+        if self.spec.model.lora_dropout == 0:
+            return
+        index = 0
+        for _, module in model.named_modules():
+            if isinstance(getattr(module, "dropout", None), nn.Dropout) and ("lora_a" in module):
+                module.dropout = SeededDropout(self.spec.model.lora_dropout, self._keys, index, self.width_cap)
+                index += 1
+
+    def _model_fingerprint(self) -> int:
+        """The base model's identity: its config and weight files' names and sizes (cheap)."""
+        h = hashlib.sha256(json.dumps(self.config, sort_keys=True, default=str).encode())
+        for p in sorted(self.model_dir.glob("*.safetensors")):
+            h.update(f"{p.name}:{p.stat().st_size}\n".encode())
+        return int.from_bytes(h.digest()[:7], "little")
+
+    # -- data -------------------------------------------------------------------------------------
+
+    def examples(self, step: int, start: int, count: int) -> list[Example]:
+        idx = self.order.indices(step, start, count)
+        first = (step - 1) * self.spec.train.global_batch + start
+        train = self.data.train
+        return [Example(train.tokens[j], int(train.offsets[j]), first + i) for i, j in enumerate(idx)]
+
+    def val_examples(self, indices: list[int]) -> list[Example]:
+        val = self.data.val
+        return [Example(val.tokens[i], int(val.offsets[i]), i) for i in indices]
+
+    def set_dropout_keys(self, keys: Any) -> None:
+        self._keys.value = keys
+
+    def data_position(self, step: int) -> dict[str, Any]:
+        return {**self.order.position(step), "data_key": self.data.key}
+
+    # -- output -----------------------------------------------------------------------------------
+
+    def sample(self, step: int) -> str:
+        """A generation by mlx-lm from the sample prompt (a user message when the data is chat)."""
+        from mlx_lm.generate import generate
+        from mlx_lm.sample_utils import make_sampler
+
+        prompt = self.spec.eval.sample_prompt or DEFAULT_PROMPT
+        chat = any(f != "text" for f in self.data.formats.values()) if hasattr(self, "data") else False
+        if chat and getattr(self.tokenizer, "chat_template", None) is not None:
+            prompt = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+            )
+        mx.random.seed(self.spec.train.seed + step)
+        self.model.eval()
+        try:
+            return generate(
+                self.model, self.tokenizer, prompt, max_tokens=self.spec.eval.sample_tokens,
+                sampler=make_sampler(temp=0.8),
+            )
+        finally:
+            self.model.train()
+
+    def adapter_config(self) -> dict[str, Any]:
+        m = self.spec.model
+        return {
+            "fine_tune_type": m.fine_tune,
+            "num_layers": self.adapter_layers,
+            "lora_parameters": {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout},
+            "model": m.path,
+            "max_seq_length": m.context,
+            "mask_prompt": self.spec.data.mask_prompt,
+            "trained_by": "dpool",
+        }
+
+    def export(self, out: Path) -> list[str]:
+        """lora/dora: an mlx-lm adapter directory; full: a model directory mlx-lm loads."""
+        if self.spec.model.fine_tune != "full":
+            weights = dict(tree_flatten(self.model.trainable_parameters()))
+            mx.save_safetensors(str(out / "adapters.safetensors"), weights, metadata={"format": "mlx"})
+            (out / "adapter_config.json").write_text(json.dumps(self.adapter_config(), indent=4) + "\n")
+            return ["adapters.safetensors", "adapter_config.json"]
+        from mlx_lm.utils import save_config, save_model
+
+        save_model(out, self.model, donate_model=False)
+        save_config(dict(self.config), out / "config.json")
+        self.tokenizer.save_pretrained(str(out))
+        for extra in ("generation_config.json",):
+            if (self.model_dir / extra).is_file():
+                shutil.copy(self.model_dir / extra, out / extra)
+        return sorted(p.name for p in out.iterdir())
+
+    def describe(self) -> dict[str, Any]:
+        total = sum(v.size for _, v in tree_flatten(self.model.parameters()))
+        trained = sum(v.size for _, v in tree_flatten(self.model.trainable_parameters()))
+        out: dict[str, Any] = {
+            "kind": "mlx_lm", "model": str(self.model_dir), "fine_tune": self.spec.model.fine_tune,
+            "params": total, "trained_params": trained, "quantized": _is_quantized(self.model),
+        }
+        if hasattr(self, "data"):
+            out |= {"examples": [len(self.data.train), len(self.data.val)], "formats": self.data.formats}
+        return out

@@ -1,0 +1,259 @@
+"""Data for language models: mlx-lm's formats, checked line by line, tokenized by mlx-lm's datasets.
+
+`data.source` is a directory holding `train.jsonl` and optionally `valid.jsonl`; each line is one
+example in one of mlx-lm's formats, with mlx-lm's meaning:
+
+    {"text": ...}                      every token trained
+    {"prompt": ..., "completion": ...} through the chat template; with mask_prompt, the completion only
+    {"messages": [...]}                through the chat template; with mask_prompt, the last message only
+    {"messages": [...], "tools": [...]}
+
+Tokens and the offset of the first trained token come from mlx-lm's own dataset classes
+(`mlx_lm.tuner.datasets`), so `mask_prompt` masks exactly what `mlx_lm lora --mask-prompt` masks.
+What dpool adds: every line is checked first (a bad one is named by file and line number), the
+held-out split without a valid.jsonl is a seeded hash of the line, and the tokenized examples are
+cached under the worker's cache dir (a restart loads them in milliseconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpool.protocol.jobspec import JobSpec
+from dpool.trainer.data import DataError, is_validation
+
+CACHE_FORMAT = 1
+FORMATS = {
+    "completions": "{\"prompt\", \"completion\"}",
+    "chat": "{\"messages\"}",
+    "text": "{\"text\"}",
+}
+
+
+def example_format(row: Any) -> str | None:
+    """mlx-lm's rule (create_dataset), in its order: prompt+completion, then messages, then text."""
+    if not isinstance(row, dict):
+        return None
+    if "prompt" in row and "completion" in row:
+        return "completions"
+    if "messages" in row:
+        return "chat"
+    if "text" in row:
+        return "text"
+    return None
+
+
+def _check_row(row: dict[str, Any], fmt: str) -> str | None:
+    """What is wrong with a row of a known format, or None."""
+    if fmt == "text":
+        return None if isinstance(row["text"], str) else "'text' must be a string"
+    if fmt == "completions":
+        if not isinstance(row["prompt"], str) or not isinstance(row["completion"], str):
+            return "'prompt' and 'completion' must be strings"
+    else:
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list"
+        for i, msg in enumerate(msgs):
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                return f"messages[{i}] must be an object with a 'role' string"
+            if "content" in msg and not isinstance(msg["content"], str | list | type(None)):
+                return f"messages[{i}].content must be a string"
+    if "tools" in row and not isinstance(row["tools"], list):
+        return "'tools' must be a list"
+    return None
+
+
+def read_jsonl(path: Path) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+    """The file's format and its (line number, row) pairs; DataError names the first bad line."""
+    rows: list[tuple[int, dict[str, Any]]] = []
+    fmt: str | None = None
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            this = example_format(row)
+            if this is None:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise DataError(
+                    f"{path}:{lineno}: matches no data format (has {keys}); expected one of "
+                    + ", ".join(FORMATS.values()) + " (optionally with \"tools\")"
+                )
+            if fmt is None:
+                fmt = this
+            elif this != fmt:
+                raise DataError(
+                    f"{path}:{lineno}: a {FORMATS[this]} example in a file of {FORMATS[fmt]} examples "
+                    "(line 1's format); mlx-lm reads one format per file"
+                )
+            problem = _check_row(row, this)
+            if problem:
+                raise DataError(f"{path}:{lineno}: {problem}")
+            rows.append((lineno, row))
+    if fmt is None:
+        raise DataError(f"{path}: no examples")
+    return fmt, rows
+
+
+def tokenize(path: Path, fmt: str, rows: list[dict[str, Any]], tokenizer, mask_prompt: bool) -> list[tuple[list[int], int]]:
+    """(tokens, offset) per row, by mlx-lm's dataset classes."""
+    from mlx_lm.tuner.datasets import create_dataset
+
+    if fmt == "text" and mask_prompt:
+        raise DataError(f"{path}: data.mask_prompt = true needs prompts: {{\"text\"}} examples have none")
+    if fmt != "text" and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            f"{path}: {FORMATS[fmt]} examples go through the tokenizer's chat template, and this model's "
+            "tokenizer has none; use {\"text\"} examples or a model with a chat template"
+        )
+    dataset = create_dataset(rows, tokenizer, types.SimpleNamespace(mask_prompt=mask_prompt))
+    out = []
+    for i in range(len(rows)):
+        try:
+            tokens, offset = dataset.process(rows[i])
+        except Exception as e:  # a template that raises on this example (e.g. a role it does not know)
+            raise DataError(f"{path}: example {i + 1}: the tokenizer could not render it ({type(e).__name__}: {e})") from None
+        if len(tokens) < 2:
+            raise DataError(f"{path}: example {i + 1} has fewer than 2 tokens")
+        out.append((list(tokens), int(offset)))
+    return out
+
+
+@dataclass(frozen=True)
+class Split:
+    tokens: list[np.ndarray]  # int32 per example
+    offsets: np.ndarray  # int64 per example
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class LMData:
+    train: Split
+    val: Split
+    formats: dict[str, str]  # file name -> format
+    fingerprint: int
+    key: str
+
+
+def _cache_key(spec: JobSpec, files: list[Path], tokenizer_files: list[Path]) -> str:
+    d = spec.data
+    h = hashlib.sha256(f"v{CACHE_FORMAT}:{d.mask_prompt}:{d.val_fraction}:{spec.train.seed}".encode())
+    for p in files + tokenizer_files:
+        st = p.stat()
+        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:20]
+
+
+def _split(pairs: list[tuple[list[int], int]]) -> Split:
+    return Split([np.asarray(t, dtype=np.int32) for t, _ in pairs], np.asarray([o for _, o in pairs], dtype=np.int64))
+
+
+def _save(path: Path, data: dict[str, Split], meta: dict[str, Any]) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for name, split in data.items():
+        lengths = np.asarray([len(t) for t in split.tokens], dtype=np.int64)
+        arrays[f"{name}_tokens"] = np.concatenate(split.tokens) if split.tokens else np.zeros(0, np.int32)
+        arrays[f"{name}_lengths"] = lengths
+        arrays[f"{name}_offsets"] = split.offsets
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-", suffix=".npz")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> tuple[dict[str, Split], dict[str, Any]]:
+    with np.load(path) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        out = {}
+        for name in ("train", "val"):
+            flat, lengths = z[f"{name}_tokens"], z[f"{name}_lengths"]
+            cuts = np.cumsum(lengths)[:-1]
+            out[name] = Split(list(np.split(flat, cuts)) if len(lengths) else [], z[f"{name}_offsets"])
+    return out, meta
+
+
+def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_dir: Path) -> LMData:
+    folder = Path(spec.resolved_source())
+    train_file, valid_file = folder / "train.jsonl", folder / "valid.jsonl"
+    files = [train_file] + ([valid_file] if valid_file.is_file() else [])
+    key = _cache_key(spec, files, tokenizer_files)
+    cached = Path(cache_dir) / f"lm-examples-{key}.npz"
+    if cached.is_file():
+        try:
+            splits, meta = _load(cached)
+            return LMData(splits["train"], splits["val"], meta["formats"], int(meta["fingerprint"]), key)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache is rebuilt
+    formats: dict[str, str] = {}
+    fmt, rows = read_jsonl(train_file)
+    formats[train_file.name] = fmt
+    pairs = tokenize(train_file, fmt, [r for _, r in rows], tokenizer, spec.data.mask_prompt)
+    if valid_file.is_file():
+        vfmt, vrows = read_jsonl(valid_file)
+        formats[valid_file.name] = vfmt
+        train_pairs = pairs
+        val_pairs = tokenize(valid_file, vfmt, [r for _, r in vrows], tokenizer, spec.data.mask_prompt)
+    else:
+        # Held out by a seeded hash of the line, never by position.
+        held = [is_validation(f"train.jsonl:{lineno}", spec.train.seed, spec.data.val_fraction) for lineno, _ in rows]
+        train_pairs = [p for p, h in zip(pairs, held, strict=True) if not h]
+        val_pairs = [p for p, h in zip(pairs, held, strict=True) if h]
+    if not train_pairs:
+        raise DataError(f"{train_file}: no training examples left after holding out data.val_fraction")
+    if not val_pairs:
+        raise DataError(
+            f"{folder}: no validation examples; add a valid.jsonl or raise data.val_fraction "
+            f"({spec.data.val_fraction} of {len(rows)} examples held out none)"
+        )
+    train, val = _split(train_pairs), _split(val_pairs)
+    h = hashlib.sha256()
+    for split in (train, val):
+        for t in split.tokens:
+            h.update(t.tobytes())
+            h.update(b"|")
+        h.update(split.offsets.tobytes())
+    fingerprint = int.from_bytes(h.digest()[:7], "little")
+    _save(cached, {"train": train, "val": val}, {"formats": formats, "fingerprint": fingerprint})
+    return LMData(train, val, formats, fingerprint, key)
+
+
+class ExampleOrder:
+    """Global batch s is examples [(s-1)*B, s*B) of a seeded permutation per epoch: (seed, s) alone."""
+
+    def __init__(self, count: int, global_batch: int, seed: int):
+        self.count, self.global_batch, self.seed = count, global_batch, seed
+        self._epoch, self._perm = -1, np.zeros(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+            self._epoch = epoch
+        return self._perm
+
+    def indices(self, step: int, start: int, count: int) -> list[int]:
+        first = (step - 1) * self.global_batch + start
+        out = []
+        for i in range(first, first + count):
+            epoch, pos = divmod(i, self.count)
+            out.append(int(self._permutation(epoch)[pos]))
+        return out
+
+    def position(self, step: int) -> dict[str, int]:
+        index = (step - 1) * self.global_batch
+        return {"epoch": index // self.count, "index": index % self.count}
