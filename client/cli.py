@@ -7,8 +7,13 @@ file, the field, what was given and what is allowed); 3 the control plane did no
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -30,6 +35,8 @@ DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
 TERMINAL = {"succeeded", "failed", "cancelled"}
 FOLLOW_POLL_S = 0.5
+EXPORT_WINDOW = 4  # reads in flight during an export: the link stays busy while a chunk is relayed
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
@@ -226,6 +233,111 @@ def cmd_undrain(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(c: Client, a: argparse.Namespace) -> int:
+    """Fetch a job's trained result from a node holding its checkpoint and write it to DIR: into a
+    temporary folder beside DIR, every file checked against its sha256, then renamed to DIR."""
+    dest = Path(a.dir).expanduser().absolute()
+    if dest.exists() and not dest.is_dir():
+        raise BadInput(f"{a.dir}: exists and is not a directory; give a new or empty directory")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise BadInput(f"{a.dir}: exists and is not empty; give a new or empty directory")
+    if a.step is not None and a.step < 0:
+        raise BadInput(f"--step {a.step}: must be a checkpoint step >= 0")
+    job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]  # the pool answers in --timeout; an unknown job exits 2
+    if not a.json and sys.stderr.isatty():
+        print(f"preparing the export of job {job['id']}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
+    ready = c.call(m.Export(job=job["id"], step=a.step), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+    reachable = True
+    try:
+        files = _checked_manifest(ready)
+        _fetch_into(c, ready, files, dest)
+    except Unreachable:
+        reachable = False
+        raise
+    except OSError as e:
+        raise Failed(f"writing {dest}: {e}") from None
+    finally:
+        if reachable:  # the node deletes its copy now, not when it expires
+            with contextlib.suppress(RemoteError, Unreachable):
+                c.call(m.ExportClose(export_id=ready.export_id), m.ExportClosed)
+    total = sum(f["bytes"] for f in files)
+    if a.json:
+        emit_json({"job": ready.job_id, "step": ready.step, "node": ready.node, "dir": str(dest), "files": files, "bytes": total})
+        return EXIT_OK
+    print(f"exported job {ready.job_id} step {ready.step} from node {ready.node} to {dest}: {len(files)} file(s), {size(total) or '0B'}")
+    print(table(["FILE", "SIZE", "SHA256"], [[f["name"], size(f["bytes"]) or "0B", f["sha256"][:16]] for f in files]))
+    return EXIT_OK
+
+
+def _checked_manifest(ready: m.ExportReply) -> list[dict[str, Any]]:
+    """The manifest's files, once every name is a safe relative path and every entry well formed;
+    anything else is refused before a byte is written."""
+    files: list[dict[str, Any]] = []
+    names: set[str] = set()
+    folders: set[str] = set()
+    for f in ready.files:
+        name, n, digest = f.get("name"), f.get("bytes"), f.get("sha256")
+        problem = m.export_name_problem(name)
+        if problem is None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            problem = f"size {n!r} of {name!r}"
+        if problem is None and not (isinstance(digest, str) and SHA256_RE.match(digest)):
+            problem = f"sha256 {str(digest)[:80]!r} of {name!r}"
+        if problem is None and (name in names or name in folders):
+            problem = f"file name {name!r} given twice (or also as a folder)"
+        if problem is not None:
+            raise Failed(f"node {ready.node} sent an unusable export manifest ({problem}); nothing was written")
+        assert isinstance(name, str)
+        parts = name.split("/")
+        prefixes = {"/".join(parts[:i]) for i in range(1, len(parts))}
+        if prefixes & names:
+            raise Failed(f"node {ready.node} sent an unusable export manifest ({name!r} lies inside a file); nothing was written")
+        names.add(name)
+        folders |= prefixes
+        files.append({"name": name, "bytes": n, "sha256": digest})
+    if not files:
+        raise Failed(f"node {ready.node} sent an empty export; nothing was written")
+    return files
+
+
+def _fetch_into(c: Client, ready: m.ExportReply, files: list[dict[str, Any]], dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
+    try:
+        reads = (
+            m.ExportRead(export_id=ready.export_id, name=f["name"], offset=offset, size=m.EXPORT_CHUNK_MAX)
+            for f in files
+            for offset in range(0, f["bytes"], m.EXPORT_CHUNK_MAX)
+        )
+        # The coordinator answers every read within EXPORT_FETCH_TIMEOUT_S (an error if its node is
+        # slow or lost); it was reachable a moment ago, so waiting that long is not waiting forever.
+        chunks = c.stream(reads, m.ExportData, window=EXPORT_WINDOW, timeout_s=max(c.timeout_s, m.EXPORT_FETCH_TIMEOUT_S + 5))
+        for f in files:
+            path = tmp / f["name"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            digest, got = hashlib.sha256(), 0
+            with open(path, "xb") as out:
+                while got < f["bytes"]:
+                    chunk = next(chunks)
+                    if chunk.name != f["name"] or chunk.offset != got or not chunk.data or got + len(chunk.data) > f["bytes"]:
+                        raise Failed(f"node {ready.node} sent {len(chunk.data)} bytes of {chunk.name!r} at offset {chunk.offset} where {f['name']!r} at {got} was asked")
+                    out.write(chunk.data)
+                    digest.update(chunk.data)
+                    got += len(chunk.data)
+                out.flush()
+                os.fsync(out.fileno())
+            if digest.hexdigest() != f["sha256"]:
+                raise Failed(f"{f['name']}: its sha256 is {digest.hexdigest()}, node {ready.node} announced {f['sha256']}; nothing was written")
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary folder
+        if dest.is_dir():
+            dest.rmdir()  # empty (checked before anything was fetched); fails if it is not anymore
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 # -- main --------------------------------------------------------------------------------------
 
 
@@ -265,6 +377,13 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("job")
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=fn)
+
+    s = sub.add_parser("export", help="write a job's trained result (from its newest checkpoint, or --step N) to DIR")
+    s.add_argument("job", help="a job id, unique id prefix or name")
+    s.add_argument("dir", help="where to write it: a new or empty directory")
+    s.add_argument("--step", type=int, help="the checkpoint step to export (default: the newest a live node holds)")
+    s.add_argument("--json", action="store_true", help='print {"job", "step", "node", "dir", "files", "bytes"}')
+    s.set_defaults(fn=cmd_export)
 
     s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
     s.add_argument("job")
@@ -309,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     except RemoteError as e:
         print(f"dpctl: {e.message}", file=sys.stderr)
-        return EXIT_BAD_INPUT if e.code in (m.ErrorCode.BAD_JOB, m.ErrorCode.NOT_FOUND) else EXIT_FAILED
+        return EXIT_BAD_INPUT if e.code in (m.ErrorCode.BAD_JOB, m.ErrorCode.NOT_FOUND, m.ErrorCode.BAD_REQUEST) else EXIT_FAILED
     except Failed as e:
         print(f"dpctl: {e}", file=sys.stderr)
         return EXIT_FAILED

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import zmq
@@ -40,27 +41,62 @@ class Client:
         self._sock.connect(addr)
         self._ids = itertools.count(1)
 
-    def call(self, request: Message, expect: type[T]) -> T:
+    def call(self, request: Message, expect: type[T], timeout_s: float | None = None) -> T:
+        """The reply to `request`; `timeout_s` (default: the client's) bounds the wait."""
+        msg_id = self._send(request)
+        return self._reply(msg_id, expect, {msg_id: None}, timeout_s or self.timeout_s)
+
+    def stream(self, requests: Iterable[Message], expect: type[T], window: int = 4, timeout_s: float | None = None) -> Iterator[T]:
+        """The replies to `requests`, in their order, keeping up to `window` of them in flight (a
+        round trip per request would leave the link idle). Each reply must come within `timeout_s`
+        (default: the client's)."""
+        todo = iter(requests)
+        in_flight: collections.deque[int] = collections.deque()
+        early: dict[int, Message | None] = {}  # replies that came before the one awaited
+
+        def send_next() -> None:
+            request = next(todo, None)
+            if request is not None:
+                msg_id = self._send(request)
+                in_flight.append(msg_id)
+                early[msg_id] = None
+
+        for _ in range(window):
+            send_next()
+        while in_flight:
+            msg_id = in_flight.popleft()
+            yield self._reply(msg_id, expect, early, timeout_s or self.timeout_s)
+            send_next()
+
+    def _send(self, request: Message) -> int:
         msg_id = next(self._ids)
         self._sock.send_multipart(request.to_frames(msg_id))
-        deadline = time.monotonic() + self.timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                break
+        return msg_id
+
+    def _reply(self, msg_id: int, expect: type[T], waiting: dict[int, Message | None], timeout_s: float) -> T:
+        """Wait for the reply to `msg_id`, keeping replies to the other ids in `waiting`."""
+        deadline = time.monotonic() + timeout_s
+        while (reply := waiting.get(msg_id)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                raise self._unreachable(timeout_s)
             frames = self._sock.recv_multipart()
             try:
-                reply, reply_id = m.decode(frames)
+                got, got_id = m.decode(frames)
             except ProtocolError as e:
                 raise RemoteError(str(e.code), f"unreadable reply from {self.addr}: {e.message}") from None
-            if reply_id != msg_id:
-                continue  # a late answer to an earlier request
-            if isinstance(reply, m.Error):
-                raise RemoteError(reply.code, reply.message)
-            if not isinstance(reply, expect):
-                raise RemoteError("unexpected", f"expected {expect.TYPE} from {self.addr}, got {reply.TYPE}")
-            return reply
+            if got_id in waiting:
+                waiting[got_id] = got  # else a late answer to an earlier request
+        del waiting[msg_id]
+        if isinstance(reply, m.Error):
+            raise RemoteError(reply.code, reply.message)
+        if not isinstance(reply, expect):
+            raise RemoteError("unexpected", f"expected {expect.TYPE} from {self.addr}, got {reply.TYPE}")
+        return reply
+
+    def _unreachable(self, timeout_s: float) -> Unreachable:
         hint = f"are {self.keys.source} and its coordinator.key this pool's, and is its public key in the coordinator's allowed/?" if self.keys else "does the pool use CURVE keys? then pass --keys DIR or set $DPOOL_KEYS"
-        raise Unreachable(f"no answer from the coordinator at {self.addr} within {self.timeout_s:g}s (is `dpd run --serve` running there? {hint})")
+        return Unreachable(f"no answer from the coordinator at {self.addr} within {timeout_s:g}s (is `dpd run --serve` running there? {hint})")
 
     def close(self) -> None:
         self._sock.close(linger=0)

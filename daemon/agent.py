@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import os
 import secrets
 import signal
@@ -35,6 +36,14 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from dpool.daemon.children import (
+    clean,
+    die_with_parent,
+    error_message,
+    trainer_command,
+    trainer_env,
+)
+from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.sysinfo import node_info
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import newest_step
@@ -75,6 +84,7 @@ class Worker:
     stop_at_checkpoint: bool = False  # worker.stop is owed once its hello arrives
     lines: list[str] = field(default_factory=list)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    error: str | None = None  # the last `error: ...` line it printed (the trainer's reason for exit 2)
 
     @property
     def pid(self) -> int:
@@ -116,17 +126,28 @@ class Agent:
         self.dropped = 0
         self.held: collections.deque[Message] = collections.deque(maxlen=HELD_MAX)  # reports kept while away
         self._last_sent = 0.0
+        self.exporter = Exporter(self.state_dir, name)
+        self.export_tasks: set[asyncio.Task[Any]] = set()
+        self.export_prepares: dict[str, asyncio.Task[Any]] = {}  # export id -> its preparation
 
     # -- life ----------------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> int:
         (self.state_dir / "run").mkdir(parents=True, exist_ok=True)
+        stale = self.exporter.clear_stale()
+        if stale:
+            self.log.info("export.stale_removed", count=stale)
         wsock = self._bind_worker_socket()
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
         try:
             code = await self._control_loop(stopping)
         finally:
             await self._stop_all("dpd stopping")
+            for t in list(self.export_tasks):
+                t.cancel()  # kills an export's trainer
+            if self.export_tasks:
+                await asyncio.gather(*self.export_tasks, return_exceptions=True)
+            self.exporter.close()
             if self.registered:
                 self._send(m.NodeBye())
                 await asyncio.sleep(0)  # let the bye leave before the socket closes (it lingers)
@@ -216,7 +237,8 @@ class Agent:
         while (left := deadline - time.monotonic()) > 0:
             if not await sock.poll(int(left * 1000) + 1):
                 break
-            msg = self._recv()
+            got = self._recv()
+            msg = got[0] if got else None
             if isinstance(msg, m.NodeRegistered):
                 self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
                 self.registered = True
@@ -244,27 +266,27 @@ class Agent:
                 next_beat = now + self.heartbeat_s
             wait = max(0.0, min(next_beat, expiry) - time.monotonic())
             if await sock.poll(int(wait * 1000) + 1):
-                while (msg := self._recv()) is not None:
+                while (got := self._recv()) is not None:
+                    msg, msg_id = got
                     expiry = time.monotonic() + self.heartbeat_s * self.liveness
                     if isinstance(msg, m.Error) and msg.code == ErrorCode.NOT_REGISTERED:
                         self.log.warning("coordinator.forgot_us")  # it restarted: register again
                         return
-                    await self._on_coordinator(msg)
+                    await self._on_coordinator(msg, msg_id)
             if time.monotonic() > expiry:
                 self.log.warning("coordinator.lost", address=self.join, silent_s=round(self.heartbeat_s * self.liveness, 2), workers=len(self.workers))
                 return
 
-    def _recv(self) -> Message | None:
+    def _recv(self) -> tuple[Message, int] | None:
         assert self.craw is not None
         for frames in pending(self.craw):
             try:
-                msg, _ = m.decode(frames)
-                return msg
+                return m.decode(frames)
             except ProtocolError as e:
                 self.log.warning("frame.rejected", source="coordinator", code=str(e.code), error=e.message)
         return None
 
-    def _send(self, msg: Message) -> None:
+    def _send(self, msg: Message, msg_id: int = 0) -> None:
         if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
             if isinstance(msg, KEPT_WHILE_AWAY):
                 self.held.append(msg)  # sent once registered again: the job's record stays whole
@@ -272,14 +294,14 @@ class Agent:
                 self.dropped += 1
             return
         try:
-            self.craw.send_multipart(msg.to_frames(), flags=zmq.NOBLOCK)
+            self.craw.send_multipart(msg.to_frames(msg_id), flags=zmq.NOBLOCK)
             self._last_sent = time.monotonic()
         except zmq.Again:
             self.dropped += 1  # the coordinator is gone or slow; progress must not wait for it
         except ProtocolError as e:
             self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
 
-    async def _on_coordinator(self, msg: Message) -> None:
+    async def _on_coordinator(self, msg: Message, msg_id: int = 0) -> None:
         match msg:
             case m.CoordHeartbeat() | m.NodeRegistered():
                 pass
@@ -293,10 +315,46 @@ class Agent:
                 for w in list(self.workers.values()):
                     if w.job == job and (gen == 0 or w.generation == gen):
                         self._stop(w, mode, "group.stop")
+            case m.ExportPrepare() | m.ExportFetch():
+                task = asyncio.create_task(self._export(msg, msg_id))  # off the loop: heartbeats go on
+                self.export_tasks.add(task)
+                task.add_done_callback(self.export_tasks.discard)
+                if isinstance(msg, m.ExportPrepare) and msg.export_id not in self.export_prepares:
+                    self.export_prepares[msg.export_id] = task
+                    task.add_done_callback(functools.partial(_forget, self.export_prepares, msg.export_id))
+            case m.ExportRelease(export_id=export_id):
+                preparing = self.export_prepares.get(export_id)
+                if preparing is not None:
+                    preparing.cancel()  # the coordinator gave up on it: its trainer is killed
+                    self.log.info("export.cancelled", export=export_id)
+                elif self.exporter.release(export_id):
+                    self.log.info("export.released", export=export_id)
             case m.Error():
                 self.log.warning("coordinator.error", code=msg.code, error=msg.message)
             case _:
                 self.log.warning("message.unexpected", type=str(msg.TYPE))
+
+    async def _export(self, msg: m.ExportPrepare | m.ExportFetch, msg_id: int) -> None:
+        """Answer export.prepare or export.fetch, with the request's id."""
+        reply: Message
+        try:
+            if isinstance(msg, m.ExportPrepare):
+                self.log.info("export.preparing", export=msg.export_id, job=msg.job, step=msg.step)
+                t0 = time.monotonic()
+                ready = await self.exporter.prepare(msg)
+                self.log.info("export.prepared", export=msg.export_id, job=msg.job, step=ready.step, files=len(ready.files), seconds=round(time.monotonic() - t0, 3))
+                reply = ready
+            else:
+                reply = await self.exporter.fetch(msg)
+        except asyncio.CancelledError:
+            return  # released while being prepared, or the daemon is stopping: nobody waits for it
+        except ExportError as e:
+            self.log.warning("export.refused", export=msg.export_id[:80], type=str(msg.TYPE), code=str(e.code), error=e.message)
+            reply = m.Error(code=str(e.code), message=e.message)
+        except Exception as e:  # a bug must cost one request, not the daemon
+            self.log.exception("export.failed", export=msg.export_id[:80])
+            reply = m.Error(code=str(ErrorCode.INTERNAL), message=f"node {self.name}: {type(e).__name__}: {e}")
+        self._send(reply, msg_id)
 
     # -- groups --------------------------------------------------------------------------------
 
@@ -334,7 +392,7 @@ class Agent:
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
             for r in msg.ranks:
-                self._report_exit(msg.job, msg.generation, r["rank"], r["slot"], 2, False)
+                self._report_exit(msg.job, msg.generation, r["rank"], r["slot"], 2, False, clean(str(e)))
             return
         world = len(msg.hostfile)
         hostfile = job_dir / f"hostfile-g{msg.generation}.json"
@@ -354,16 +412,11 @@ class Agent:
             return
         run_dir = self.state_dir / "jobs" / msg.job / f"slot-{slot}"
         run_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        for key in ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE"):
-            env.pop(key, None)
+        env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr)
         if hostfile is not None:
             env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
-        env["DPOOL_WORKER_ADDR"] = self.worker_addr
-        env["DPOOL_DAEMON_PID"] = str(os.getpid())  # the trainer exits when its daemon is gone
-        env["PYTHONUNBUFFERED"] = "1"
         shares = ",".join(str(s) for s in msg.shares)
-        cmd = [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation)]
+        cmd = trainer_command(str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation))
         try:
             proc = await asyncio.create_subprocess_exec(
                 *cmd,
@@ -373,7 +426,7 @@ class Agent:
                 env=env,
                 cwd=str(run_dir),
                 start_new_session=True,  # its own process group: stopping it stops its children too
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=die_with_parent(os.getpid()),
                 limit=1 << 20,
             )
         except OSError as e:
@@ -398,7 +451,9 @@ class Agent:
                 if not raw:
                     break
                 local.write(raw)
-                w.lines.append(raw.decode("utf-8", "replace").rstrip("\n")[:LOG_LINE_MAX])
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                w.lines.append(text[:LOG_LINE_MAX])
+                w.error = error_message(text, str(w.run_dir.parent / "job.toml")) or w.error
                 if len(w.lines) >= LOG_BATCH_LINES:
                     self._flush(w)
         code = await w.proc.wait()
@@ -407,11 +462,11 @@ class Agent:
             del self.workers[w.slot]
         for t in w.tasks[1:]:
             t.cancel()  # the SIGKILL timer, if any
-        self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping)
-        self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping)
+        self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
+        self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
 
-    def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool) -> None:
-        exit_ = {"job": job, "generation": generation, "rank": rank, "slot": slot, "code": code, "stopped": stopped}
+    def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None) -> None:
+        exit_ = {"job": job, "generation": generation, "rank": rank, "slot": slot, "code": code, "stopped": stopped, "error": error}
         self.exited.append(exit_)
         self._send(m.NodeWorkerExited(**exit_))
 
@@ -509,6 +564,8 @@ class Agent:
             await asyncio.sleep(LOG_FLUSH_S)  # batching interval for output lines
             for w in list(self.workers.values()):
                 self._flush(w)
+            for export_id in self.exporter.expire(time.monotonic()):
+                self.log.info("export.expired", export=export_id)
 
     def _flush(self, w: Worker) -> None:
         while w.lines:
@@ -516,20 +573,5 @@ class Agent:
             self._send(m.NodeLogs(job=w.job, generation=w.generation, rank=w.rank, lines=batch))
 
 
-def _die_with_parent(parent: int):
-    """A preexec_fn: on Linux the trainer gets SIGKILL when this daemon dies (PR_SET_PDEATHSIG), so
-    a SIGKILLed dpd leaves no orphan training on. (macOS has no such call: the trainer's WorkerLink
-    watches its parent pid instead.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() != parent:  # the daemon died before prctl took effect
-            os._exit(1)
-
-    return preexec
+def _forget(tasks: dict[str, asyncio.Task[Any]], key: str, _done: asyncio.Task[Any]) -> None:
+    tasks.pop(key, None)

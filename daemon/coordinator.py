@@ -19,6 +19,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from dpool.daemon import export_relay as xr
+from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.pool import Job, JobChanged, NodeChanged, Pool, Record, Send
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
@@ -49,6 +51,7 @@ class Coordinator:
         self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness)
+        self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
         self.log = get_logger(component="coordinator")
         self.peer_of: dict[str, bytes] = {}  # node name -> routing id
@@ -98,6 +101,7 @@ class Coordinator:
                 now = self.clock()
                 if now >= next_tick:
                     self._run(self.pool.tick(now))
+                    self._relay(self.exports.tick(now, self._alive))
                     for name, peer in self.peer_of.items():
                         node = self.pool.nodes.get(name)
                         if node is not None and not node.lost:
@@ -124,7 +128,7 @@ class Coordinator:
             self._reject(peer, e)
             return
         try:
-            reply = self._dispatch(peer, msg)
+            reply = self._dispatch(peer, msg, msg_id)
         except ProtocolError as e:
             self._reject(peer, ProtocolError(e.code, e.message, msg_id))
             return
@@ -185,9 +189,25 @@ class Coordinator:
                     row = next(r for r in self.pool.node_rows(now) if r["name"] == a.node)
                     self.store.save_node(row, node.incarnation, node.joined_at, node.last_seen)
 
+    def _relay(self, actions: list[xr.Action]) -> None:
+        """Carry out the export relay's actions (answers to clients, requests to nodes)."""
+        for a in actions:
+            if isinstance(a, xr.Reply):
+                self._send_to(a.peer, a.msg, a.msg_id)
+            else:
+                peer = self.peer_of.get(a.node)
+                if peer is not None:  # a node gone meanwhile: the relay's tick answers for it
+                    self._send_to(peer, a.msg, a.msg_id)
+                if isinstance(a.msg, m.ExportPrepare):
+                    self.log.info("export.asked", node=a.node, export=a.msg.export_id, job=a.msg.job, step=a.msg.step)
+
+    def _alive(self, name: str) -> bool:
+        node = self.pool.nodes.get(name)
+        return node is not None and not node.lost and name in self.peer_of
+
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _dispatch(self, peer: bytes, msg: Message) -> Message | None:
+    def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0) -> Message | None:
         now = self.clock()
         match msg:
             case m.Submit():
@@ -227,6 +247,16 @@ class Coordinator:
                 self._run(self.pool.drain(now, name) if drain else self.pool.undrain(now, name))
                 node = self.pool.nodes[name]
                 return (m.DrainReply if drain else m.UndrainReply)(node=name, state=str(node.state), reason=node.reason)
+            case m.Export(job=ref, step=step):
+                job = self._job(ref)
+                self._relay(self.exports.start(now, peer, msg_id, job.id, step, self.pool.export_holders(job.id, step)))
+                return None  # answered once a node has made it (or could not)
+            case m.ExportRead():
+                self._relay(self.exports.read(now, peer, msg_id, msg))
+                return None
+            case m.ExportClose(export_id=export_id):
+                self._relay(self.exports.close(now, peer, msg_id, export_id))
+                return None
             case m.NodeRegister():
                 return self._register(peer, msg, now)
         name = self.node_of.get(peer)
@@ -266,8 +296,18 @@ class Coordinator:
                 if job in self.pool.jobs:
                     self.store.add_logs(job, now, r, g, lines)
                 actions = []
-            case m.NodeWorkerExited(job=job, generation=g, rank=r, slot=slot, code=code, stopped=stopped):
-                actions = self.pool.worker_exited(now, name, job, g, r, slot, code, stopped)
+            case m.NodeExportReady() | m.NodeExportData():
+                self._relay(self.exports.from_node(now, name, msg_id, msg))
+                actions = []
+            case m.Error(code=code, message=text):
+                if msg_id:  # a node's answer to a relayed export request it could not serve
+                    self._relay(self.exports.from_node(now, name, msg_id, msg))
+                else:
+                    self.log.warning("node.error", node=name, code=code, error=text[:300])
+                actions = []  # never answered: an error about an error would echo forever
+            case m.NodeWorkerExited(job=job, generation=g, rank=r, slot=slot, code=code, stopped=stopped, error=error):
+                error = error[: m.ERROR_LINE_MAX] if error else None  # bounded whatever the node sent
+                actions = self.pool.worker_exited(now, name, job, g, r, slot, code, stopped, error)
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
         self._run(actions)
@@ -293,6 +333,8 @@ class Coordinator:
         return m.Submitted(job_id=job_id)
 
     def _register(self, peer: bytes, msg: m.NodeRegister, now: float) -> Message:
+        known = self.pool.nodes.get(msg.name)
+        restarted = known is not None and known.incarnation != msg.incarnation
         refusal, actions = self.pool.register(now, msg.name, msg.incarnation, msg.info, msg.running, msg.exited, msg.holdings)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)
@@ -301,6 +343,8 @@ class Coordinator:
         if old is not None and old != peer:
             self.node_of.pop(old, None)
         self.peer_of[msg.name], self.node_of[peer] = peer, msg.name
+        if restarted:
+            self._relay(self.exports.node_restarted(now, msg.name))
         # The reply goes out before the actions, so the node knows it is registered before any
         # group message reaches it.
         self._deferred = actions

@@ -93,6 +93,7 @@ class RankExited:
     node: str
     code: int
     stopped: bool  # its daemon stopped it (group.stop, or dpd shutting down)
+    error: str | None = None  # the trainer's own `error: ...` line, when it printed one
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,31 +285,36 @@ class JobMachine:
                     # Nothing is lost, so it is a membership change, not a failure.
                     return self._stop_group(now, "checkpoint", "membership", f"rank {rank} on {node} stopped at a checkpoint", settle=False)
                 return []
-            case RankExited(rank=rank, node=node, code=code, stopped=stopped):
+            case RankExited(rank=rank, node=node, code=code, stopped=stopped, error=error):
                 self.live.discard(rank)
+                said = {"error": error} if error else {}
+                if code == 2 and not stopped:
+                    # STARTING|RUNNING|RECOVERING -> FAILED: the trainer refused its input (the job
+                    # file, a path missing on that machine, an unusable checkpoint); no restart can
+                    # help. Also while recovering: its peers' "connection lost" exits often arrive
+                    # first and start a restart that would meet the same refusal.
+                    why = f"node {node}: rank {rank}: {error}" if error else f"rank {rank} on node {node} failed: bad job file"
+                    failed: list[Action] = [Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said})]
+                    if st is not JobState.RECOVERING or self.stop_mode == "checkpoint":
+                        failed += [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "worker.failed"})]
+                    return self._finish(JobState.FAILED, why, now, failed)
+                detail = f"rank {rank} on node {node} failed: exit code {code}" + (f": {error}" if error else "")
                 if st is JobState.RECOVERING and self.stop_mode == "checkpoint" and not stopped:
                     # RECOVERING (checkpointing) -> RECOVERING (failed): a rank died instead of
                     # checkpointing; the group is broken, stop the rest now.
-                    return self._fail(now, [Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code})], [node], f"rank {rank} on node {node} failed: exit code {code}")
+                    return self._fail(now, [Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said})], [node], detail)
                 if st is JobState.RECOVERING:
                     return []  # the old group on its way out: peers of the failure, or our SIGTERM
-                if code == 2:
-                    # STARTING|RUNNING -> FAILED: the trainer refused the job file; no restart can help.
-                    return self._finish(JobState.FAILED, f"rank {rank} on node {node} failed: bad job file", now, [
-                        Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code}),
-                        StopGroup(self.generation),
-                        Emit("group.stopped", {"generation": self.generation, "reason": "worker.failed"}),
-                    ])
-                failed = Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **({"stopped": True} if stopped else {})})
+                exited = Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said, **({"stopped": True} if stopped else {})})
                 if stopped:
                     # STARTING|RUNNING -> RECOVERING: its daemon stopped it (dpd shutting down): the
                     # node leaves; a membership change, so no restart is used and no node blamed.
-                    return [failed, *self._stop_group(now, "now", "membership", f"rank {rank} on node {node} stopped by its daemon")]
+                    return [exited, *self._stop_group(now, "now", "membership", f"rank {rank} on node {node} stopped by its daemon")]
                 # STARTING|RUNNING -> RECOVERING: a rank died; its peers fail within ~0.1 s. Exit 1
                 # is what a rank whose peer vanished exits with ("connection to a peer was lost"),
                 # and it often arrives first, so it does not count against its node.
                 blame = [node] if code != 1 else []
-                return self._fail(now, [failed], blame, f"rank {rank} on node {node} failed: exit code {code}")
+                return self._fail(now, [exited], blame, detail)
             case NodeLost(node=node, ranks=ranks) if st in ACTIVE and self.launched_or_stopping():
                 gone = [r for r in ranks if r in self.live]
                 self.live.difference_update(ranks)

@@ -38,7 +38,7 @@ from dpool.daemon.records import (
 )
 from dpool.daemon.watch import StepWatch
 from dpool.protocol.jobspec import JobSpec
-from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
+from dpool.protocol.messages import ERROR_LINE_MAX, GroupPrepare, GroupStart, GroupStop
 
 __all__ = ["Action", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
 
@@ -92,6 +92,22 @@ class Pool:
             )
         return rows
 
+    def export_holders(self, job_id: str, step: int | None) -> list[tuple[str, int]]:
+        """[(node, newest step it holds of the job)] for the live nodes holding any checkpoint of
+        it, best first for an export of `step` (None: the newest): the node holding exactly that
+        step (or the newest) first, then the closest newer ones (a run dir keeps `checkpoint.keep`
+        steps, so they likely still have it); among equals an idle node before a busy one."""
+        held = []
+        for n in self.nodes.values():
+            steps = [s for (j, _), s in n.holdings.items() if j == job_id]
+            if steps and not n.lost:
+                held.append((n.name, max(steps), bool(n.used)))
+        if step is None:
+            held.sort(key=lambda h: (-h[1], h[2], h[0]))
+        else:
+            held.sort(key=lambda h: (h[1] < step, h[1] - step, h[2], h[0]))
+        return [(name, newest) for name, newest, _ in held]
+
     def _ranks_on(self, node: str) -> list[int]:
         out = []
         for job in self.jobs.values():
@@ -141,7 +157,9 @@ class Pool:
         for h in holdings:
             node.holdings[(str(h["job"]), int(h["slot"]))] = int(h["step"])
         for e in exited:
-            actions += self.worker_exited(now, name, str(e["job"]), int(e["generation"]), int(e["rank"]), int(e["slot"]), int(e["code"]), bool(e.get("stopped", False)))
+            said = e.get("error")
+            error = said[:ERROR_LINE_MAX] if isinstance(said, str) else None
+            actions += self.worker_exited(now, name, str(e["job"]), int(e["generation"]), int(e["rank"]), int(e["slot"]), int(e["code"]), bool(e.get("stopped", False)), error)
         if not rejoin:
             actions += self._ranks_gone_with_old_daemon(now, node, running)
         for w in running:
@@ -447,7 +465,9 @@ class Pool:
         job.checkpoint_step = max(step, job.checkpoint_step or 0)
         return [Record(job.id, "checkpoint.saved", now, {"step": step, "seconds": round(max(got.values()), 4)}), JobChanged(job.id)]
 
-    def worker_exited(self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, code: int, stopped: bool) -> list[Action]:
+    def worker_exited(
+        self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None
+    ) -> list[Action]:
         actions: list[Action] = []
         node = self.nodes.get(node_name)
         if node is not None and node.used.get(slot) == (job_id, generation):
@@ -459,7 +479,7 @@ class Pool:
             run.exit_code = code
             if node is not None and code in (0, js.EXIT_STOPPED):
                 node.fail_streak = 0  # a worker that ended well: the node is fine
-            actions += self._feed(job, js.RankExited(generation, rank, node_name, code, stopped), now)
+            actions += self._feed(job, js.RankExited(generation, rank, node_name, code, stopped, error), now)
         if node is not None:
             actions += self._drained(now, node)
         return actions + self._schedule(now)

@@ -30,6 +30,10 @@ MAX_HEADER_BYTES = 256
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a frame above this is refused before it is parsed
 MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + MAX_BODY_BYTES  # zmq.MAXMSGSIZE on listening sockets
 PAGE_LIMIT = 2000  # the most rows one query reply carries; clients page with `after`
+EXPORT_CHUNK_MAX = 1024 * 1024  # the most bytes one export.read / export.fetch asks for
+EXPORT_PREPARE_TIMEOUT_S = 720.0  # the coordinator answers `export` within this (a node's trainer gets 600 s)
+EXPORT_FETCH_TIMEOUT_S = 60.0  # and each `export.read` within this
+ERROR_LINE_MAX = 400  # characters of a trainer's `error: ...` line carried in node.worker_exited
 
 
 class MsgType(enum.StrEnum):
@@ -57,6 +61,12 @@ class MsgType(enum.StrEnum):
     DRAIN_REPLY = "drain.reply"
     UNDRAIN = "undrain"
     UNDRAIN_REPLY = "undrain.reply"
+    EXPORT = "export"
+    EXPORT_REPLY = "export.reply"
+    EXPORT_READ = "export.read"
+    EXPORT_DATA = "export.data"
+    EXPORT_CLOSE = "export.close"
+    EXPORT_CLOSED = "export.closed"
     # dpd (node agent) -> coordinator
     NODE_REGISTER = "node.register"
     NODE_REGISTERED = "node.registered"  # coordinator's reply
@@ -71,11 +81,16 @@ class MsgType(enum.StrEnum):
     NODE_CHECKPOINT = "node.checkpoint"
     NODE_LOGS = "node.logs"
     NODE_WORKER_EXITED = "node.worker_exited"
+    NODE_EXPORT_READY = "node.export_ready"  # answers export.prepare
+    NODE_EXPORT_DATA = "node.export_data"  # answers export.fetch
     # coordinator -> dpd
     COORD_HEARTBEAT = "coord.heartbeat"
     GROUP_PREPARE = "group.prepare"
     GROUP_START = "group.start"
     GROUP_STOP = "group.stop"
+    EXPORT_PREPARE = "export.prepare"
+    EXPORT_FETCH = "export.fetch"
+    EXPORT_RELEASE = "export.release"
     # trainer -> its dpd (over ipc), and the one message back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -98,6 +113,8 @@ class ErrorCode(enum.StrEnum):
     DUPLICATE_NAME = "duplicate_name"
     NOT_FOUND = "not_found"
     BAD_JOB = "bad_job"
+    BAD_REQUEST = "bad_request"  # values out of range (a read past a file's end), or a trainer refusing an export
+    EXPORT_FAILED = "export_failed"  # the export could not be made or delivered (trainer crash, timeout, node lost)
     INTERNAL = "internal"
 
 
@@ -407,6 +424,97 @@ class UndrainReply(Message):
     reason: str | None = None
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class Export(Message):
+    """Export a job's trained result: its newest checkpoint held by a live node, or step `step`.
+
+    The coordinator has a node holding it run the trainer's `--export` and answers, once that is
+    done, with the manifest; the client then reads the files (export.read) and closes the export."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT
+    job: str
+    step: int | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportReply(Message):
+    """The export is ready on `node`. `files`: [{"name", "bytes", "sha256"}]; a name is a relative
+    path of "/"-separated parts (the client checks it before writing anything)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_REPLY
+    export_id: str
+    job_id: str
+    node: str
+    step: int
+    files: list[dict[str, Any]]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportRead(Message):
+    """`size` bytes (at most EXPORT_CHUNK_MAX) of file `name` of an export, from `offset`. Only the
+    connection that asked for the export may read it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_READ
+    export_id: str
+    name: str
+    offset: int
+    size: int = EXPORT_CHUNK_MAX
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportData(Message):
+    """Exactly min(size, file size - offset) bytes: empty only at the end of the file."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_DATA
+    export_id: str
+    name: str
+    offset: int
+    data: bytes
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportClose(Message):
+    """The client is done (or gives up): the node deletes the export's files."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_CLOSE
+    export_id: str
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportClosed(Message):
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_CLOSED
+    export_id: str
+
+
+EXPORT_NAME_MAX = 1024
+EXPORT_NAME_PART_MAX = 255
+EXPORT_NAME_DEPTH_MAX = 8
+
+
+def export_name_problem(name: Any) -> str | None:
+    """None when `name` is a safe relative file name inside an export folder, else what is wrong.
+
+    Safe: "/"-separated parts, each 1-255 printable characters, none "." or "..", no backslash, at
+    most 8 parts and 1024 characters in all. So a name can never reach outside the folder the
+    client writes to, whatever the peer that sent it."""
+    if not isinstance(name, str):
+        return f"a file name must be a string, got {type(name).__name__}"
+    if not 0 < len(name) <= EXPORT_NAME_MAX:
+        return f"file name of {len(name)} characters (allowed 1-{EXPORT_NAME_MAX})"
+    if name.startswith("/") or "\\" in name or not name.isprintable():
+        return f"file name {name[:200]!r} is absolute or holds a backslash or an unprintable character"
+    parts = name.split("/")
+    if len(parts) > EXPORT_NAME_DEPTH_MAX or any(p in ("", ".", "..") or len(p) > EXPORT_NAME_PART_MAX for p in parts):
+        return f"file name {name[:200]!r} is not a plain relative path (empty, '.' or '..' parts, or too deep)"
+    return None
+
+
 # -- dpd -> coordinator ------------------------------------------------------------------------
 
 
@@ -418,7 +526,7 @@ class NodeRegister(Message):
     `incarnation` is random per daemon process: the same name with the same incarnation is a
     re-registration, with another one while the first is alive a duplicate. `info`: platform, chip,
     memory_bytes, mlx_version, backend, advertise, slots, pid. `running`: [{job, generation, rank,
-    slot, pid}] of workers alive now; `exited`: [{job, generation, rank, slot, code, stopped}], the
+    slot, pid}] of workers alive now; `exited`: [{job, generation, rank, slot, code, stopped, error}], the
     daemon's newest worker exits (their node.worker_exited may have been lost with the link). `holdings`: [{job, slot, step}], the newest checkpoint each
     slot's run dir holds.
     """
@@ -560,7 +668,9 @@ class NodeLogs(Message):
 @dataclass(frozen=True, slots=True)
 class NodeWorkerExited(Message):
     """A worker process ended. `code` is its exit status (negative: killed by that signal);
-    `stopped` says the daemon stopped it (group.stop or dpd shutting down)."""
+    `stopped` says the daemon stopped it (group.stop or dpd shutting down); `error` is the last
+    `error: ...` line the trainer printed (printable, one line, at most ERROR_LINE_MAX characters,
+    without the prefix), or None."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_EXITED
     job: str
@@ -569,6 +679,31 @@ class NodeWorkerExited(Message):
     slot: int
     code: int
     stopped: bool
+    error: str | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeExportReady(Message):
+    """Answers export.prepare (same id): the trainer wrote the export of `step`; `files` as in
+    export.reply. A node that cannot make it answers `error` with that id instead."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_EXPORT_READY
+    export_id: str
+    step: int
+    files: list[dict[str, Any]]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeExportData(Message):
+    """Answers export.fetch (same id) with exactly min(size, file size - offset) bytes."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_EXPORT_DATA
+    export_id: str
+    name: str
+    offset: int
+    data: bytes
 
 
 # -- coordinator -> dpd ------------------------------------------------------------------------
@@ -617,6 +752,41 @@ class GroupStop(Message):
     job: str
     generation: int
     mode: str = "now"
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportPrepare(Message):
+    """Run the trainer's `--export` on this node's copy of job `job`'s checkpoint `step` (None: the
+    newest it holds) into a temporary folder kept as `export_id`. Answered, with this message's id,
+    by node.export_ready or `error` (not_found: no such checkpoint here; bad_request: the trainer
+    refused it; export_failed: it crashed or timed out)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_PREPARE
+    export_id: str
+    job: str
+    step: int | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportFetch(Message):
+    """Read part of one file of a prepared export; answered with node.export_data or `error`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_FETCH
+    export_id: str
+    name: str
+    offset: int
+    size: int
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class ExportRelease(Message):
+    """Delete a prepared export's files (the client is done, gave up, or went away). No answer."""
+
+    TYPE: ClassVar[MsgType] = MsgType.EXPORT_RELEASE
+    export_id: str
 
 
 # -- trainer <-> its dpd -----------------------------------------------------------------------

@@ -32,6 +32,8 @@ def sample_value(hint: Any, rng: random.Random) -> Any:
         return rng.random() * 100
     if hint is str:
         return f"s-{rng.randrange(1000)}-ü"
+    if hint is bytes:
+        return rng.randbytes(rng.randrange(1, 64))
     if origin is list:
         (item,) = typing.get_args(hint)
         return [sample_value(item, rng) for _ in range(3)]
