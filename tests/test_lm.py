@@ -1,0 +1,367 @@
+"""Fine-tuning mlx-lm models: tiny real models made offline, trained by real trainer processes.
+
+Two architectures (llama, qwen3), random weights in the Hugging Face layout, a BPE tokenizer
+trained here with a chat template (`dpool.trainer.tinylm`). The same contract as the built-in GPT:
+the curve depends on the job file only, a killed run resumes exactly, and what dpool exports is
+what mlx-lm's own CLIs read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ring
+
+from dpool.trainer import tinylm
+
+JOB = """\
+name = "{name}"
+[model]
+kind = "mlx_lm"
+path = "{model}"
+fine_tune = "{fine_tune}"
+lora_rank = 4
+lora_layers = 8
+lora_dropout = {dropout}
+context = {context}
+[data]
+source = "{data}"
+mask_prompt = {mask}
+[train]
+steps = {steps}
+global_batch = 12
+micro_batch = {micro}
+lr = {lr}
+warmup_steps = 1
+log_every_steps = 1
+[checkpoint]
+every_steps = {every}
+keep = 10
+[eval]
+every_steps = {eval_every}
+batches = 2
+sample_every_steps = {steps}
+sample_tokens = 8
+sample_prompt = "What is 2 + 3?"
+"""
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm")
+    for arch in tinylm.ARCHS:
+        tinylm.make_model(root / arch, arch=arch, seed=1)
+    tinylm.quantize(root / "qwen3", root / "qwen3-4bit", bits=4)
+    tinylm.make_chat_data(root / "chat", train=48, valid=12, seed=3, fmt="chat")
+    tinylm.make_chat_data(root / "text", train=48, valid=12, seed=3, fmt="text")
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(assets) -> dict[str, str]:
+    return {"DPOOL_CACHE_DIR": str(assets / "cache")}
+
+
+def job(assets: Path, folder: Path, *, model: str = "llama", fine_tune: str = "lora", data: str = "chat",
+        steps: int = 6, micro: int = 3, every: int = 3, dropout: float = 0.0, lr: float = 2e-3,
+        eval_every: int = 3, context: int = 160, name: str | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    name = name or f"{model}-{fine_tune}-{data}".replace("_", "-")
+    path = folder / f"{name}-s{steps}-m{micro}-e{every}-d{dropout}.toml"
+    path.write_text(JOB.format(
+        name=name, model=assets / model, fine_tune=fine_tune, data=assets / data, mask="true" if data != "text" else "false",
+        steps=steps, micro=micro, every=every, dropout=dropout, lr=lr, eval_every=eval_every, context=context,
+    ))
+    return path
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in ring.metrics(run_dir).items()}
+
+
+def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float, steps) -> None:
+    diffs = {s: abs(a[s] - b[s]) for s in steps}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] <= tol, f"step {worst}: {a[worst]} vs {b[worst]} (|diff| {diffs[worst]:.2e} > {tol})"
+
+
+def checkpoint_names(run_dir: Path, step: int) -> dict[str, str]:
+    """Tensor name -> safetensors dtype of a checkpoint's model file (read from its header)."""
+    raw = (run_dir / "checkpoints" / f"step-{step}" / "model.safetensors").read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def export(job_file: Path, run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(run_dir), "--export", str(out), *extra],
+        env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Every fine-tune kind, on both architectures, and QLoRA on a base that mlx-lm's convert quantized.
+
+KINDS = [(arch, ft) for arch in ("llama", "qwen3") for ft in ("lora", "dora", "full")] + [("qwen3-4bit", "lora"), ("qwen3-4bit", "dora")]
+
+
+@pytest.mark.parametrize(("model", "fine_tune"), KINDS, ids=[f"{m}-{f}" for m, f in KINDS])
+def test_fine_tune_learns_checkpoints_what_it_trains_and_exports(assets, env, tmp_path, model, fine_tune):
+    from mlx_lm import load
+
+    job_file = job(assets, tmp_path, model=model, fine_tune=fine_tune, lr=5e-3 if fine_tune == "full" else 1e-2)
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    evals = ring.metrics(run_dir, "eval")
+    assert evals[6]["val_loss"] < evals[0]["val_loss"] - 0.05, evals
+    names = checkpoint_names(run_dir, 6)
+    if fine_tune == "full":
+        assert any(k.endswith("embed_tokens.weight") for k in names), "full: every weight is trained and saved"
+    else:
+        leaves = {k.rsplit(".", 1)[-1] for k in names}
+        assert leaves <= {"lora_a", "lora_b", "m"}, f"{fine_tune}: the checkpoint holds adapters only, not {leaves}"
+        assert ("m" in leaves) == (fine_tune == "dora")
+    out = tmp_path / "export"
+    done = export(job_file, run_dir, out)
+    assert done.returncode == 0, done.stderr
+    if fine_tune == "full":
+        assert {"config.json", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+        loaded, _ = load(str(out))
+    else:
+        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+        assert json.loads((out / "adapter_config.json").read_text())["fine_tune_type"] == fine_tune
+        loaded, _ = load(str(assets / model), adapter_path=str(out))
+    assert loaded is not None
+
+
+def test_bf16_stays_bf16(assets, env, tmp_path):
+    tinylm.make_model(tmp_path / "bf16", arch="llama", dtype="bfloat16", seed=2)
+    job_file = job(assets, tmp_path, fine_tune="full", steps=2, every=2, eval_every=2)
+    job_file.write_text(job_file.read_text().replace(str(assets / "llama"), str(tmp_path / "bf16")))
+    ring.run(job_file, str(tmp_path / "run"), 1, tmp_path / "logs", env=env)
+    dtypes = set(checkpoint_names(tmp_path / "run", 2).values())
+    assert dtypes == {"BF16"}, f"the checkpoint of a bf16 model holds {dtypes}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: world-size invariance on chat data of varied lengths, with the prompts masked.
+
+
+@pytest.mark.parametrize(("fine_tune", "dropout"), [("lora", 0.1), ("full", 0.0)])
+def test_one_rank_and_three_unequal_ranks_agree(assets, env, tmp_path, fine_tune, dropout):
+    job_file = job(assets, tmp_path, fine_tune=fine_tune, dropout=dropout, micro=2, every=6,
+                   lr=5e-3 if fine_tune == "full" else 1e-2)
+    one, three = tmp_path / "one", tmp_path / "three"
+    ring.run(job_file, str(one), 1, tmp_path / "logs", env=env)
+    ring.run(job_file, str(three / "r{rank}"), 3, tmp_path / "logs", env=env, shares=[2, 3, 7])
+    assert_same_curve(losses(one), losses(three / "r0"), 1e-4, steps=range(1, 7))
+    v1, v3 = ring.metrics(one, "eval"), ring.metrics(three / "r0", "eval")
+    assert all(abs(v1[s]["val_loss"] - v3[s]["val_loss"]) < 1e-4 for s in v1)
+    # Token weighting: the ranks held different numbers of trained tokens, and their sum is the step's.
+    row = ring.metrics(three / "r0")[1]
+    assert row["tokens"] == ring.metrics(one)[1]["tokens"]
+
+
+def test_a_killed_run_resumes_exactly(assets, env, tmp_path):
+    job_file = job(assets, tmp_path, steps=8, every=2, dropout=0.1)
+    ref = tmp_path / "ref"
+    ring.run(job_file, str(ref), 1, tmp_path / "logs", env=env)
+    killed = tmp_path / "killed"
+    g = ring.start(job_file, str(killed), 1, tmp_path / "logs", env=env)
+    manifest = killed / "checkpoints" / "step-4" / "manifest.json"
+    try:
+        deadline = time.monotonic() + 120
+        while not manifest.exists():
+            assert g.procs[0].poll() is None, g.output(0)
+            assert time.monotonic() < deadline, "no step-4 checkpoint in 120 s"
+            time.sleep(0.005)
+        os.killpg(g.procs[0].pid, signal.SIGKILL)
+        g.procs[0].wait(timeout=10)
+    finally:
+        g.kill()
+    assert not (killed / "checkpoints" / "step-8").exists(), "killed before the end"
+    resumed = ring.run(job_file, str(killed), 1, tmp_path / "logs", env=env)
+    assert '"resume_step":' in resumed.output(0) and '"resume_step":0' not in resumed.output(0)
+    assert_same_curve(losses(ref), losses(killed), 1e-6, steps=range(5, 9))
+    assert sorted(ring.metrics(killed)) == list(range(1, 9)), "metrics hold each step once"
+
+
+# ---------------------------------------------------------------------------------------------
+# mlx-lm reads what dpool exports.
+
+
+def test_mlx_lm_scores_generates_and_fuses_the_export(assets, env, tmp_path):
+    # A context that holds every example: mlx-lm scores an example truncated to nothing but its
+    # prompt as 0/0 (nan); dpool counts it as no tokens.
+    job_file = job(assets, tmp_path, model="qwen3", steps=6, every=6, context=512)
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    out = tmp_path / "adapters"
+    assert export(job_file, run_dir, out).returncode == 0
+    reported = ring.metrics(run_dir, "eval")[6]["val_loss"]
+
+    test_data = tmp_path / "test-data"
+    test_data.mkdir()
+    (test_data / "test.jsonl").write_text((assets / "chat" / "valid.jsonl").read_text())
+    model = str(assets / "qwen3")
+    mlx = [sys.executable, "-m", "mlx_lm"]
+    scored = subprocess.run(
+        [*mlx, "lora", "--model", model, "--adapter-path", str(out), "--data", str(test_data), "--test",
+         "--mask-prompt", "--batch-size", "1", "--max-seq-length", "512"],
+        env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+    match = re.search(r"Test loss ([0-9.]+)", scored.stdout + scored.stderr)
+    assert match, scored.stdout[-2000:] + scored.stderr[-2000:]
+    assert abs(float(match.group(1)) - reported) <= 1e-3, (match.group(1), reported)
+
+    gen = subprocess.run(
+        [*mlx, "generate", "--model", model, "--adapter-path", str(out), "--prompt", "What is 2 + 3?", "--max-tokens", "12"],
+        env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert gen.returncode == 0, gen.stdout + gen.stderr
+    generated = re.search(r"Generation: (\d+) tokens", gen.stdout)
+    assert generated and int(generated.group(1)) > 0 and gen.stdout.split("==========")[1], gen.stdout
+
+    fused = tmp_path / "fused"
+    done = subprocess.run(
+        [*mlx, "fuse", "--model", model, "--adapter-path", str(out), "--save-path", str(fused)],
+        env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0 and (fused / "config.json").is_file(), done.stdout + done.stderr
+
+
+def test_export_of_a_step_and_refusals(assets, env, tmp_path):
+    job_file = job(assets, tmp_path, steps=4, every=2, eval_every=4)
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    assert export(job_file, run_dir, tmp_path / "s2", "--step", "2").returncode == 0
+    assert export(job_file, run_dir, tmp_path / "s4").returncode == 0
+    assert (tmp_path / "s2" / "adapters.safetensors").read_bytes() != (tmp_path / "s4" / "adapters.safetensors").read_bytes()
+    missing = export(job_file, run_dir, tmp_path / "s3", "--step", "3")
+    assert missing.returncode == 2 and "--step 3" in missing.stderr and not (tmp_path / "s3").exists()
+    (tmp_path / "full-dir").mkdir()
+    (tmp_path / "full-dir" / "keep.txt").write_text("mine")
+    taken = export(job_file, run_dir, tmp_path / "full-dir")
+    assert taken.returncode == 2 and "not an empty directory" in taken.stderr
+    assert (tmp_path / "full-dir" / "keep.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one clear line, exit 2, nothing trained.
+
+
+def _broken_model(assets: Path, folder: Path, how: str) -> Path:
+    import shutil
+
+    dst = folder / f"model-{how}"
+    shutil.copytree(assets / "llama", dst)
+    if how == "no-config":
+        (dst / "config.json").unlink()
+    elif how == "unknown-arch":
+        config = json.loads((dst / "config.json").read_text())
+        config["model_type"] = "nosuchformer"
+        (dst / "config.json").write_text(json.dumps(config))
+    elif how == "no-template":
+        tok = json.loads((dst / "tokenizer_config.json").read_text())
+        tok.pop("chat_template", None)
+        (dst / "tokenizer_config.json").write_text(json.dumps(tok))
+        (dst / "chat_template.jinja").unlink(missing_ok=True)
+    return dst
+
+
+BAD = [
+    ("no-config", "chat", "config.json"),
+    ("unknown-arch", "chat", "nosuchformer"),
+    ("no-template", "chat", "chat template"),
+    ("bad-line", "chat", "train.jsonl:3"),
+    ("full-on-quantized", "chat", "quantized"),
+]
+
+
+@pytest.mark.parametrize(("how", "data", "says"), BAD, ids=[b[0] for b in BAD])
+def test_bad_model_or_data_is_one_line_and_exit_2(assets, tmp_path, how, data, says):
+    model, fine_tune, data_dir = assets / "llama", "lora", assets / data
+    if how in ("no-config", "unknown-arch", "no-template"):
+        model = _broken_model(assets, tmp_path, how)
+    elif how == "bad-line":
+        data_dir = tmp_path / "data"
+        data_dir.mkdir()
+        lines = (assets / data / "train.jsonl").read_text().splitlines()
+        lines[2] = json.dumps({"question": "what?", "answer": "this"})
+        (data_dir / "train.jsonl").write_text("\n".join(lines) + "\n")
+    elif how == "full-on-quantized":
+        model, fine_tune = assets / "qwen3-4bit", "full"
+    job_file = job(assets, tmp_path, fine_tune=fine_tune)
+    text = job_file.read_text().replace(str(assets / "llama"), str(model)).replace(str(assets / data), str(data_dir))
+    job_file.write_text(text)
+    run = subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(tmp_path / "run")],
+        env=ring.trainer_env({"DPOOL_CACHE_DIR": str(tmp_path / "cache")}), capture_output=True, text=True, timeout=300,
+    )
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1 and says in lines[0], run.stderr[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data and packing, without processes.
+
+
+def test_a_file_of_mixed_formats_is_refused_at_the_line(tmp_path):
+    from dpool.trainer.data import DataError
+    from dpool.trainer.lm_data import read_jsonl
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"text": "a"}\n\n{"prompt": "p", "completion": "c"}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:3: a \{\"prompt\", \"completion\"\} example in a file of \{\"text\"\}"):
+        read_jsonl(path)
+    path.write_text('{"messages": "not a list"}\n')
+    with pytest.raises(DataError, match=r"train.jsonl:1: 'messages' must be a non-empty list"):
+        read_jsonl(path)
+    path.write_text('{"text": "fine"}\n{"text": \n')
+    with pytest.raises(DataError, match=r"train.jsonl:2: not valid JSON"):
+        read_jsonl(path)
+
+
+def test_without_valid_jsonl_examples_are_held_out_by_a_seeded_hash(assets, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from dpool.protocol.jobspec import parse_job
+    from dpool.trainer.lm_data import load_lm_data
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text((assets / "chat" / "train.jsonl").read_text())
+    tokenizer = load_tokenizer(assets / "llama")
+
+    def split(seed: int):
+        spec = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")},
+                          "data": {"source": str(data), "val_fraction": 0.25, "mask_prompt": True}, "train": {"seed": seed}})
+        return load_lm_data(spec, tokenizer, [], tmp_path / f"cache-{seed}")
+
+    a, again, other = split(1), split(1), split(2)
+    assert len(a.train) + len(a.val) == 48 and 4 <= len(a.val) <= 20
+    assert [t.tolist() for t in a.val.tokens] == [t.tolist() for t in again.val.tokens]
+    assert [t.tolist() for t in a.val.tokens] != [t.tolist() for t in other.val.tokens]
+    assert all(0 < o < len(t) for t, o in zip(a.train.tokens, a.train.offsets, strict=True)), "prompts are masked"
+
+
+def test_pack_groups_by_length_and_pads_as_mlx_lm():
+    import numpy as np
+
+    from dpool.trainer.task import Example, pack
+
+    ex = [Example(np.arange(1, n + 1, dtype=np.int32), 2, i) for i, n in enumerate([40, 5, 70, 6])]
+    batches = pack(ex, micro=2, pad_to=32, width_cap=64)
+    assert [b.idents.tolist() for b in batches] == [[1, 3], [0, 2]], "shortest first"
+    assert [b.tokens.shape[1] for b in batches] == [33, 64], "1 + a multiple of 32, capped by the context"
+    assert batches[1].lengths.tolist() == [[2, 40], [2, 64]], "the 70-token example is truncated to 64"
+    assert batches[0].tokens[0, 5:].sum() == 0, "zero padding"

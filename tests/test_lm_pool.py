@@ -1,0 +1,153 @@
+"""An mlx-lm fine-tune on a real local pool: a killed worker, an export over the control plane, and
+a worker that lacks the model.
+
+Each daemon runs with its own HOME, so `~/models/...` in the job names a different folder on each
+"machine", as it would across Macs: paths are resolved where the training runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import LocalPool, Processes, wait_for
+
+from dpool.trainer import tinylm
+
+pytestmark = pytest.mark.slow
+
+JOB = """\
+name = "{name}"
+[workers]
+min = 1
+max = 3
+[model]
+kind = "mlx_lm"
+path = "~/models/tiny"
+fine_tune = "lora"
+lora_rank = 4
+lora_layers = 8
+context = 160
+[data]
+source = "~/data/chat"
+mask_prompt = true
+[train]
+steps = {steps}
+global_batch = 12
+micro_batch = 4
+lr = 1e-2
+warmup_steps = 1
+log_every_steps = 1
+[checkpoint]
+every_steps = 3
+[eval]
+every_steps = {steps}
+batches = 1
+sample_every_steps = {steps}
+sample_tokens = 8
+"""
+STEPS = 18
+TOL = 1e-3
+
+
+class HomePool(LocalPool):
+    """One-slot daemons, each with its own HOME (its own `~`)."""
+
+    def prefix(self, name: str, serve: bool) -> list[str]:
+        home = self.root / f"home-{name}"
+        home.mkdir(exist_ok=True)
+        return ["env", f"HOME={home}"]
+
+    def give(self, name: str, assets: Path, *, model: bool = True) -> None:
+        home = self.root / f"home-{name}"
+        (home / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copytree(assets / "chat", home / "data" / "chat", dirs_exist_ok=True)
+        if model:
+            (home / "models").mkdir(exist_ok=True)
+            shutil.copytree(assets / "model", home / "models" / "tiny", dirs_exist_ok=True)
+
+    def wait_end(self, job: str, timeout: float = 300) -> dict[str, Any]:
+        return wait_for(f"job {job} to end", lambda: (s := self.status(job)) and s["state"] in ("succeeded", "failed", "cancelled") and s, timeout, every=0.1)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lm-pool")
+    tinylm.make_model(root / "model", arch="llama", seed=5)
+    tinylm.make_chat_data(root / "chat", train=48, valid=12, seed=6, fmt="chat")
+    return root
+
+
+@pytest.fixture
+def pool(processes: Processes, tmp_path: Path) -> HomePool:
+    return HomePool(processes, tmp_path)
+
+
+def reference_curve(assets: Path, tmp_path: Path) -> dict[int, float]:
+    """The fault-free curve: the same job trained by one trainer process alone."""
+    home = tmp_path / "home-reference"
+    (home / "models").mkdir(parents=True)
+    shutil.copytree(assets / "model", home / "models" / "tiny")
+    shutil.copytree(assets / "chat", home / "data" / "chat")
+    job = tmp_path / "reference.toml"
+    job.write_text(JOB.format(name="reference", steps=STEPS))
+    done = subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(tmp_path / "reference")],
+        env={**os.environ, "HOME": str(home)}, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+def test_lora_on_three_workers_survives_a_killed_worker_and_exports(pool: HomePool, assets: Path, tmp_path: Path) -> None:
+    for name in ("n0", "n1", "n2"):
+        pool.give(name, assets)
+    pool.start(1, 1, 1)
+    job_path = tmp_path / "lora.toml"
+    job_path.write_text(JOB.format(name="lora", steps=STEPS))
+    job = pool.submit(job_path)
+    wait_for("the job mid-run on 3 workers", lambda: (s := pool.status(job)) and s["state"] == "running" and s["step"] >= 5 and s["world_size"] == 3, 180, every=0.05)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGKILL)
+    final = pool.wait_end(job)
+    events = pool.dpctl_json("events", job)
+    assert final["state"] == "succeeded", (final, events)
+    assert any(e["kind"] == "group.resumed" and e["cause"] == "failure" for e in events), events
+    rows = [r for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    ref = reference_curve(assets, tmp_path)
+    worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
+    assert worst < TOL, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows]
+
+    # dpctl export fetches the newest checkpoint over the control plane; mlx-lm loads it.
+    out = tmp_path / "adapters"
+    r = pool.dpctl("export", job, str(out), timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+    from mlx_lm import load
+
+    model, _ = load(str(assets / "model"), adapter_path=str(out))
+    assert model is not None
+
+
+def test_a_worker_without_the_model_fails_the_job_naming_the_node(pool: HomePool, assets: Path, tmp_path: Path) -> None:
+    pool.give("n0", assets)
+    pool.give("n1", assets, model=False)  # the data, but no ~/models/tiny on this machine
+    pool.start(1, 1)
+    job_path = tmp_path / "missing.toml"
+    job_path.write_text(JOB.format(name="missing", steps=STEPS).replace("min = 1", "min = 2"))
+    job = pool.submit(job_path)
+    final = pool.wait_end(job, timeout=120)
+    assert final["state"] == "failed", final
+    assert "n1" in final["error"] and "model.path" in final["error"] and "on this machine" in final["error"], final
+    events = pool.dpctl_json("events", job)
+    assert not [e for e in events if e["kind"] == "group.resumed"], events  # no restart can fix a missing path
+    assert [e["node"] for e in events if e["kind"] == "worker.failed"] == ["n1"], events
