@@ -9,6 +9,10 @@ checkpoint as the next generation. When the job is done it prints the final vali
 text sample, writes `demo-loss.png` (the same figure as `dpctl plot`), and stops the pool: SIGTERM
 to each daemon, then SIGKILL to anything of it still running.
 
+`dpctl demo --lm` runs the same flow on a language model (`demo_lm.py`): a tiny model that mlx-lm
+loads, made offline, gets LoRA adapters on two workers; one is killed and the pool resumes; then
+`dpctl export` fetches the adapters and `mlx_lm generate` answers a prompt with them.
+
 Exit codes: 0 the job succeeded after an automatic resume; 1 anything went wrong (the message says
 what; the pool's logs are kept); 2 bad flags; 130 interrupted (Ctrl-C stops the pool too).
 """
@@ -31,6 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
+from dpool.client.demo_lm import PROMPT, AssetsFailed, export_and_generate, lm_spec, make_assets
 from dpool.client.plot import fetch_job, plot
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
@@ -314,6 +319,7 @@ class Demo:
         self.started = time.time()
         self.screen = Screen(out, self.started)
         self.run = Run()
+        self.lm_model = Path()
 
     # Signal handlers only record; the loop raises Interrupted at its next turn.
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -334,7 +340,7 @@ class Demo:
             self.screen.plain()
             self.screen.say("interrupted: stopping the pool")
             code = EXIT_INTERRUPTED
-        except DemoFailed as e:
+        except (DemoFailed, AssetsFailed) as e:
             self.screen.plain()
             self.screen.say(f"demo failed: {e}")
         except (Unreachable, RemoteError) as e:
@@ -357,19 +363,29 @@ class Demo:
 
     def _demo(self) -> int:
         a, s = self.args, self.screen
-        spec = demo_spec(a.steps)
+        spec = lm_spec(a.steps) if a.lm else demo_spec(a.steps)
         steps = spec.train.steps
         kill_at = a.kill_at if a.kill_at is not None else max(1, steps // 3)
-        model = f"{spec.model.layers}-layer GPT (dim {spec.model.dim}, context {spec.model.context})"
-        s.plain(f"dpool demo: {a.workers} local workers train a {model} on Python's standard library, {steps} steps;")
-        s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
-        s.plain()
+        if a.lm:
+            s.plain(f"dpool demo --lm: {a.workers} local workers fine-tune LoRA adapters (rank {spec.model.lora_rank}) for a tiny")
+            s.plain(f"language model that mlx-lm loads, on chat data with the prompts masked, {steps} steps; one worker is")
+            s.plain(f"killed at step {kill_at}, the pool resumes on its own, and mlx-lm generates with the exported adapters.")
+            s.plain()
+            t0 = time.time()
+            self.lm_model, data = make_assets(self.root / "assets")
+            spec = lm_spec(a.steps, self.lm_model, data)
+            s.say(f"made a tiny llama model and chat data offline in {time.time() - t0:.1f}s: {self.root / 'assets'}")
+        else:
+            model = f"{spec.model.layers}-layer GPT (dim {spec.model.dim}, context {spec.model.context})"
+            s.plain(f"dpool demo: {a.workers} local workers train a {model} on Python's standard library, {steps} steps;")
+            s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
+            s.plain()
 
         self.pool.start(a.workers)
         s.say(f"pool: {', '.join(d.name for d in self.pool.daemons)} (dpd pids {', '.join(str(d.proc.pid) for d in self.pool.daemons)}); control plane {self.pool.addr}; state in {self.root}")
         with Client(self.pool.addr, 5.0) as c:
             self._wait_registered(c, a.workers)
-            reply = c.call(m.Submit(job=spec.to_dict(), source="demo.toml"), m.Submitted)
+            reply = c.call(m.Submit(job=spec.to_dict(), source="demo-lm.toml" if a.lm else "demo.toml"), m.Submitted)
             self.run.job_id = reply.job_id
             s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, checkpoint every {spec.checkpoint.every_steps} steps)")
             self._follow(c, kill_at, every=max(1, steps // 20))
@@ -500,6 +516,16 @@ class Demo:
                 s.plain(f"    | {line}")
         path = plot(rec, Path.cwd() / PLOT_FILE)
         s.plain(f"  loss curve:      {path}")
+        if self.args.lm:
+            out = self.root / "adapters"
+            said, text = export_and_generate(self.pool.addr, st["id"], self.lm_model, out)
+            s.plain(f"  export:          {said}")
+            s.plain(f"  mlx_lm generate --model {self.lm_model} --adapter-path {out} --prompt {PROMPT!r}:")
+            for line in [ln.rstrip() for ln in text.splitlines() if ln.strip()][:6] or [f"(whitespace only: {text!r})"]:
+                s.plain(f"    | {line}")
+            s.plain()
+            s.plain("A real model: see \"Fine-tune a model\" in the README (submit, watch, export, generate).")
+            return
         s.plain()
         s.plain("Your own pool: `dpd run --serve` on one machine, `dpd run --join tcp://HOST:7340` on the others (see README),")
         s.plain("then `dpctl submit examples/demo.toml`, `dpctl watch stdlib-gpt`, `dpctl plot stdlib-gpt -o loss.png`.")
@@ -510,6 +536,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=f"local workers, one dpd each (default {DEFAULT_WORKERS})")
     s.add_argument("--steps", type=int, help="override the demo job's train.steps (default: the job file's, 200)")
     s.add_argument("--kill-at", dest="kill_at", type=int, help="the step at which one worker is SIGKILLed (default: a third of the way)")
+    s.add_argument("--lm", action="store_true", help="fine-tune LoRA adapters for a tiny language model instead, export them, generate with mlx-lm")
     s.set_defaults(fn=None, local_fn=cmd_demo)  # its own pool: no --coordinator needed
 
 
@@ -519,7 +546,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"dpctl demo: --workers {a.workers}: must be between 1 and 8", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        spec = demo_spec(a.steps)
+        spec = lm_spec(a.steps) if a.lm else demo_spec(a.steps)
     except JobFileError as e:
         print(f"dpctl demo: --steps {a.steps}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

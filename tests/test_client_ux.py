@@ -130,6 +130,28 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
 
 
 @pytest.mark.slow
+def test_demo_lm_fine_tunes_resumes_exports_and_generates(processes: Processes, tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("DPOOL_COORDINATOR", None)
+    log = tmp_path / "demo.out"
+    cmd = [sys.executable, "-m", "dpool.client.cli", "demo", "--lm", "--workers", "2", "--steps", "20", "--kill-at", "8"]
+    demo = processes.start(cmd, log, cwd=tmp_path, env=env)
+    code = demo.wait(timeout=400)
+    out = log.read_text()
+    assert code == 0, out[-4000:]
+    assert "made a tiny llama model and chat data offline" in out
+    assert re.search(r"SIGKILL -> trainer of rank \d+ on \S+ \(pid \d+\) at step \d+", out), out
+    assert re.search(r"group\.resumed +generation 2 resumed from step \d+", out), out
+    final = re.search(r"validation loss: ([\d.]+) at step 20 \(from ([\d.]+) at step 0\)", out)
+    assert final and float(final.group(1)) < float(final.group(2)), out
+    assert re.search(r"export: +exported job tiny-lora-\S+ step 20 from node node-\d", out), out
+    answer = out.split("--prompt 'What is 12 + 30?':", 1)[1].splitlines()[1]
+    assert answer.startswith("    | "), out
+    pool = re.search(r"control plane \S+; state in (\S+)", out)
+    assert pool and pids_with(pool.group(1)) == [] and out.rstrip().endswith("pool stopped")
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_the_demo_pool(processes: Processes, tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("DPOOL_COORDINATOR", None)

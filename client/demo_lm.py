@@ -1,0 +1,73 @@
+"""`dpctl demo --lm`: the fine-tuning flow of the README, offline, on a tiny language model.
+
+It makes a tiny model that mlx-lm loads (random weights in the Hugging Face layout, a BPE tokenizer
+trained on the spot, a chat template) and a chat data set, both with `dpool.trainer.tinylm` in a
+child process (dpctl itself never imports MLX). The local pool then fine-tunes LoRA adapters on it,
+one worker is killed mid-way and the pool resumes; at the end `dpctl export` fetches the adapters
+over the control plane and `mlx_lm generate` answers the sample prompt with them.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+from dpool.protocol.jobspec import JobSpec, parse_job
+
+PROMPT = "What is 12 + 30?"
+
+
+class AssetsFailed(RuntimeError):
+    """The tiny model or its data could not be made (the message holds the tool's output)."""
+
+
+def _run(cmd: list[str], what: str, timeout: float) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise AssetsFailed(f"{what}: no answer in {timeout:.0f}s") from None
+    if done.returncode != 0:
+        tail = "\n".join("    " + line for line in (done.stdout + done.stderr).strip().splitlines()[-12:])
+        raise AssetsFailed(f"{what} failed (exit {done.returncode}):\n{tail}")
+    return done.stdout
+
+
+def make_assets(root: Path) -> tuple[Path, Path]:
+    """A tiny llama-architecture model and a chat data set under `root` (offline, a few seconds)."""
+    model, data = root / "tiny-model", root / "chat-data"
+    tool = [sys.executable, "-m", "dpool.trainer.tinylm"]
+    _run([*tool, "model", str(model), "--arch", "llama"], "making the tiny model", 300)
+    _run([*tool, "data", str(data), "--format", "chat", "--train", "160", "--valid", "24"], "making the chat data", 120)
+    return model, data
+
+
+def lm_job_text() -> str:
+    return resources.files("dpool.client").joinpath("demo-lm.toml").read_text(encoding="utf-8")
+
+
+def lm_spec(steps: int | None, model: Path | None = None, data: Path | None = None) -> JobSpec:
+    """The demo's LoRA job; the model and data paths are filled in once they exist."""
+    doc = tomllib.loads(lm_job_text())
+    if steps is not None:
+        doc["train"]["steps"] = steps
+    if model is not None and data is not None:
+        doc["model"]["path"], doc["data"]["source"] = str(model), str(data)
+    return parse_job(doc, source="demo-lm.toml")
+
+
+def export_and_generate(addr: str, job_id: str, model: Path, out: Path) -> tuple[str, str]:
+    """`dpctl export` the newest checkpoint, then `mlx_lm generate` with the adapters:
+    (what dpctl said, the generated text)."""
+    said = _run([sys.executable, "-m", "dpool.client.cli", "--coordinator", addr, "export", job_id, str(out)],
+                "dpctl export", 300)
+    printed = _run(
+        [sys.executable, "-m", "mlx_lm", "generate", "--model", str(model), "--adapter-path", str(out),
+         "--prompt", PROMPT, "--max-tokens", "24", "--temp", "0.0"],
+        "mlx_lm generate", 300,
+    )
+    parts = printed.split("==========")
+    text = parts[1].removeprefix("\n").removesuffix("\n") if len(parts) >= 3 else printed.strip()
+    return said.strip().splitlines()[0] if said.strip() else "", text
