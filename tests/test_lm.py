@@ -365,3 +365,21 @@ def test_pack_groups_by_length_and_pads_as_mlx_lm():
     assert [b.tokens.shape[1] for b in batches] == [33, 64], "1 + a multiple of 32, capped by the context"
     assert batches[1].lengths.tolist() == [[2, 40], [2, 64]], "the 70-token example is truncated to 64"
     assert batches[0].tokens[0, 5:].sum() == 0, "zero padding"
+
+
+def test_global_batches_cover_each_epoch_once_and_group_similar_lengths():
+    import numpy as np
+
+    from dpool.trainer.lm_data import ExampleOrder
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 500, size=200)
+    order = ExampleOrder(200, 8, seed=7, lengths=lengths)
+    epoch = [i for s in range(1, 26) for i in order.indices(s, 0, 8)]
+    assert sorted(epoch) == list(range(200)), "every example once per epoch"
+    assert order.indices(3, 2, 4) == order.indices(3, 0, 8)[2:6], "a share is a slice of the global batch"
+    assert order.indices(26, 0, 8) != order.indices(1, 0, 8), "the next epoch is another order"
+    spread = np.mean([np.ptp(lengths[order.indices(s, 0, 8)]) for s in range(1, 26)])
+    shuffled = ExampleOrder(200, 8, seed=7)
+    random_spread = np.mean([np.ptp(lengths[shuffled.indices(s, 0, 8)]) for s in range(1, 26)])
+    assert spread < random_spread / 3, (spread, random_spread)

@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, model_location
@@ -111,7 +112,8 @@ class LMTask:
             return
         files = [self.model_dir / f for f in TOKENIZER_FILES if (self.model_dir / f).is_file()]
         self.data = load_lm_data(spec, tokenizer, files, cache_dir)
-        self.order = ExampleOrder(len(self.data.train), spec.train.global_batch, spec.train.seed)
+        lengths = np.array([len(t) for t in self.data.train.tokens], dtype=np.int64)
+        self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
         self.val_count = min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
         self.fingerprints["data"] = self.data.fingerprint
 

@@ -234,24 +234,43 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
 
 
 class ExampleOrder:
-    """Global batch s is examples [(s-1)*B, s*B) of a seeded permutation per epoch: (seed, s) alone."""
+    """Which examples make global batch s: a function of (seed, s) alone, whatever the split.
 
-    def __init__(self, count: int, global_batch: int, seed: int):
+    Each epoch is a seeded permutation of the examples (every example once per epoch), cut into
+    pools of BUCKET_BATCHES global batches; within a pool the examples are sorted by length and the
+    batches they form are shuffled. Batches hold examples of similar lengths, so micro batches pad
+    little (as mlx-lm's length-sorted batching does), while the order stays random from epoch to
+    epoch. Global batch s is examples [(s-1)*B, s*B) of that stream."""
+
+    BUCKET_BATCHES = 16
+
+    def __init__(self, count: int, global_batch: int, seed: int, lengths: np.ndarray | None = None):
         self.count, self.global_batch, self.seed = count, global_batch, seed
-        self._epoch, self._perm = -1, np.zeros(0, dtype=np.int64)
+        self.lengths = lengths
+        self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _epoch_order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.count)
-            self._epoch = epoch
-        return self._perm
+            rng = np.random.default_rng([self.seed, epoch])
+            perm = rng.permutation(self.count)
+            if self.lengths is not None:
+                pool = self.global_batch * self.BUCKET_BATCHES
+                parts = []
+                for first in range(0, self.count, pool):
+                    chunk = perm[first : first + pool]
+                    chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
+                    batches = [chunk[i : i + self.global_batch] for i in range(0, len(chunk), self.global_batch)]
+                    parts += [batches[i] for i in rng.permutation(len(batches))]
+                perm = np.concatenate(parts)
+            self._order, self._epoch = perm, epoch
+        return self._order
 
     def indices(self, step: int, start: int, count: int) -> list[int]:
         first = (step - 1) * self.global_batch + start
         out = []
         for i in range(first, first + count):
             epoch, pos = divmod(i, self.count)
-            out.append(int(self._permutation(epoch)[pos]))
+            out.append(int(self._epoch_order(epoch)[pos]))
         return out
 
     def position(self, step: int) -> dict[str, int]:
