@@ -26,9 +26,10 @@ from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
 from dpool.client import watch as client_watch
 from dpool.client.rpc import Client, RemoteError, Unreachable, pages
-from dpool.client.tables import age, clock, num, size, table
+from dpool.client.tables import age, clock, event_details, num, size, table
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, load_job
+from dpool.protocol.payloads import EvalRow, EventRow, ExportFile, MetricRow, SampleRow
 from dpool.protocol.security import KeysError
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
@@ -93,40 +94,37 @@ def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = Fals
     while True:
         reply = c.call(m.Logs(job=job, after=after, rank=rank), m.LogsReply)
         for line in reply.lines:
-            print(f"[rank {line['rank']}] {line['text']}", file=out)
+            print(f"[rank {line.rank}] {line.text}", file=out)
         out.flush()
         after = reply.cursor
         if reply.more:
             continue
         if reply.state in TERMINAL:
             status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
-            print(f"job {status['id']} {status['state']}" + (f": {status['error']}" if status["error"] else ""), file=sys.stderr)
-            return EXIT_OK if status["state"] == "succeeded" else EXIT_FAILED
+            print(f"job {status.id} {status.state}" + (f": {status.error}" if status.error else ""), file=sys.stderr)
+            return EXIT_OK if status.state == "succeeded" else EXIT_FAILED
         time.sleep(FOLLOW_POLL_S)  # polling interval of --follow
 
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
     jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs
     if a.json:
-        emit_json(jobs[0] if a.job else jobs)
+        emit_json(jobs[0].to_wire() if a.job else [j.to_wire() for j in jobs])
         return EXIT_OK
     if a.job:
         j = jobs[0]
-        print(f"job        {j['id']}  ({j['name']})")
-        print(f"state      {j['state']}" + (f"  error: {j['error']}" if j["error"] else ""))
-        print(f"step       {j['step']}/{j['steps']}   generation {j['generation']}   world size {j['world_size']}")
-        print(f"loss       {num(j['loss']) or '-'}   val_loss {num(j['val_loss']) or '-'}   checkpoint step {j['checkpoint_step'] if j['checkpoint_step'] is not None else '-'}")
-        if j["workers"]:
+        print(f"job        {j.id}  ({j.name})")
+        print(f"state      {j.state}" + (f"  error: {j.error}" if j.error else ""))
+        print(f"step       {j.step}/{j.steps}   generation {j.generation}   world size {j.world_size}")
+        print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}")
+        if j.workers:
             print()
-            print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w["rank"], w["node"], w["share"], f"{w['tokens_per_s']:.0f}"] for w in j["workers"]]))
+            print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w.rank, w.node, w.share, f"{w.tokens_per_s:.0f}"] for w in j.workers]))
         return EXIT_OK
     if not jobs:
         print("no jobs")
         return EXIT_OK
-    rows = [
-        [j["id"], j["state"], f"{j['step']}/{j['steps']}", j["generation"], j["world_size"], num(j["loss"]), num(j["val_loss"]), j["checkpoint_step"], j["error"]]
-        for j in jobs
-    ]
+    rows = [[j.id, j.state, f"{j.step}/{j.steps}", j.generation, j.world_size, num(j.loss), num(j.val_loss), j.checkpoint_step, j.error] for j in jobs]
     print(table(["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "ERROR"], rows))
     return EXIT_OK
 
@@ -134,19 +132,17 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
 def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
     nodes = c.call(m.Nodes(), m.NodesReply).nodes
     if a.json:
-        emit_json(nodes)
+        emit_json([n.to_wire() for n in nodes])
         return EXIT_OK
     if not nodes:
         print("no nodes")
         return EXIT_OK
     rows = []
     for n in nodes:
-        job = n["job"]
-        if job and n.get("ranks"):
-            job = f"{job}/{','.join(str(r) for r in n['ranks'])}"
-        rows.append(
-            [n["name"], n["address"], n["state"], n["platform"], n["chip"], size(n["memory_bytes"]), n["mlx_version"], f"{n['busy_slots']}/{n['slots']}", job, age(n["heartbeat_age_s"]), n["reason"]]
-        )
+        job = n.job
+        if job and n.ranks:
+            job = f"{job}/{','.join(str(r) for r in n.ranks)}"
+        rows.append([n.name, n.address, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), n.reason])
     print(table(["NAME", "ADDRESS", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "REASON"], rows))
     return EXIT_OK
 
@@ -157,55 +153,53 @@ def cmd_logs(c: Client, a: argparse.Namespace) -> int:
         return EXIT_OK
     for reply in pages(lambda after: c.call(m.Logs(job=a.job, after=after, rank=a.rank), m.LogsReply)):
         for line in reply.lines:
-            print(f"[rank {line['rank']}] {line['text']}")
+            print(f"[rank {line.rank}] {line.text}")
     return EXIT_OK
 
 
 def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
-    rows: list[dict[str, Any]] = []
+    rows: list[MetricRow] = []
     for reply in pages(lambda after: c.call(m.Metrics(job=a.job, after=after), m.MetricsReply)):
         rows += reply.rows
     if a.json:
-        emit_json(rows)
+        emit_json([r.to_wire() for r in rows])
         return EXIT_OK
     out = []
     for r in rows:
-        if r.get("kind") == "eval":
-            out.append([r["step"], "eval", None, num(r.get("val_loss")), None, None, None, None])
+        if isinstance(r, EvalRow):
+            out.append([r.step, "eval", None, num(r.val_loss), None, None, None, None])
         else:
-            tps = r.get("tokens_per_s")
-            out.append([r.get("step"), "train", num(r.get("loss")), None, f"{r['lr']:.2e}" if isinstance(r.get("lr"), float) else None, f"{tps:.0f}" if isinstance(tps, int | float) else None, r.get("world_size"), r.get("generation")])
+            out.append([r.step, "train", num(r.loss), None, f"{r.lr:.2e}", f"{r.tokens_per_s:.0f}", r.world_size, r.generation])
     print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else "no metrics yet")
     return EXIT_OK
 
 
 def cmd_events(c: Client, a: argparse.Namespace) -> int:
-    events: list[dict[str, Any]] = []
+    events: list[EventRow] = []
     for reply in pages(lambda after: c.call(m.Events(job=a.job, after=after), m.EventsReply)):
         events += reply.events
     if a.json:
-        emit_json(events)
+        emit_json([e.to_wire() for e in events])
         return EXIT_OK
     rows = []
     for e in events:
-        details = " ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "kind"))
-        rows.append([clock(e["t"]), e["kind"], details])
+        rows.append([clock(e.t), e.kind, event_details(e)])
     print(table(["TIME", "EVENT", "DETAILS"], rows) if rows else "no events")
     return EXIT_OK
 
 
 def cmd_samples(c: Client, a: argparse.Namespace) -> int:
-    rows: list[dict[str, Any]] = []
+    rows: list[SampleRow] = []
     for reply in pages(lambda after: c.call(m.Samples(job=a.job, after=after), m.SamplesReply)):
         rows += reply.rows
     if a.json:
-        emit_json(rows)
+        emit_json([r.to_wire() for r in rows])
         return EXIT_OK
     if not rows:
         print("no samples yet")
     for r in rows:
-        print(f"--- step {r.get('step')} ---")
-        print(r.get("text", ""))
+        print(f"--- step {r.step} ---")
+        print(r.text)
     return EXIT_OK
 
 
@@ -245,8 +239,8 @@ def cmd_export(c: Client, a: argparse.Namespace) -> int:
         raise BadInput(f"--step {a.step}: must be a checkpoint step >= 0")
     job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]  # the pool answers in --timeout; an unknown job exits 2
     if not a.json and sys.stderr.isatty():
-        print(f"preparing the export of job {job['id']}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
-    ready = c.call(m.Export(job=job["id"], step=a.step), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+        print(f"preparing the export of job {job.id}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
+    ready = c.call(m.Export(job=job.id, step=a.step), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
     reachable = True
     try:
         files = _checked_manifest(ready)
@@ -260,73 +254,70 @@ def cmd_export(c: Client, a: argparse.Namespace) -> int:
         if reachable:  # the node deletes its copy now, not when it expires
             with contextlib.suppress(RemoteError, Unreachable):
                 c.call(m.ExportClose(export_id=ready.export_id), m.ExportClosed)
-    total = sum(f["bytes"] for f in files)
+    total = sum(f.bytes for f in files)
     if a.json:
-        emit_json({"job": ready.job_id, "step": ready.step, "node": ready.node, "dir": str(dest), "files": files, "bytes": total})
+        emit_json({"job": ready.job_id, "step": ready.step, "node": ready.node, "dir": str(dest), "files": [f.to_wire() for f in files], "bytes": total})
         return EXIT_OK
     print(f"exported job {ready.job_id} step {ready.step} from node {ready.node} to {dest}: {len(files)} file(s), {size(total) or '0B'}")
-    print(table(["FILE", "SIZE", "SHA256"], [[f["name"], size(f["bytes"]) or "0B", f["sha256"][:16]] for f in files]))
+    print(table(["FILE", "SIZE", "SHA256"], [[f.name, size(f.bytes) or "0B", f.sha256[:16]] for f in files]))
     return EXIT_OK
 
 
-def _checked_manifest(ready: m.ExportReply) -> list[dict[str, Any]]:
-    """The manifest's files, once every name is a safe relative path and every entry well formed;
-    anything else is refused before a byte is written."""
-    files: list[dict[str, Any]] = []
+def _checked_manifest(ready: m.ExportReply) -> list[ExportFile]:
+    """The manifest's files, once every name is a safe relative path and every entry well formed
+    (types and sizes were checked by decode); anything else is refused before a byte is written."""
+    files: list[ExportFile] = []
     names: set[str] = set()
     folders: set[str] = set()
     for f in ready.files:
-        name, n, digest = f.get("name"), f.get("bytes"), f.get("sha256")
+        name, digest = f.name, f.sha256
         problem = m.export_name_problem(name)
-        if problem is None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
-            problem = f"size {n!r} of {name!r}"
-        if problem is None and not (isinstance(digest, str) and SHA256_RE.match(digest)):
+        if problem is None and not SHA256_RE.match(digest):
             problem = f"sha256 {str(digest)[:80]!r} of {name!r}"
         if problem is None and (name in names or name in folders):
             problem = f"file name {name!r} given twice (or also as a folder)"
         if problem is not None:
             raise Failed(f"node {ready.node} sent an unusable export manifest ({problem}); nothing was written")
-        assert isinstance(name, str)
         parts = name.split("/")
         prefixes = {"/".join(parts[:i]) for i in range(1, len(parts))}
         if prefixes & names:
             raise Failed(f"node {ready.node} sent an unusable export manifest ({name!r} lies inside a file); nothing was written")
         names.add(name)
         folders |= prefixes
-        files.append({"name": name, "bytes": n, "sha256": digest})
+        files.append(f)
     if not files:
         raise Failed(f"node {ready.node} sent an empty export; nothing was written")
     return files
 
 
-def _fetch_into(c: Client, ready: m.ExportReply, files: list[dict[str, Any]], dest: Path) -> None:
+def _fetch_into(c: Client, ready: m.ExportReply, files: list[ExportFile], dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.export-", dir=dest.parent))
     try:
         reads = (
-            m.ExportRead(export_id=ready.export_id, name=f["name"], offset=offset, size=m.EXPORT_CHUNK_MAX)
+            m.ExportRead(export_id=ready.export_id, name=f.name, offset=offset, size=m.EXPORT_CHUNK_MAX)
             for f in files
-            for offset in range(0, f["bytes"], m.EXPORT_CHUNK_MAX)
+            for offset in range(0, f.bytes, m.EXPORT_CHUNK_MAX)
         )
         # The coordinator answers every read within EXPORT_FETCH_TIMEOUT_S (an error if its node is
         # slow or lost); it was reachable a moment ago, so waiting that long is not waiting forever.
         chunks = c.stream(reads, m.ExportData, window=EXPORT_WINDOW, timeout_s=max(c.timeout_s, m.EXPORT_FETCH_TIMEOUT_S + 5))
         for f in files:
-            path = tmp / f["name"]
+            path = tmp / f.name
             path.parent.mkdir(parents=True, exist_ok=True)
             digest, got = hashlib.sha256(), 0
             with open(path, "xb") as out:
-                while got < f["bytes"]:
+                while got < f.bytes:
                     chunk = next(chunks)
-                    if chunk.name != f["name"] or chunk.offset != got or not chunk.data or got + len(chunk.data) > f["bytes"]:
-                        raise Failed(f"node {ready.node} sent {len(chunk.data)} bytes of {chunk.name!r} at offset {chunk.offset} where {f['name']!r} at {got} was asked")
+                    if chunk.name != f.name or chunk.offset != got or not chunk.data or got + len(chunk.data) > f.bytes:
+                        raise Failed(f"node {ready.node} sent {len(chunk.data)} bytes of {chunk.name!r} at offset {chunk.offset} where {f.name!r} at {got} was asked")
                     out.write(chunk.data)
                     digest.update(chunk.data)
                     got += len(chunk.data)
                 out.flush()
                 os.fsync(out.fileno())
-            if digest.hexdigest() != f["sha256"]:
-                raise Failed(f"{f['name']}: its sha256 is {digest.hexdigest()}, node {ready.node} announced {f['sha256']}; nothing was written")
+            if digest.hexdigest() != f.sha256:
+                raise Failed(f"{f.name}: its sha256 is {digest.hexdigest()}, node {ready.node} announced {f.sha256}; nothing was written")
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp made it private; the result is an ordinary folder

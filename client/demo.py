@@ -1,13 +1,13 @@
 """`dpctl demo`: the whole product in one command, on one machine.
 
-It starts a local pool (one `dpd` that also serves the control plane, plus one more `dpd` per further
-worker, each with its own state dir, on loopback and free ports), submits the demo job (a small GPT
-on Python's standard library, `demo.toml`, shipped inside this package and identical to
-`examples/demo.toml`), and shows it training. At `--kill-at` it SIGKILLs one trainer, found by the
-pid the control plane reports for its rank, and shows the pool noticing and resuming from the newest
-checkpoint as the next generation. When the job is done it prints the final validation loss and a
-text sample, writes `demo-loss.png` (the same figure as `dpctl plot`), and stops the pool: SIGTERM
-to each daemon, then SIGKILL to anything of it still running.
+It starts a local pool (`localpool.py`: one `dpd` that also serves the control plane, plus one more
+`dpd` per further worker, each with its own state dir, on loopback and a free port), submits the
+demo job (a small GPT on Python's standard library, `demo.toml`, shipped inside this package and
+identical to `examples/demo.toml`), and shows it training. At `--kill-at` it SIGKILLs one trainer,
+found by the pid the control plane reports for its rank, and shows the pool noticing and resuming
+from the newest checkpoint as the next generation. When the job is done it prints the final
+validation loss and a text sample, writes `demo-loss.png` (the same figure as `dpctl plot`), and
+stops the pool: SIGTERM to each daemon, then SIGKILL to anything of it still running.
 
 `dpctl demo --lm` runs the same flow on a language model (`demo_lm.py`): a tiny model that mlx-lm
 loads, made offline, gets LoRA adapters on two workers; one is killed and the pool resumes; then
@@ -24,8 +24,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dpool.client.demo_lm import PROMPT, AssetsFailed, export_and_generate, lm_spec, make_assets
+from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError
 from dpool.client.plot import fetch_job, plot
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
@@ -45,9 +44,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_WORKERS = 2  # two cores are enough for two workers; the demo's point is the restart, not scale
 PLOT_FILE = "demo-loss.png"
 POLL_S = 0.2  # how often the demo asks the control plane for news
-REGISTER_TIMEOUT_S = 60.0  # daemons up and registered (Python + MLX import on a slow, busy machine)
 STALL_TIMEOUT_S = 240.0  # no news at all from the job for this long: something is wrong
-STOP_GRACE_S = 5.0  # each daemon's SIGTERM -> SIGKILL grace for its trainers
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
@@ -69,138 +66,6 @@ def demo_spec(steps: int | None) -> JobSpec:
     if steps is not None:
         data["train"]["steps"] = steps
     return parse_job(data, source="demo.toml")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# -- the local pool ------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Daemon:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    serving: bool
-
-
-@dataclass(slots=True)
-class LocalPool:
-    """`dpd` child processes, each in its own session (so a Ctrl-C in the terminal reaches only the
-    demo, which then stops them in order) with its own state dir under `root`."""
-
-    root: Path
-    addr: str = ""
-    daemons: list[Daemon] = field(default_factory=list)
-    trainers: set[int] = field(default_factory=set)  # trainer pids seen, killed if they outlive their dpd
-
-    def start(self, nodes: int) -> None:
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        env = dict(os.environ)
-        env.pop("DPOOL_COORDINATOR", None)
-        env["DPOOL_CACHE_DIR"] = str(self.root / "cache")  # one machine: build the token cache once
-        config = self.root / "dpd.toml"
-        config.write_text("# dpctl demo: loopback only, no keys; the user's own config is not read\n")
-        for i in range(nodes):
-            name = f"node-{i}"
-            log = self.root / f"{name}.log"
-            cmd = [
-                sys.executable, "-m", "dpool.daemon.cli", "run", "--config", str(config), "--name", name, "--workers", "1",
-                "--state-dir", str(self.root / name), "--stop-grace", str(STOP_GRACE_S),
-                *(["--serve", self.addr] if i == 0 else ["--join", self.addr]),
-            ]
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            self.daemons.append(Daemon(name, proc, log, serving=i == 0))
-
-    def by_name(self, name: str) -> Daemon | None:
-        return next((d for d in self.daemons if d.name == name), None)
-
-    def check_alive(self) -> None:
-        for d in self.daemons:
-            code = d.proc.poll()
-            if code is not None:
-                raise DemoFailed(f"dpd {d.name} (pid {d.proc.pid}) exited with code {code}; the end of its log ({d.log}):\n{tail(d.log)}")
-
-    def stop(self, out: TextIO, *, hurry: bool = False) -> None:
-        """SIGTERM every daemon (each stops its trainers), wait, SIGKILL whatever is left."""
-        for d in self.daemons:
-            self.trainers |= set(children(d.proc.pid))
-        for d in self.daemons:
-            if d.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(d.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + (1.0 if hurry else STOP_GRACE_S + 10.0)
-        for d in self.daemons:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                d.proc.wait(timeout=max(0.05, deadline - time.monotonic()))
-        for d in self.daemons:
-            if d.proc.poll() is None:
-                print(f"  dpd {d.name} (pid {d.proc.pid}) did not stop in time: SIGKILL", file=out)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(d.proc.pid, signal.SIGKILL)  # its session: the daemon and anything it forked there
-                d.proc.wait()
-        # Trainers whose dpd died first were re-parented: find them by the state dir they run in.
-        for pid in sorted(self.trainers | set(pids_under(self.root))):
-            if is_ours(pid, self.root):
-                print(f"  trainer pid {pid} outlived its dpd: SIGKILL", file=out)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)  # trainers lead their own process group
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join("    " + line[:300] for line in text[-lines:])
-
-
-def processes() -> list[tuple[int, int, str]]:
-    """(pid, parent pid, command line) of every process: from /proc on Linux, else from `ps`
-    (macOS). Each daemon of the demo has one slot, so a trainer is found by its parent's pid."""
-    out: list[tuple[int, int, str]] = []
-    proc = Path("/proc")
-    if (proc / "self" / "stat").exists():
-        for entry in proc.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-                ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            out.append((int(entry.name), ppid, args))
-        return out
-    try:
-        text = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,args="], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return out
-    for line in text.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
-            out.append((int(parts[0]), int(parts[1]), parts[2]))
-    return out
-
-
-def children(pid: int) -> list[int]:
-    return [p for p, parent, _ in processes() if parent == pid]
-
-
-def pids_under(root: Path) -> list[int]:
-    """Processes whose command line names `root` (this demo's unique temp dir): its trainers."""
-    mark = f"{root}{os.sep}"
-    return [p for p, _, args in processes() if mark in args and p != os.getpid()]
-
-
-def is_ours(pid: int, root: Path) -> bool:
-    """Whether `pid` is still a process of this demo's pool (guards against a reused pid)."""
-    return pid in pids_under(root)
 
 
 # -- showing it ----------------------------------------------------------------------------------
@@ -315,7 +180,7 @@ class Demo:
         self.args, self.out = args, out
         self.signals = 0
         self.root = Path(tempfile.mkdtemp(prefix="dpool-demo-"))
-        self.pool = LocalPool(self.root)
+        self.pool = LocalPool(self.root, env={"DPOOL_CACHE_DIR": str(self.root / "cache")})  # one machine: build the token cache once
         self.started = time.time()
         self.screen = Screen(out, self.started)
         self.run = Run()
@@ -340,7 +205,7 @@ class Demo:
             self.screen.plain()
             self.screen.say("interrupted: stopping the pool")
             code = EXIT_INTERRUPTED
-        except (DemoFailed, AssetsFailed) as e:
+        except (DemoFailed, AssetsFailed, LocalPoolError) as e:
             self.screen.plain()
             self.screen.say(f"demo failed: {e}")
         except (Unreachable, RemoteError) as e:
@@ -351,7 +216,7 @@ class Demo:
             self.screen.say(f"demo failed: {e}")  # e.g. demo-loss.png cannot be written here
         finally:
             self.screen.done()
-            self.pool.stop(self.out, hurry=self.signals > 1)
+            self.pool.stop(timeout=1.0 if self.signals > 1 else STOP_TIMEOUT_S, report=lambda line: print(f"  {line}", file=self.out))
             signal.signal(signal.SIGINT, old[signal.SIGINT])
             signal.signal(signal.SIGTERM, old[signal.SIGTERM])
             if kept or code != EXIT_OK:
@@ -381,39 +246,25 @@ class Demo:
             s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
             s.plain()
 
-        self.pool.start(a.workers)
-        s.say(f"pool: {', '.join(d.name for d in self.pool.daemons)} (dpd pids {', '.join(str(d.proc.pid) for d in self.pool.daemons)}); control plane {self.pool.addr}; state in {self.root}")
+        for i in range(a.workers):
+            self.pool.start_daemon(f"node-{i}", serve=i == 0)
+        daemons = self.pool.daemons.values()
+        s.say(f"pool: {', '.join(d.name for d in daemons)} (dpd pids {', '.join(str(d.pid) for d in daemons)}); control plane {self.pool.addr}; state in {self.root}")
         with Client(self.pool.addr, 5.0) as c:
-            self._wait_registered(c, a.workers)
+            nodes = self.pool.wait_registered(a.workers, check=self._check)
+            s.say(f"{len(nodes)} nodes registered: {', '.join(x['name'] + ' (' + x['platform'] + ', mlx ' + x['mlx_version'] + ')' for x in nodes)}")
             reply = c.call(m.Submit(job=spec.to_dict(), source="demo-lm.toml" if a.lm else "demo.toml"), m.Submitted)
             self.run.job_id = reply.job_id
             s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, checkpoint every {spec.checkpoint.every_steps} steps)")
             self._follow(c, kill_at, every=max(1, steps // 20))
             st = self.run.status
             if st["state"] != "succeeded":
-                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; the workers' output is in {self.root}/node-*/jobs/{self.run.job_id}/slot-*/worker.log")
+                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; the workers' output is in {self.root}/state-node-*/jobs/{self.run.job_id}/slot-*/worker.log")
             if self.run.resumed is None:
                 raise DemoFailed(f"job {self.run.job_id} succeeded, but no automatic resume was seen ({self.run.killed or 'no worker was killed'})")
             rec = fetch_job(c, self.run.job_id, samples=True)
         self._finish(rec)
         return EXIT_OK
-
-    def _wait_registered(self, c: Client, n: int) -> None:
-        deadline = time.monotonic() + REGISTER_TIMEOUT_S
-        seen = 0
-        while time.monotonic() < deadline:
-            self._check()
-            try:
-                nodes = [x for x in c.call(m.Nodes(), m.NodesReply).nodes if x["state"] != "lost"]
-            except Unreachable:
-                nodes = []  # the serving dpd is still starting
-            if len(nodes) > seen:
-                seen = len(nodes)
-            if seen >= n:
-                self.screen.say(f"{n} nodes registered: {', '.join(x['name'] + ' (' + x['platform'] + ', mlx ' + x['mlx_version'] + ')' for x in nodes)}")
-                return
-            time.sleep(POLL_S)
-        raise DemoFailed(f"only {seen} of {n} daemons registered within {REGISTER_TIMEOUT_S:.0f}s; their logs:\n" + "\n".join(f"  {d.name}:\n{tail(d.log)}" for d in self.pool.daemons))
 
     def _follow(self, c: Client, kill_at: int, every: int) -> None:
         run, s = self.run, self.screen
@@ -461,7 +312,8 @@ class Demo:
     def _kill(self, st: dict[str, Any]) -> None:
         """SIGKILL one trainer: the highest rank, preferring a node that does not serve the control
         plane (the serving node can die too, but that is a different demo)."""
-        workers = sorted(st["workers"], key=lambda w: (self.pool.by_name(w["node"]) is not None and self.pool.by_name(w["node"]).serving, -w["rank"]))  # type: ignore[union-attr]
+        serving = {d.name for d in self.pool.daemons.values() if d.serving}
+        workers = sorted(st["workers"], key=lambda w: (w["node"] in serving, -w["rank"]))
         if not workers:
             return
         victim = workers[0]
@@ -471,26 +323,18 @@ class Demo:
         self.run.killed_at = time.time()
         self.run.killed = f"rank {victim['rank']} on {victim['node']}, pid {pid}, at step {st['step']}"
         self.screen.say(f"SIGKILL -> trainer of rank {victim['rank']} on {victim['node']} (pid {pid}) at step {st['step']}", self.run.killed_at)
-        self.pool.trainers.add(pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
     def _trainer_pid(self, worker: dict[str, Any], generation: int) -> int | None:
         """The pid of a rank's trainer: as the control plane reports it in the job's status when it
-        does, else the trainer child of that node's dpd started for this generation."""
+        does, else that node's trainer of this generation (one slot per dpd in the demo)."""
         pid = worker.get("pid")
         if isinstance(pid, int) and pid > 0:
             return pid
-        d = self.pool.by_name(worker["node"])
-        if d is None:
+        if worker["node"] not in self.pool.daemons:
             return None
-        for pid, parent, args in processes():
-            argv = args.split()
-            if parent != d.proc.pid or "dpool.trainer" not in argv or "--generation" not in argv[:-1]:
-                continue
-            if argv[argv.index("--generation") + 1] == str(generation):
-                return pid  # one slot per dpd in the demo: this node's trainer of this generation
-        return None
+        return next(iter(self.pool.trainer_pids(worker["node"], self.run.job_id, generation)), None)
 
     def _finish(self, rec: Any) -> None:
         s, run = self.screen, self.run

@@ -8,45 +8,42 @@ shaded. The same code writes `demo-loss.png` for `dpctl demo`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dpool.client.rpc import Client, pages
 from dpool.protocol import messages as m
+from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, MetricRow, SampleRow, TrainRow
 
 
 @dataclass(slots=True)
 class JobRecord:
     """What the control plane knows of one job: enough to plot it or summarise it."""
 
-    status: dict[str, Any]
-    metrics: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    samples: list[dict[str, Any]] = field(default_factory=list)
+    status: JobStatus
+    metrics: list[MetricRow] = field(default_factory=list)
+    events: list[EventRow] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)
 
     @property
-    def train(self) -> list[dict[str, Any]]:
-        return [r for r in self.metrics if r.get("kind") == "train" and _finite(r.get("loss"))]
+    def train(self) -> list[TrainRow]:
+        """Training rows with a loss (a diverged step's is null)."""
+        return [r for r in self.metrics if isinstance(r, TrainRow) and r.loss is not None]
 
     @property
-    def evals(self) -> list[dict[str, Any]]:
-        return [r for r in self.metrics if r.get("kind") == "eval" and _finite(r.get("val_loss"))]
+    def evals(self) -> list[EvalRow]:
+        return [r for r in self.metrics if isinstance(r, EvalRow) and r.val_loss is not None]
 
     @property
-    def resumes(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("kind") == "group.resumed"]
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    def resumes(self) -> list[EventRow]:
+        return [e for e in self.events if e.kind == "group.resumed"]
 
 
 def fetch_job(c: Client, job: str, *, samples: bool = False) -> JobRecord:
     """Status, every metric row and every event of `job` (and its samples when asked)."""
     status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
-    job_id = status["id"]
+    job_id = status.id
     rec = JobRecord(status)
     for reply in pages(lambda after: c.call(m.Metrics(job=job_id, after=after), m.MetricsReply)):
         rec.metrics += reply.rows
@@ -73,10 +70,10 @@ def restarts(rec: JobRecord) -> list[dict[str, Any]]:
         }
     prev: int | None = None
     for r in rec.train:
-        g = r.get("generation")
-        if isinstance(g, int) and prev is not None and g != prev and g not in out:
-            out[g] = {"generation": g, "from_step": int(r["step"]) - 1, "steps_recomputed": 0, "seconds": None}
-        prev = g if isinstance(g, int) else prev
+        g = r.generation
+        if g is not None and prev is not None and g != prev and g not in out:
+            out[g] = {"generation": g, "from_step": r.step - 1, "steps_recomputed": 0, "seconds": None}
+        prev = g if g is not None else prev
     return [out[g] for g in sorted(out)]
 
 
@@ -104,8 +101,8 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
     fig, (ax_loss, ax_tps) = plt.subplots(
         2, 1, figsize=(10, 6.4), sharex=True, gridspec_kw={"height_ratios": [2.2, 1], "hspace": 0.08}, layout="constrained"
     )
-    steps_total = int(s.get("steps") or 0)
-    last = max([int(r["step"]) for r in train] + [int(r["step"]) for r in evals] + [1])
+    steps_total = s.steps
+    last = max([r.step for r in train] + [r.step for r in evals] + [1])
     xmax = max(steps_total, last)
 
     for ax in (ax_loss, ax_tps):
@@ -117,22 +114,22 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
 
     # -- loss ------------------------------------------------------------------------------
     if train:
-        xs = [r["step"] for r in train]
-        sx, sy, n = centred_mean(xs, [r["loss"] for r in train])
-        ax_loss.plot(xs, [r["loss"] for r in train], color="#9ecae1" if n > 1 else "#2171b5", linewidth=1.0 if n > 1 else 1.6, label="train loss (per step)")
+        xs = [r.step for r in train]
+        sx, sy, n = centred_mean(xs, [r.loss for r in train])
+        ax_loss.plot(xs, [r.loss for r in train], color="#9ecae1" if n > 1 else "#2171b5", linewidth=1.0 if n > 1 else 1.6, label="train loss (per step)")
         if n > 1:
             ax_loss.plot(sx, sy, color="#2171b5", linewidth=1.8, label=f"train loss ({n}-step mean)")
     if evals:
         ax_loss.plot(
-            [r["step"] for r in evals], [r["val_loss"] for r in evals], color="#d94801", marker="o", markersize=5, linewidth=1.6, label="validation loss"
+            [r.step for r in evals], [r.val_loss for r in evals], color="#d94801", marker="o", markersize=5, linewidth=1.6, label="validation loss"
         )
         final = evals[-1]
         ax_loss.annotate(
-            f"{final['val_loss']:.3f}", (final["step"], final["val_loss"]), textcoords="offset points", xytext=(6, 6), color="#d94801", fontsize=9
+            f"{final.val_loss:.3f}", (final.step, final.val_loss), textcoords="offset points", xytext=(6, 6), color="#d94801", fontsize=9
         )
     ax_loss.set_ylabel("loss (nats/token)")
     if train or evals:
-        ys = [r["loss"] for r in train] + [r["val_loss"] for r in evals]
+        ys = [r.loss for r in train] + [r.val_loss for r in evals]
         lo, hi = min(ys), max(ys)
         # The first steps of a fresh model sit far above the rest: keep them from flattening the curve.
         settled = sorted(ys)[int(0.98 * (len(ys) - 1))]
@@ -141,10 +138,10 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
         ax_loss.set_ylim(lo - pad, top + pad)
 
     # -- tokens/s --------------------------------------------------------------------------
-    tps = [r for r in train if _finite(r.get("tokens_per_s"))]
+    tps = train
     if tps:
-        xs = [r["step"] for r in tps]
-        ys = [r["tokens_per_s"] for r in tps]
+        xs = [r.step for r in tps]
+        ys = [r.tokens_per_s for r in tps]
         sx, sy, n = centred_mean(xs, ys)
         ax_tps.plot(xs, ys, color="#a1d99b" if n > 1 else "#238b45", linewidth=0.9 if n > 1 else 1.4, label="tokens/s (whole pool)")
         if n > 1:
@@ -152,14 +149,14 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
         # Mark the world size where it changes, so a slower stretch reads as fewer workers.
         prev_world = None
         for r in tps:
-            w = r.get("world_size")
-            if w != prev_world and isinstance(w, int):
+            w = r.world_size
+            if w != prev_world:
                 ax_tps.annotate(
-                    f"{w} worker{'s' if w != 1 else ''}", xy=(r["step"], 1.0), xycoords=("data", "axes fraction"), xytext=(4, -2),
+                    f"{w} worker{'s' if w != 1 else ''}", xy=(r.step, 1.0), xycoords=("data", "axes fraction"), xytext=(4, -2),
                     textcoords="offset points", va="top", fontsize=8, color="#238b45",
                 )
                 prev_world = w
-        vals = sorted(r["tokens_per_s"] for r in tps)
+        vals = sorted(r.tokens_per_s for r in tps)
         ax_tps.set_ylim(0, vals[int(0.98 * (len(vals) - 1))] * 1.3)
     ax_tps.set_ylabel("tokens/s")
     ax_tps.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1000:.0f}k" if v >= 1000 else f"{v:.0f}"))
@@ -183,15 +180,15 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
             va="top", ha="left", fontsize=8, color="#a50f15", bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#fcbba1", "alpha": 0.9},
         )
 
-    world = sorted({r.get("world_size") for r in train if isinstance(r.get("world_size"), int)})
-    gens = max([r.get("generation") or 1 for r in train] + [int(s.get("generation") or 1)])
-    sub = [f"{s.get('state', '?')}", f"step {s.get('step', 0)}/{steps_total}"]
+    world = sorted({r.world_size for r in train})
+    gens = max([r.generation or 1 for r in train] + [s.generation or 1])
+    sub = [s.state, f"step {s.step}/{steps_total}"]
     if world:
         sub.append(f"{world[0]}-{world[-1]} workers" if len(world) > 1 else f"{world[0]} worker{'s' if world[0] != 1 else ''}")
     sub.append(f"{gens} generation{'s' if gens != 1 else ''}")
     if evals:
-        sub.append(f"final val loss {evals[-1]['val_loss']:.3f}")
-    job_id, name = str(s.get("id", "")), str(s.get("name", "job"))
+        sub.append(f"final val loss {evals[-1].val_loss:.3f}")
+    job_id, name = s.id, s.name or "job"
     fig.suptitle(job_id if job_id.startswith(name) else f"{name}  ({job_id})", fontsize=12, fontweight="bold", x=0.01, ha="left")
     ax_loss.set_title(" · ".join(sub), fontsize=9, color="#555555", loc="left")
     if train or evals:
@@ -219,5 +216,5 @@ def cmd_plot(c: Client, a: Any) -> int:
     rec = fetch_job(c, a.job)
     out = plot(rec, a.output)
     n = len(restarts(rec))
-    print(f"{out}: {len(rec.train)} steps, {len(rec.evals)} evaluations, {n} restart{'s' if n != 1 else ''} (job {rec.status['id']}, {rec.status['state']})")
+    print(f"{out}: {len(rec.train)} steps, {len(rec.evals)} evaluations, {n} restart{'s' if n != 1 else ''} (job {rec.status.id}, {rec.status.state})")
     return 0

@@ -82,7 +82,7 @@ class Client:
                 raise self._unreachable(timeout_s)
             frames = self._sock.recv_multipart()
             try:
-                got, got_id = m.decode(frames)
+                got, got_id = m.decode(frames, m.TO_CLIENT)
             except ProtocolError as e:
                 raise RemoteError(str(e.code), f"unreadable reply from {self.addr}: {e.message}") from None
             if got_id in waiting:

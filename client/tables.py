@@ -6,6 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dpool.protocol.payloads import EventRow
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in row] for row in rows]
@@ -42,3 +44,8 @@ def age(seconds: float | None) -> str | None:
 
 def clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
+
+
+def event_details(e: EventRow) -> str:
+    """An event's fields beyond its time and kind, as `key=value` words."""
+    return " ".join(f"{k}={v}" for k, v in e.fields.items())

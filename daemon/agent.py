@@ -49,10 +49,12 @@ from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import newest_step
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, parse_job
-from dpool.protocol.logs import get_logger
+from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo, RunningWorker
+from dpool.protocol.schema import Invalid
 from dpool.protocol.security import ClientKeys, curve_client
-from dpool.protocol.sockets import pending
+from dpool.protocol.sockets import HWM, pending
 
 LOG_FLUSH_S = 0.2
 LOG_BATCH_LINES = 500
@@ -116,7 +118,7 @@ class Agent:
         self.incarnation = secrets.token_hex(8)
         self.log = get_logger(node=name)
         self.workers: dict[int, Worker] = {}  # slot -> worker
-        self.exited: collections.deque[dict[str, Any]] = collections.deque(maxlen=EXITS_KEPT)
+        self.exited: collections.deque[ExitedWorker] = collections.deque(maxlen=EXITS_KEPT)
         self.reserved: dict[tuple[str, int], list[socket.socket]] = {}  # (job, generation) -> port holders
         self.csock: zmq.asyncio.Socket | None = None
         self.craw: zmq.Socket | None = None
@@ -129,6 +131,7 @@ class Agent:
         self.exporter = Exporter(self.state_dir, name)
         self.export_tasks: set[asyncio.Task[Any]] = set()
         self.export_prepares: dict[str, asyncio.Task[Any]] = {}  # export id -> its preparation
+        self._rejected_log = Throttle(lines=5, every=1.0)  # bad frames: dropped, said at most 5 times a second
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -169,7 +172,7 @@ class Agent:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, HWM)
         path = self.state_dir / "run" / "workers.sock"
         if len(str(path.absolute())) <= IPC_PATH_MAX:
             with contextlib.suppress(FileNotFoundError):
@@ -227,8 +230,8 @@ class Agent:
         register = m.NodeRegister(
             name=self.name,
             incarnation=self.incarnation,
-            info=node_info(slots=self.slots, advertise=self.advertise),
-            running=[{"job": w.job, "generation": w.generation, "rank": w.rank, "slot": w.slot, "pid": w.pid} for w in self.workers.values()],
+            info=NodeInfo(**node_info(slots=self.slots, advertise=self.advertise)),
+            running=[RunningWorker(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, pid=w.pid) for w in self.workers.values()],
             exited=list(self.exited),
             holdings=self._holdings(),
         )
@@ -262,7 +265,7 @@ class Agent:
         while not stopping.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._send(m.NodeHeartbeat(workers=[{"job": w.job, "generation": w.generation, "slot": w.slot} for w in self.workers.values()]))
+                self._send(m.NodeHeartbeat(workers=[AliveWorker(job=w.job, generation=w.generation, slot=w.slot) for w in self.workers.values()]))
                 next_beat = now + self.heartbeat_s
             wait = max(0.0, min(next_beat, expiry) - time.monotonic())
             if await sock.poll(int(wait * 1000) + 1):
@@ -281,10 +284,16 @@ class Agent:
         assert self.craw is not None
         for frames in pending(self.craw):
             try:
-                return m.decode(frames)
+                return m.decode(frames, m.TO_NODE)
             except ProtocolError as e:
-                self.log.warning("frame.rejected", source="coordinator", code=str(e.code), error=e.message)
+                self._rejected("coordinator", e)
         return None
+
+    def _rejected(self, source: str, e: ProtocolError) -> None:
+        """A frame that is not a message this daemon takes: dropped, with a rate-limited line."""
+        held = self._rejected_log.allow(source, time.monotonic())
+        if held is not None:
+            self.log.warning("frame.rejected", source=source, code=str(e.code), error=e.message[:500], repeated=held)
 
     def _send(self, msg: Message, msg_id: int = 0) -> None:
         if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
@@ -392,7 +401,7 @@ class Agent:
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
             for r in msg.ranks:
-                self._report_exit(msg.job, msg.generation, r["rank"], r["slot"], 2, False, clean(str(e)))
+                self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, clean(str(e)))
             return
         world = len(msg.hostfile)
         hostfile = job_dir / f"hostfile-g{msg.generation}.json"
@@ -401,8 +410,8 @@ class Agent:
         for holder in self.reserved.pop((msg.job, msg.generation), []):
             holder.close()  # the port is the trainer's to bind now
         for r in msg.ranks:
-            await self._spawn(msg, job_file, hostfile if world > 1 else None, r["rank"], r["slot"])
-        self.log.info("group.launched", job=msg.job, generation=msg.generation, ranks=[r["rank"] for r in msg.ranks], world_size=world)
+            await self._spawn(msg, job_file, hostfile if world > 1 else None, r.rank, r.slot)
+        self.log.info("group.launched", job=msg.job, generation=msg.generation, ranks=[r.rank for r in msg.ranks], world_size=world)
 
     async def _spawn(self, msg: m.GroupStart, job_file: Path, hostfile: Path | None, rank: int, slot: int) -> None:
         old = self.workers.get(slot)
@@ -466,9 +475,9 @@ class Agent:
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
 
     def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None) -> None:
-        exit_ = {"job": job, "generation": generation, "rank": rank, "slot": slot, "code": code, "stopped": stopped, "error": error}
+        exit_ = ExitedWorker(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error)
         self.exited.append(exit_)
-        self._send(m.NodeWorkerExited(**exit_))
+        self._send(m.NodeWorkerExited(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error))
 
     def _stop(self, w: Worker, mode: str, why: str) -> None:
         if mode == "checkpoint":
@@ -502,14 +511,19 @@ class Agent:
         if workers:
             await asyncio.gather(*(w.tasks[0] for w in workers), return_exceptions=True)
 
-    def _holdings(self) -> list[dict[str, Any]]:
+    def _holdings(self) -> list[Holding]:
         out = []
         for job_dir in sorted((self.state_dir / "jobs").glob("*")):
             for run_dir in sorted(job_dir.glob("slot-*")):
                 step = newest_step(run_dir)
-                if step is not None:
-                    out.append({"job": job_dir.name, "slot": int(run_dir.name.split("-", 1)[1]), "step": step})
-        return out
+                slot = run_dir.name.split("-", 1)[1]
+                if step is None or not slot.isdigit():
+                    continue
+                try:  # a run dir of a slot this node no longer has, say, is not worth refusing the node for
+                    out.append(Holding.from_wire({"job": job_dir.name, "slot": int(slot), "step": step}))
+                except Invalid:
+                    continue
+        return out[: m.HOLDINGS_MAX]
 
     # -- the workers' link ---------------------------------------------------------------------
 
@@ -518,13 +532,13 @@ class Agent:
         assert raw is not None
         while True:
             await sock.poll(1000)
-            for frames in pending(raw):
+            for frames in pending(raw, frames=m.MAX_FRAMES + 1):
                 if len(frames) < 2:
                     continue
                 try:
-                    msg, _ = m.decode(frames[1:])
+                    msg, _ = m.decode(frames[1:], m.FROM_WORKER)
                 except ProtocolError as e:
-                    self.log.warning("frame.rejected", source="worker", code=str(e.code), error=e.message)
+                    self._rejected("worker", e)
                     continue
                 self._on_worker(frames[0], msg)
 

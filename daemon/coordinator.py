@@ -1,7 +1,7 @@
 """The coordinator: a ROUTER socket and an asyncio loop around the pure `Pool`.
 
-The loop reads every waiting frame, decodes it (a bad one gets an `error` reply and a rate-limited
-log line, never an exception that escapes), hands it to the pool or answers a query from the store,
+The loop reads every waiting frame, decodes it (a bad one gets an `error` reply naming the field,
+and a rate-limited log line, never an exception that escapes), hands it to the pool or answers a query from the store,
 carries out the pool's actions, commits once per batch, and on a timer ticks the pool (heartbeat
 expiry, deadlines) and heartbeats every registered node.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -25,10 +26,11 @@ from dpool.daemon.pool import Job, JobChanged, NodeChanged, Pool, Record, Send
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, parse_job
-from dpool.protocol.logs import get_logger
+from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.payloads import TrainRow
 from dpool.protocol.security import CurveServer, ServerKeys
-from dpool.protocol.sockets import pending
+from dpool.protocol.sockets import HWM, pending
 
 BATCH = 500  # frames handled between commits and ticks
 BAD_FRAME_LOGS_PER_S = 5
@@ -62,7 +64,7 @@ class Coordinator:
         self.endpoint: str | None = None
         self.ready = asyncio.Event()
         self.stats = {"frames": 0, "rejected": 0, "progress": 0}
-        self._bad_window = (0.0, 0, 0)  # (window start, logged, suppressed)
+        self._rejected_log = Throttle(lines=BAD_FRAME_LOGS_PER_S, every=1.0)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -70,8 +72,10 @@ class Coordinator:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)  # a peer sending more is disconnected
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
+        # Per peer: a client that never reads its replies costs at most HWM of them, then ZeroMQ
+        # drops what does not fit (a ROUTER never blocks); a flooding peer is throttled by TCP.
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.SNDHWM, HWM)
         if self.keys is not None:
             self.curve = CurveServer(self.ctx, self.keys, self.log)  # before bind: no plain handshake
             self.curve.apply(sock)
@@ -96,7 +100,7 @@ class Coordinator:
             while not stopping.is_set():
                 timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
-                    for frames in pending(raw, BATCH):
+                    for frames in pending(raw, BATCH, frames=m.MAX_FRAMES + 1):
                         self._handle_frames(frames)
                 now = self.clock()
                 if now >= next_tick:
@@ -123,7 +127,7 @@ class Coordinator:
             return  # not even a routing id and a frame: nothing to answer to
         peer, body = frames[0], frames[1:]
         try:
-            msg, msg_id = m.decode(body)
+            msg, msg_id = m.decode(body, m.COORDINATOR_ACCEPTS)
         except ProtocolError as e:
             self._reject(peer, e)
             return
@@ -142,18 +146,11 @@ class Coordinator:
 
     def _reject(self, peer: bytes, err: ProtocolError) -> None:
         self.stats["rejected"] += 1
-        start, logged, suppressed = self._bad_window
-        now = self.clock()
-        if now - start >= 1.0:
-            if suppressed:
-                self.log.warning("frame.rejected.suppressed", count=suppressed)
-            start, logged, suppressed = now, 0, 0
-        if logged < BAD_FRAME_LOGS_PER_S:
-            self.log.warning("frame.rejected", code=str(err.code), error=err.message, peer=peer.hex())
-            logged += 1
-        else:
-            suppressed += 1
-        self._bad_window = (start, logged, suppressed)
+        held = self._rejected_log.allow("frame", self.clock())
+        if held:
+            self.log.warning("frame.rejected.suppressed", count=held)
+        if held is not None:
+            self.log.warning("frame.rejected", code=str(err.code), error=err.message[:500], peer=peer.hex())
         self._send_frames(peer, m.error_frames(err))
 
     def _send_to(self, peer: bytes, msg: Message, msg_id: int = 0) -> None:
@@ -186,8 +183,7 @@ class Coordinator:
             elif isinstance(a, NodeChanged):
                 node = self.pool.nodes.get(a.node)
                 if node is not None:
-                    row = next(r for r in self.pool.node_rows(now) if r["name"] == a.node)
-                    self.store.save_node(row, node.incarnation, node.joined_at, node.last_seen)
+                    self.store.save_node(self.pool.node_row(node, now), node.incarnation, node.joined_at, node.last_seen)
 
     def _relay(self, actions: list[xr.Action]) -> None:
         """Carry out the export relay's actions (answers to clients, requests to nodes)."""
@@ -220,13 +216,13 @@ class Coordinator:
             case m.Nodes():
                 return m.NodesReply(nodes=self.pool.node_rows(now))
             case m.Metrics(job=ref, after=after, limit=limit):
-                job, limit = self._job(ref), _page(limit)
-                rows = self.store.metrics(job.id, after, limit + 1)
-                return m.MetricsReply(job_id=job.id, rows=rows[:limit], cursor=after + min(limit, len(rows)), more=len(rows) > limit)
+                job = self._job(ref)
+                rows, cursor, more = self.store.metrics(job.id, after, _page(limit))
+                return m.MetricsReply(job_id=job.id, rows=rows, cursor=cursor, more=more)
             case m.Samples(job=ref, after=after, limit=limit):
-                job, limit = self._job(ref), _page(limit)
-                rows = self.store.samples(job.id, after, limit + 1)
-                return m.SamplesReply(job_id=job.id, rows=rows[:limit], cursor=after + min(limit, len(rows)), more=len(rows) > limit)
+                job = self._job(ref)
+                samples, cursor, more = self.store.samples(job.id, after, _page(limit))
+                return m.SamplesReply(job_id=job.id, rows=samples, cursor=cursor, more=more)
             case m.Events(job=ref, after=after, limit=limit):
                 job, limit = self._job(ref), _page(limit)
                 events, cursor = self.store.events(job, after, limit)
@@ -283,8 +279,10 @@ class Coordinator:
                 self.stats["progress"] += 1
                 actions = self.pool.progress(now, job, g, r, step, tokens, seconds)
             case m.NodeMetric(job=job, generation=g, row=row):
+                if isinstance(row, TrainRow) and row.generation is None:
+                    row = dataclasses.replace(row, generation=g)
                 if job in self.pool.jobs:
-                    self.store.add_metric(job, g, {**row, "generation": row.get("generation", g)} if row.get("kind") == "train" else row)
+                    self.store.add_metric(job, g, row)
                 actions = self.pool.metric(now, job, g, row)
             case m.NodeSample(job=job, generation=g, row=row):
                 if job in self.pool.jobs:
@@ -306,7 +304,6 @@ class Coordinator:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 actions = []  # never answered: an error about an error would echo forever
             case m.NodeWorkerExited(job=job, generation=g, rank=r, slot=slot, code=code, stopped=stopped, error=error):
-                error = error[: m.ERROR_LINE_MAX] if error else None  # bounded whatever the node sent
                 actions = self.pool.worker_exited(now, name, job, g, r, slot, code, stopped, error)
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

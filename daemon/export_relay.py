@@ -30,7 +30,6 @@ import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from dpool.daemon.exporter import EXPORT_TIMEOUT_S, MAX_FILES
 from dpool.protocol import messages as m
@@ -185,9 +184,8 @@ class ExportRelay:
         problem = _manifest_problem(msg, s) if isinstance(msg, m.NodeExportReady) else f"answered export.prepare with {msg.TYPE}"
         if problem is not None or not isinstance(msg, m.NodeExportReady):
             return [ToNode(w.node, 0, m.ExportRelease(export_id=s.export_id)), *self._fail(s, w.client_id, ErrorCode.EXPORT_FAILED, f"node {w.node} {problem}")]
-        s.files = {f["name"]: (f["bytes"], f["sha256"]) for f in msg.files}
-        files = [{"name": f["name"], "bytes": f["bytes"], "sha256": f["sha256"]} for f in msg.files]
-        return [Reply(s.client, w.client_id, m.ExportReply(export_id=s.export_id, job_id=s.job_id, node=w.node, step=msg.step, files=files))]
+        s.files = {f.name: (f.bytes, f.sha256) for f in msg.files}
+        return [Reply(s.client, w.client_id, m.ExportReply(export_id=s.export_id, job_id=s.job_id, node=w.node, step=msg.step, files=list(msg.files)))]
 
     def _data(self, s: Session, fetch: m.ExportFetch, msg: Message) -> Message:
         if isinstance(msg, m.Error):
@@ -265,18 +263,13 @@ def _manifest_problem(msg: m.NodeExportReady, s: Session) -> str | None:
     if not 0 < len(msg.files) <= MAX_FILES:
         return f"sent a manifest of {len(msg.files)} files"
     names: set[str] = set()
-    for f in msg.files:
-        if set(f) != {"name", "bytes", "sha256"}:
-            return f"sent a manifest entry with keys {sorted(f)[:5]}"
-        problem = m.export_name_problem(f["name"])
+    for f in msg.files:  # sizes and types were checked by decode (ExportFile)
+        problem = m.export_name_problem(f.name)
         if problem is not None:
             return f"sent an unsafe {problem}"
-        if f["name"] in names:
-            return f"sent {f['name']!r} twice"
-        names.add(f["name"])
-        size: Any = f["bytes"]
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            return f"sent a size {size!r} for {f['name']!r}"
-        if not isinstance(f["sha256"], str) or not SHA256_RE.match(f["sha256"]):
-            return f"sent a malformed sha256 for {f['name']!r}"
+        if f.name in names:
+            return f"sent {f.name!r} twice"
+        names.add(f.name)
+        if not SHA256_RE.match(f.sha256):
+            return f"sent a malformed sha256 for {f.name!r}"
     return None

@@ -38,6 +38,7 @@ from dpool.daemon.children import (
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import listed_steps
 from dpool.protocol.messages import ErrorCode
+from dpool.protocol.payloads import ExportFile
 
 EXPORT_TIMEOUT_S = 600.0  # the trainer's --export: loading a checkpoint of several GB and writing it again
 IDLE_S = 900.0  # an export nobody read for this long is deleted (the coordinator gives up sooner)
@@ -111,7 +112,7 @@ class Exporter:
                 raise ExportError(ErrorCode.EXPORT_FAILED, f"node {self.node}: the trainer's export of step {step} wrote no files")
             self.ready[msg.export_id] = Prepared(msg.export_id, folder, step, {f["name"]: (out / f["name"], f["bytes"]) for f in files}, time.monotonic())
             ok = True
-            return m.NodeExportReady(export_id=msg.export_id, step=step, files=files)
+            return m.NodeExportReady(export_id=msg.export_id, step=step, files=[ExportFile(**f) for f in files])
         except OSError as e:
             raise ExportError(ErrorCode.EXPORT_FAILED, f"node {self.node}: {e}") from None
         finally:

@@ -19,8 +19,6 @@ checkpoint, so the new generation resumes from it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
@@ -38,7 +36,18 @@ from dpool.daemon.records import (
 )
 from dpool.daemon.watch import StepWatch
 from dpool.protocol.jobspec import JobSpec
-from dpool.protocol.messages import ERROR_LINE_MAX, GroupPrepare, GroupStart, GroupStop
+from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
+from dpool.protocol.payloads import (
+    AliveWorker,
+    ExitedWorker,
+    Holding,
+    MetricRow,
+    NodeInfo,
+    NodeRow,
+    RankSlot,
+    RunningWorker,
+    TrainRow,
+)
 
 __all__ = ["Action", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
 
@@ -66,31 +75,29 @@ class Pool:
         prefixed = [j for j in self.jobs.values() if j.id.startswith(ref)]
         return prefixed[0] if len(prefixed) == 1 else None
 
-    def node_rows(self, now: float) -> list[dict[str, Any]]:
+    def node_rows(self, now: float) -> list[NodeRow]:
         """The `dpctl nodes --json` array (INTERFACE.md), by name."""
-        rows = []
-        for n in sorted(self.nodes.values(), key=lambda n: n.name):
-            jobs = sorted({job for job, _ in n.used.values()})
-            ranks = self._ranks_on(n.name)
-            rows.append(
-                {
-                    "name": n.name,
-                    "address": n.info.get("advertise", ""),
-                    "state": str(n.state),
-                    "platform": n.info.get("platform", ""),
-                    "chip": n.info.get("chip", ""),
-                    "memory_bytes": int(n.info.get("memory_bytes", 0)),
-                    "mlx_version": n.info.get("mlx_version", ""),
-                    "backend": n.info.get("backend", ""),
-                    "slots": n.slots,
-                    "busy_slots": len(n.used),
-                    "job": ",".join(jobs) if jobs else None,
-                    "ranks": ranks,
-                    "heartbeat_age_s": round(max(0.0, now - n.last_seen), 3),
-                    "reason": n.reason,
-                }
-            )
-        return rows
+        return [self.node_row(n, now) for n in sorted(self.nodes.values(), key=lambda n: n.name)]
+
+    def node_row(self, n: Node, now: float) -> NodeRow:
+        jobs = sorted({job for job, _ in n.used.values()})
+        i = n.info
+        return NodeRow(
+            name=n.name,
+            address=i.advertise,
+            state=str(n.state),
+            platform=i.platform,
+            chip=i.chip,
+            memory_bytes=i.memory_bytes,
+            mlx_version=i.mlx_version,
+            backend=i.backend,
+            slots=n.slots,
+            busy_slots=len(n.used),
+            job=",".join(jobs) if jobs else None,
+            ranks=self._ranks_on(n.name),
+            heartbeat_age_s=round(max(0.0, now - n.last_seen), 3),
+            reason=n.reason,
+        )
 
     def export_holders(self, job_id: str, step: int | None) -> list[tuple[str, int]]:
         """[(node, newest step it holds of the job)] for the live nodes holding any checkpoint of
@@ -122,17 +129,16 @@ class Pool:
         now: float,
         name: str,
         incarnation: str,
-        info: dict[str, Any],
-        running: list[dict[str, Any]],
-        exited: list[dict[str, Any]],
-        holdings: list[dict[str, Any]],
+        info: NodeInfo,
+        running: list[RunningWorker],
+        exited: list[ExitedWorker],
+        holdings: list[Holding],
     ) -> tuple[str | None, list[Action]]:
         """A daemon (re)joins. Returns (refusal message or None, actions)."""
         old = self.nodes.get(name)
         if old is not None and old.incarnation != incarnation and not old.lost and now - old.last_seen < self.expiry_s:
-            pid = old.info.get("pid", "?")
             return (
-                f"node name {name!r} is already in the pool (dpd pid {pid} at {old.info.get('advertise', '?')}, "
+                f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
                 [],
             )
@@ -141,25 +147,23 @@ class Pool:
         if rejoin:
             assert old is not None
             node = old
-            node.lost, node.last_seen, node.info = False, now, dict(info)
+            node.lost, node.last_seen, node.info = False, now, info
             if not node.draining:
                 node.reason = None
         else:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
-            node = Node(name=name, incarnation=incarnation, info=dict(info), joined_at=now, last_seen=now)
+            node = Node(name=name, incarnation=incarnation, info=info, joined_at=now, last_seen=now)
             if old is not None and old.draining:
                 node.draining, node.reason, node.drained_reported = True, old.reason, True  # a drain outlives a dpd restart
             elif name in self.remembered:
                 node.draining, node.reason, node.drained_reported = True, self.remembered[name], True
             self.nodes[name] = node
         for h in holdings:
-            node.holdings[(str(h["job"]), int(h["slot"]))] = int(h["step"])
+            node.holdings[(h.job, h.slot)] = h.step
         for e in exited:
-            said = e.get("error")
-            error = said[:ERROR_LINE_MAX] if isinstance(said, str) else None
-            actions += self.worker_exited(now, name, str(e["job"]), int(e["generation"]), int(e["rank"]), int(e["slot"]), int(e["code"]), bool(e.get("stopped", False)), error)
+            actions += self.worker_exited(now, name, e.job, e.generation, e.rank, e.slot, e.code, e.stopped, e.error)
         if not rejoin:
             actions += self._ranks_gone_with_old_daemon(now, node, running)
         for w in running:
@@ -169,11 +173,11 @@ class Pool:
         actions += self._schedule(now)
         return None, actions
 
-    def _ranks_gone_with_old_daemon(self, now: float, node: Node, running: list[dict[str, Any]]) -> list[Action]:
+    def _ranks_gone_with_old_daemon(self, now: float, node: Node, running: list[RunningWorker]) -> list[Action]:
         """A new dpd process under this name: ranks the plan put here that it does not run died
         with the old process (its trainers die with it: PR_SET_PDEATHSIG). A restarted coordinator
         knows them only from its plans, so this is how it learns."""
-        reported = {(str(w["job"]), int(w["generation"]), int(w["rank"])) for w in running}
+        reported = {(w.job, w.generation, w.rank) for w in running}
         actions: list[Action] = []
         for job in self.jobs.values():
             if job.plan is None or job.state not in js.ACTIVE:
@@ -186,10 +190,10 @@ class Pool:
                 actions += self._feed(job, js.NodeLost(node.name, gone), now)
         return actions
 
-    def _adopt(self, now: float, node: Node, w: dict[str, Any]) -> list[Action]:
+    def _adopt(self, now: float, node: Node, w: RunningWorker) -> list[Action]:
         """A worker a (re)registering node runs: keep it if it belongs to a live group, else stop it."""
-        job = self.jobs.get(str(w["job"]))
-        gen, rank, slot = int(w["generation"]), int(w["rank"]), int(w["slot"])
+        job = self.jobs.get(w.job)
+        gen, rank, slot = w.generation, w.rank, w.slot
         plan = job.plan if job else None
         if (
             job is not None and plan is not None and job.state in (JobState.STARTING, JobState.RUNNING)
@@ -197,12 +201,12 @@ class Pool:
         ):
             node.used[slot] = (job.id, gen)
             run = job.ranks.setdefault(rank, RankRun(node.name, slot))
-            run.pid = int(w.get("pid", 0)) or run.pid
+            run.pid = w.pid or run.pid
             return []
         # An orphan: its job ended, is being stopped, moved on to another generation, or is
         # unknown here.
-        node.used[slot] = (str(w["job"]), gen)  # busy until it is gone
-        return [Send(node.name, GroupStop(job=str(w["job"]), generation=gen))]
+        node.used[slot] = (w.job, gen)  # busy until it is gone
+        return [Send(node.name, GroupStop(job=w.job, generation=gen))]
 
     def seen(self, now: float, name: str) -> Node | None:
         """Any message from a registered node is a heartbeat (Paranoid Pirate)."""
@@ -211,12 +215,12 @@ class Pool:
             node.last_seen = now
         return node
 
-    def heartbeat(self, now: float, name: str, workers: list[dict[str, Any]]) -> list[Action]:
+    def heartbeat(self, now: float, name: str, workers: list[AliveWorker]) -> list[Action]:
         """Free slots whose job is no longer using them and whose worker the node no longer has."""
         node = self.seen(now, name)
         if node is None or node.lost:
             return []
-        alive = {(str(w["job"]), int(w["generation"]), int(w["slot"])) for w in workers}
+        alive = {(w.job, w.generation, w.slot) for w in workers}
         actions: list[Action] = []
         for slot, (job_id, gen) in list(node.used.items()):
             if (job_id, gen, slot) in alive:
@@ -357,7 +361,7 @@ class Pool:
         deadline = now + float(spec["recovery"]["start_timeout_s"])
         actions = self._feed(job, js.GroupLaunched(plan.generation, deadline), now)
         for node in plan.nodes():
-            ranks = [{"slot": s.index, "rank": r} for r, s in plan.ranks_on(node)]
+            ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
             actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=spec, ranks=ranks, shares=list(shares), hostfile=hostfile)))
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
@@ -415,38 +419,39 @@ class Pool:
             actions += self._feed(job, js.StepDone(generation, step), now)
         return actions
 
-    def metric(self, now: float, job_id: str, generation: int, row: dict[str, Any]) -> list[Action]:
+    def metric(self, now: float, job_id: str, generation: int, row: MetricRow) -> list[Action]:
         job = self.jobs.get(job_id)
         if job is None or (job.plan is not None and generation < job.plan.generation):
             return []
         actions: list[Action] = []
-        if row.get("kind") == "train" and isinstance(row.get("loss"), int | float):
-            job.loss = float(row["loss"])
+        if isinstance(row, TrainRow):
+            if row.loss is not None:
+                job.loss = row.loss
             if job.plan is not None and generation == job.plan.generation:
                 actions += self._measured(job, row, now)
-        elif row.get("kind") == "eval" and isinstance(row.get("val_loss"), int | float):
-            job.val_loss = float(row["val_loss"])
+        elif row.val_loss is not None:
+            job.val_loss = row.val_loss
         return actions
 
-    def _measured(self, job: Job, row: dict[str, Any], now: float) -> list[Action]:
+    def _measured(self, job: Job, row: TrainRow, now: float) -> list[Action]:
         """Rank 0's row carries each rank's speed and the split in force: keep the speeds for the
         next plan, and record a change of split the trainer made on its own."""
         plan = job.plan
         assert plan is not None
-        speeds, shares = row.get("rank_tokens_per_s"), row.get("shares")
-        if isinstance(speeds, list) and len(speeds) == plan.world_size:
+        speeds, shares = row.rank_tokens_per_s, row.shares
+        if speeds is not None and len(speeds) == plan.world_size:
             for slot, v in zip(plan.ranks, speeds, strict=True):
-                if isinstance(v, int | float) and v > 0:
+                if v > 0:
                     # Smoothed: one step's timing on a busy machine is noise, not a speed.
                     old = job.speeds.get(slot.node)
                     job.speeds[slot.node] = float(v) if old is None else 0.9 * old + 0.1 * float(v)
-        if not (isinstance(shares, list) and len(shares) == plan.world_size and all(isinstance(x, int) for x in shares)):
+        if shares is None or len(shares) != plan.world_size:
             return []
         current = job.shares or plan.shares
         if tuple(shares) == tuple(current):
             return []
         job.shares = tuple(shares)
-        fields = {"generation": plan.generation, "step": row.get("step"), "shares": shares, "previous": list(current), "cause": "speed"}
+        fields = {"generation": plan.generation, "step": row.step, "shares": shares, "previous": list(current), "cause": "speed"}
         return [Record(job.id, "rebalanced", now, fields), JobChanged(job.id)]
 
     def checkpoint(self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, step: int, seconds: float) -> list[Action]:

@@ -13,6 +13,7 @@ from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
 from dpool.daemon.watch import StepWatch
 from dpool.protocol.messages import Message
+from dpool.protocol.payloads import JobStatus, NodeInfo, WorkerStatus
 
 # -- actions -----------------------------------------------------------------------------------
 
@@ -60,7 +61,7 @@ class NodeState(enum.StrEnum):
 class Node:
     name: str
     incarnation: str
-    info: dict[str, Any]
+    info: NodeInfo
     joined_at: float
     last_seen: float
     lost: bool = False
@@ -73,7 +74,7 @@ class Node:
 
     @property
     def slots(self) -> int:
-        return int(self.info.get("slots", 1))
+        return self.info.slots
 
     @property
     def state(self) -> NodeState:
@@ -141,7 +142,7 @@ class Job:
     def steps(self) -> int:
         return int(self.spec["train"]["steps"])
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> JobStatus:
         """The `dpctl status JOB --json` object (INTERFACE.md)."""
         plan = self.plan
         workers = []
@@ -149,25 +150,25 @@ class Job:
             for r, slot in enumerate(plan.ranks):
                 run = self.ranks.get(r)
                 workers.append(
-                    {
-                        "rank": r,
-                        "node": slot.node,
-                        "share": (self.shares or plan.shares)[r],
-                        "tokens_per_s": round(run.tokens_per_s, 1) if run else 0.0,
-                        "pid": run.pid if run else None,
-                    }
+                    WorkerStatus(
+                        rank=r,
+                        node=slot.node,
+                        share=(self.shares or plan.shares)[r],
+                        tokens_per_s=round(run.tokens_per_s, 1) if run else 0.0,
+                        pid=run.pid if run else None,
+                    )
                 )
-        return {
-            "id": self.id,
-            "name": self.name,
-            "state": str(self.state),
-            "step": self.step,
-            "steps": self.steps,
-            "generation": self.machine.generation,
-            "world_size": plan.world_size if plan else 0,
-            "workers": workers,
-            "checkpoint_step": self.checkpoint_step,
-            "loss": self.loss,
-            "val_loss": self.val_loss,
-            "error": self.machine.error,
-        }
+        return JobStatus(
+            id=self.id,
+            name=self.name,
+            state=str(self.state),
+            step=self.step,
+            steps=self.steps,
+            generation=self.machine.generation,
+            world_size=plan.world_size if plan else 0,
+            workers=workers,
+            checkpoint_step=self.checkpoint_step,
+            loss=self.loss,
+            val_loss=self.val_loss,
+            error=self.machine.error,
+        )

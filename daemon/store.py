@@ -7,7 +7,9 @@ Writes are batched: the coordinator's loop handles every message that is waiting
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ import orjson
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
 from dpool.daemon.records import Job
+from dpool.protocol.payloads import EventRow, LogLine, MetricRow, NodeRow, SampleRow
+from dpool.protocol.schema import Invalid, compile_type
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -52,6 +56,18 @@ def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
+_metric_row = compile_type(MetricRow, "metrics row")
+
+
+def _read(convert: Callable[[Any], Any], text: str) -> Any:
+    """A stored row as its record, or None for one this version cannot read (written by an older
+    one): a page leaves it out rather than fail whole."""
+    try:
+        return convert(orjson.loads(text))
+    except (Invalid, orjson.JSONDecodeError):
+        return None
+
+
 class Store:
     def __init__(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -73,10 +89,10 @@ class Store:
 
     # -- nodes and jobs ------------------------------------------------------------------------
 
-    def save_node(self, row: dict[str, Any], incarnation: str, joined_at: float, last_seen: float) -> None:
+    def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float) -> None:
         self.db.execute(
             "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (row["name"], incarnation, _json(row), joined_at, last_seen, row["state"], row["reason"]),
+            (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason),
         )
 
     def save_job(self, job: Job) -> None:
@@ -120,42 +136,42 @@ class Store:
 
     # -- metrics, samples, events, logs --------------------------------------------------------
 
-    def add_metric(self, job: str, generation: int, row: dict[str, Any]) -> None:
+    def add_metric(self, job: str, generation: int, row: MetricRow) -> None:
         """Keep one row per (job, kind, step): the newest generation's, so a resumed run's
         recomputed steps replace the first attempt's and the curve stays clean."""
-        kind, step = row.get("kind"), row.get("step")
-        if not isinstance(kind, str) or not isinstance(step, int):
-            return
         self.db.execute(
             "INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, kind, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= metrics.generation",
-            (job, kind, step, generation, _json(row)),
+            (job, row.kind, row.step, generation, _json(row.to_wire())),
         )
 
-    def metrics(self, job: str, after: int, limit: int) -> list[dict[str, Any]]:
-        rows = self.db.execute(
-            "SELECT row FROM metrics WHERE job = ? ORDER BY step, kind DESC LIMIT ? OFFSET ?", (job, limit, after)
-        )
-        return [orjson.loads(r) for (r,) in rows]
+    def metrics(self, job: str, after: int, limit: int) -> tuple[list[MetricRow], int, bool]:
+        """Rows `after`.. of the job's metrics, at most `limit`: (rows, the next page's `after`,
+        whether there is one)."""
+        found = self.db.execute(
+            "SELECT row FROM metrics WHERE job = ? ORDER BY step, kind DESC LIMIT ? OFFSET ?", (job, limit + 1, after)
+        ).fetchall()
+        rows = [r for (text,) in found[:limit] if (r := _read(_metric_row, text)) is not None]
+        return rows, after + min(limit, len(found)), len(found) > limit
 
-    def add_sample(self, job: str, generation: int, row: dict[str, Any]) -> None:
-        step = row.get("step")
-        if not isinstance(step, int):
-            return
+    def add_sample(self, job: str, generation: int, row: SampleRow) -> None:
         self.db.execute(
             "INSERT INTO samples VALUES (?, ?, ?, ?) ON CONFLICT (job, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= samples.generation",
-            (job, step, generation, _json(row)),
+            (job, row.step, generation, _json(row.to_wire())),
         )
 
-    def samples(self, job: str, after: int, limit: int) -> list[dict[str, Any]]:
-        rows = self.db.execute("SELECT row FROM samples WHERE job = ? ORDER BY step LIMIT ? OFFSET ?", (job, limit, after))
-        return [orjson.loads(r) for (r,) in rows]
+    def samples(self, job: str, after: int, limit: int) -> tuple[list[SampleRow], int, bool]:
+        found = self.db.execute(
+            "SELECT row FROM samples WHERE job = ? ORDER BY step LIMIT ? OFFSET ?", (job, limit + 1, after)
+        ).fetchall()
+        rows = [r for (text,) in found[:limit] if (r := _read(SampleRow.from_wire, text)) is not None]
+        return rows, after + min(limit, len(found)), len(found) > limit
 
     def add_event(self, job: str | None, t: float, kind: str, fields: dict[str, Any]) -> None:
         self.db.execute("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
 
-    def events(self, job: Job, after: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+    def events(self, job: Job, after: int, limit: int) -> tuple[list[EventRow], int]:
         """The job's events and the pool's events during its life (node.joined, node.lost)."""
         end = job.machine.finished_at if job.machine.finished_at is not None else float("inf")
         rows = self.db.execute(
@@ -165,7 +181,8 @@ class Store:
         )
         out, cursor = [], after
         for seq, _job, t, kind, fields in rows:
-            out.append({"t": round(t, 3), "kind": kind, **orjson.loads(fields)})
+            with contextlib.suppress(Invalid):  # one an older version wrote in a shape this one cannot carry
+                out.append(EventRow.from_wire({"t": round(t, 3), "kind": kind, **orjson.loads(fields)}))
             cursor = seq
         return out, cursor
 
@@ -175,7 +192,7 @@ class Store:
             [(job, t, rank, generation, line) for line in lines],
         )
 
-    def logs(self, job: str, after: int, rank: int | None, limit: int) -> tuple[list[dict[str, Any]], int]:
+    def logs(self, job: str, after: int, rank: int | None, limit: int) -> tuple[list[LogLine], int]:
         if rank is None:
             rows = self.db.execute(
                 "SELECT seq, t, rank, generation, text FROM logs WHERE job = ? AND seq > ? ORDER BY seq LIMIT ?", (job, after, limit)
@@ -187,6 +204,6 @@ class Store:
             )
         out, cursor = [], after
         for seq, t, r, gen, text in rows:
-            out.append({"seq": seq, "t": round(t, 3), "rank": r, "generation": gen, "text": text})
+            out.append(LogLine(seq=seq, t=round(t, 3), rank=r, generation=gen, text=text))
             cursor = seq
         return out, cursor

@@ -8,32 +8,93 @@ Every message is two ZeroMQ frames (a ROUTER prepends the peer's routing id, whi
 `protocol/README.md` is the written contract: who sends each message and what it gets back. Here
 every type is one frozen dataclass; `to_frames(msg_id)` encodes it and `decode(frames)` turns bytes
 back into a `Message` or raises `ProtocolError`, whose `code` goes into the `error` reply. Decoding
-never trusts its input: frame count and size are capped, maps must have string keys
-(`strict_map_key`), every field is type-checked, unknown fields are refused, and no pickle or other
-code-carrying format is ever used.
+never trusts its input: frame count and size are capped, a receiver names the types it accepts
+(others are refused from the header), a body may hold at most so many objects (counted before
+anything is built), maps must have string keys (`strict_map_key`), every field is checked against
+its type and bound (protocol/schema.py; nested maps are the records of protocol/payloads.py), unknown
+fields are refused, and no pickle or other code-carrying format is ever used.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import types
-import typing
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
 import msgpack
+
+from dpool.protocol.payloads import (
+    ERROR_LINE_MAX,
+    LOG_LINE_MAX,
+    MAX_SLOTS,
+    MAX_WORLD,
+    ROWS_MAX,
+    AliveWorker,
+    Count,
+    EventRow,
+    ExitCode,
+    ExitedWorker,
+    ExportFile,
+    Generation,
+    Holding,
+    JobId,
+    JobRef,
+    JobStatus,
+    LogLine,
+    MetricRow,
+    Name,
+    NodeInfo,
+    NodeName,
+    NodeRow,
+    Number,
+    Pid,
+    Port,
+    Rank,
+    RankSlot,
+    RunningWorker,
+    SampleRow,
+    Seconds,
+    Shares,
+    SlotIndex,
+    Step,
+    Text,
+    Token,
+    WorldSize,
+)
+from dpool.protocol.schema import (
+    MAX_INT,
+    Bytes,
+    Float,
+    Int,
+    Invalid,
+    Items,
+    OneOf,
+    Record,
+    Str,
+    check_fields,
+    count_objects,
+    field_converters,
+)
 
 PROTOCOL = "dpool"
 VERSION = 1
 MAX_HEADER_BYTES = 256
 MAX_BODY_BYTES = 4 * 1024 * 1024  # a frame above this is refused before it is parsed
 MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + MAX_BODY_BYTES  # zmq.MAXMSGSIZE on listening sockets
+MAX_FRAMES = 2  # header and body; a message with more is refused without holding its frames
 PAGE_LIMIT = 2000  # the most rows one query reply carries; clients page with `after`
 EXPORT_CHUNK_MAX = 1024 * 1024  # the most bytes one export.read / export.fetch asks for
 EXPORT_PREPARE_TIMEOUT_S = 720.0  # the coordinator answers `export` within this (a node's trainer gets 600 s)
 EXPORT_FETCH_TIMEOUT_S = 60.0  # and each `export.read` within this
-ERROR_LINE_MAX = 400  # characters of a trainer's `error: ...` line carried in node.worker_exited
+ERROR_MESSAGE_MAX = 16384  # characters of an `error` reply's message (a longer one is cut)
+EXPORT_NAME_MAX = 1024
+EXPORT_NAME_PART_MAX = 255
+EXPORT_NAME_DEPTH_MAX = 8
+EXPORT_FILES_MAX = 1000  # files in one export's manifest
+EXITS_MAX = 1024  # worker exits in one node.register
+HOLDINGS_MAX = 10_000  # run dirs with a checkpoint in one node.register
+LOG_LINES_MAX = 10_000  # lines in one node.logs
 
 
 class MsgType(enum.StrEnum):
@@ -126,99 +187,70 @@ class ProtocolError(Exception):
         self.code, self.message, self.msg_id = code, message, msg_id
 
 
+
 # ---------------------------------------------------------------------------------------------
-# Messages. `Message` is the base; each subclass is one type, registered in REGISTRY.
+# Messages. `Message` is the base; each subclass is one type, registered in REGISTRY. Every field's
+# type carries its bound (protocol/schema.py, protocol/payloads.py); `message` refuses a class
+# with an unbounded field, so the whole contract is bounded by construction.
 
 REGISTRY: dict[MsgType, type[Message]] = {}
-_HINTS: dict[type, dict[str, Any]] = {}
+MAX_OBJECTS = 100_000  # objects (maps, lists, scalars) one body may hold, by default
+REPLY_OBJECTS = 2_000_000  # in a reply that carries rows (read by dpctl, from its coordinator)
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     TYPE: ClassVar[MsgType]
+    FIELDS: ClassVar[tuple[tuple[str, Callable[[Any], Any], bool, bool], ...]] = ()
+    MAX_OBJECTS: ClassVar[int] = MAX_OBJECTS
 
     def to_body(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: getattr(self, name) for name, *_ in self.FIELDS}
 
     def to_frames(self, msg_id: int = 0) -> list[bytes]:
         """The two frames of this message; `msg_id` pairs a reply with its request."""
         header = msgpack.packb([PROTOCOL, VERSION, str(self.TYPE), msg_id])
-        body = msgpack.packb(self.to_body(), use_bin_type=True)
+        body = msgpack.packb(self.to_body(), use_bin_type=True, default=_packable)
         if len(body) > MAX_BODY_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.TYPE} body is {len(body)} bytes, cap {MAX_BODY_BYTES}")
         return [header, body]
 
     @classmethod
     def from_body(cls, body: dict[str, Any], msg_id: int = 0) -> Message:
-        hints = _HINTS[cls]
-        unknown = set(body) - set(hints)
-        if unknown:
-            raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}: unknown field(s) {sorted(unknown)}", msg_id)
-        values = {}
-        for f in dataclasses.fields(cls):
-            if f.name in body:
-                value = body[f.name]
-            elif f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING:
-                continue
-            else:
-                raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}: missing field {f.name!r}", msg_id)
-            problem = _check(value, hints[f.name])
-            if problem:
-                raise ProtocolError(ErrorCode.BAD_BODY, f"{cls.TYPE}.{f.name}: {problem}", msg_id)
-            values[f.name] = float(value) if hints[f.name] is float else value
-        return cls(**values)
+        try:
+            return cls(**check_fields(cls.FIELDS, body, str(cls.TYPE)))
+        except Invalid as e:  # mistyped: bad_body; of the right type but out of its bound: bad_request
+            code = ErrorCode.BAD_REQUEST if e.out_of_range else ErrorCode.BAD_BODY
+            raise ProtocolError(code, f"{cls.TYPE} {e}", msg_id) from None
 
 
-def message(cls: type[Message]) -> type[Message]:
-    """Register a message class under its TYPE and resolve its field types once."""
+def _packable(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_wire()
+    raise TypeError(f"cannot send {type(value).__name__}")
+
+
+M = TypeVar("M", bound=type[Message])
+
+
+def message(cls: M) -> M:
+    """Register a message class under its TYPE and compile its fields' checks once."""
     REGISTRY[cls.TYPE] = cls
-    _HINTS[cls] = {k: v for k, v in typing.get_type_hints(cls).items() if k != "TYPE"}
+    cls.FIELDS = field_converters(cls)
     return cls
 
 
-def _check(value: Any, hint: Any) -> str | None:
-    """None when `value` (as msgpack decoded it) fits the type hint, else what is wrong."""
-    if hint is Any:
-        return None
-    origin = typing.get_origin(hint)
-    if origin in (types.UnionType, typing.Union):
-        options = typing.get_args(hint)
-        if any(_check(value, o) is None for o in options):
-            return None
-        return f"expected {hint}, got {type(value).__name__}"
-    if hint is type(None):
-        return None if value is None else f"expected None, got {type(value).__name__}"
-    if hint is bool:
-        return None if isinstance(value, bool) else f"expected bool, got {type(value).__name__}"
-    if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"expected int, got {type(value).__name__}"
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return None if ok else f"expected float, got {type(value).__name__}"
-    if hint in (str, bytes):
-        return None if isinstance(value, hint) else f"expected {hint.__name__}, got {type(value).__name__}"
-    if origin is list:
-        if not isinstance(value, list):
-            return f"expected list, got {type(value).__name__}"
-        (item,) = typing.get_args(hint)
-        for i, v in enumerate(value):
-            problem = _check(v, item)
-            if problem:
-                return f"[{i}]: {problem}"
-        return None
-    if origin is dict:
-        if not isinstance(value, dict):
-            return f"expected map, got {type(value).__name__}"
-        _, item = typing.get_args(hint)
-        for k, v in value.items():
-            if not isinstance(k, str):
-                return "map keys must be strings"
-            problem = _check(v, item)
-            if problem:
-                return f"[{k!r}]: {problem}"
-        return None
-    raise TypeError(f"unsupported field type {hint!r}")  # a bug in a message definition
+# Bounded types of message fields (and of the job document, which parse_job then validates).
+JobScalar: TypeAlias = Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | None
+JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]
+Cursor: TypeAlias = Annotated[int, Int(0, MAX_INT)]
+Limit: TypeAlias = Annotated[int, Int(0, 2**31 - 1)]  # rows asked for; more than PAGE_LIMIT gets PAGE_LIMIT
+ExportId: TypeAlias = Token
+ExportName: TypeAlias = Annotated[str, Str(EXPORT_NAME_MAX, 1)]
+ChunkSize: TypeAlias = Annotated[int, Int(0, EXPORT_CHUNK_MAX + 1)]  # the coordinator answers bad_request outside 1..EXPORT_CHUNK_MAX
+Chunk: TypeAlias = Annotated[bytes, Bytes(EXPORT_CHUNK_MAX)]
+Files: TypeAlias = Annotated[list[ExportFile], Items(EXPORT_FILES_MAX)]
+SlotList: TypeAlias = Annotated[list[SlotIndex], Items(MAX_SLOTS)]
 
 
 # -- common ------------------------------------------------------------------------------------
@@ -227,11 +259,16 @@ def _check(value: Any, hint: Any) -> str | None:
 @message
 @dataclass(frozen=True, slots=True)
 class Error(Message):
-    """The reply to anything that could not be served; `code` is an ErrorCode value."""
+    """The reply to anything that could not be served; `code` is an ErrorCode value. A message
+    longer than ERROR_MESSAGE_MAX characters is cut to it."""
 
     TYPE: ClassVar[MsgType] = MsgType.ERROR
-    code: str
-    message: str
+    code: Annotated[str, Str(64, 1)]
+    message: Annotated[str, Str(ERROR_MESSAGE_MAX)]
+
+    def __post_init__(self) -> None:
+        if len(self.message) > ERROR_MESSAGE_MAX:
+            object.__setattr__(self, "message", self.message[: ERROR_MESSAGE_MAX - 3] + "...")
 
 
 # -- dpctl -> coordinator ----------------------------------------------------------------------
@@ -243,15 +280,15 @@ class Submit(Message):
     """Queue a job. `job` is `JobSpec.to_dict()`; the coordinator validates it again."""
 
     TYPE: ClassVar[MsgType] = MsgType.SUBMIT
-    job: dict[str, Any]
-    source: str = "<job>"
+    job: JobDoc
+    source: Annotated[str, Str(4096)] = "<job>"
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class Submitted(Message):
     TYPE: ClassVar[MsgType] = MsgType.SUBMITTED
-    job_id: str
+    job_id: JobId
 
 
 @message
@@ -260,14 +297,15 @@ class Status(Message):
     """One job (`job` = an id, a unique id prefix, or a name: its newest job), or all when None."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATUS
-    job: str | None = None
+    job: JobRef | None = None
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class StatusReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
-    jobs: list[dict[str, Any]]
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    jobs: Annotated[list[JobStatus], Items(ROWS_MAX)]
 
 
 @message
@@ -280,7 +318,8 @@ class Nodes(Message):
 @dataclass(frozen=True, slots=True)
 class NodesReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODES_REPLY
-    nodes: list[dict[str, Any]]
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    nodes: Annotated[list[NodeRow], Items(ROWS_MAX)]
 
 
 @message
@@ -289,9 +328,9 @@ class Metrics(Message):
     """Metric rows after row `after` (0: from the start), at most `limit` (capped at PAGE_LIMIT)."""
 
     TYPE: ClassVar[MsgType] = MsgType.METRICS
-    job: str
-    after: int = 0
-    limit: int = PAGE_LIMIT
+    job: JobRef
+    after: Cursor = 0
+    limit: Limit = PAGE_LIMIT
 
 
 @message
@@ -300,9 +339,10 @@ class MetricsReply(Message):
     """`cursor` is the `after` of the next page; `more` says whether there is one now."""
 
     TYPE: ClassVar[MsgType] = MsgType.METRICS_REPLY
-    job_id: str
-    rows: list[dict[str, Any]]
-    cursor: int
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    job_id: JobId
+    rows: Annotated[list[MetricRow], Items(PAGE_LIMIT)]
+    cursor: Cursor
     more: bool
 
 
@@ -310,18 +350,19 @@ class MetricsReply(Message):
 @dataclass(frozen=True, slots=True)
 class Events(Message):
     TYPE: ClassVar[MsgType] = MsgType.EVENTS
-    job: str
-    after: int = 0
-    limit: int = PAGE_LIMIT
+    job: JobRef
+    after: Cursor = 0
+    limit: Limit = PAGE_LIMIT
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class EventsReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.EVENTS_REPLY
-    job_id: str
-    events: list[dict[str, Any]]
-    cursor: int
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    job_id: JobId
+    events: Annotated[list[EventRow], Items(PAGE_LIMIT)]
+    cursor: Cursor
     more: bool
 
 
@@ -329,18 +370,19 @@ class EventsReply(Message):
 @dataclass(frozen=True, slots=True)
 class Samples(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAMPLES
-    job: str
-    after: int = 0
-    limit: int = PAGE_LIMIT
+    job: JobRef
+    after: Cursor = 0
+    limit: Limit = PAGE_LIMIT
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class SamplesReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAMPLES_REPLY
-    job_id: str
-    rows: list[dict[str, Any]]
-    cursor: int
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    job_id: JobId
+    rows: Annotated[list[SampleRow], Items(PAGE_LIMIT)]
+    cursor: Cursor
     more: bool
 
 
@@ -350,10 +392,10 @@ class Logs(Message):
     """Worker output lines after sequence number `after`; `rank` None means every rank."""
 
     TYPE: ClassVar[MsgType] = MsgType.LOGS
-    job: str
-    after: int = 0
-    rank: int | None = None
-    limit: int = PAGE_LIMIT
+    job: JobRef
+    after: Cursor = 0
+    rank: Rank | None = None
+    limit: Limit = PAGE_LIMIT
 
 
 @message
@@ -362,18 +404,19 @@ class LogsReply(Message):
     """`lines`: [{"seq", "t", "rank", "generation", "text"}]; `state` lets `--follow` stop."""
 
     TYPE: ClassVar[MsgType] = MsgType.LOGS_REPLY
-    job_id: str
-    lines: list[dict[str, Any]]
-    cursor: int
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    job_id: JobId
+    lines: Annotated[list[LogLine], Items(PAGE_LIMIT)]
+    cursor: Cursor
     more: bool
-    state: str
+    state: Name
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class Cancel(Message):
     TYPE: ClassVar[MsgType] = MsgType.CANCEL
-    job: str
+    job: JobRef
 
 
 @message
@@ -382,8 +425,8 @@ class CancelReply(Message):
     """`state` is the job's state after the request (a finished job keeps its own)."""
 
     TYPE: ClassVar[MsgType] = MsgType.CANCEL_REPLY
-    job_id: str
-    state: str
+    job_id: JobId
+    state: Name
 
 
 @message
@@ -392,7 +435,7 @@ class Drain(Message):
     """Its groups checkpoint and restart without it; the node takes no new work until undrain."""
 
     TYPE: ClassVar[MsgType] = MsgType.DRAIN
-    node: str
+    node: NodeName
 
 
 @message
@@ -401,9 +444,9 @@ class DrainReply(Message):
     """`state`: the node's state after the request (`draining` while its workers leave)."""
 
     TYPE: ClassVar[MsgType] = MsgType.DRAIN_REPLY
-    node: str
-    state: str
-    reason: str | None = None
+    node: NodeName
+    state: Name
+    reason: Text | None = None
 
 
 @message
@@ -412,16 +455,16 @@ class Undrain(Message):
     """Take work again (also lifts a node set aside after repeated failures)."""
 
     TYPE: ClassVar[MsgType] = MsgType.UNDRAIN
-    node: str
+    node: NodeName
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class UndrainReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.UNDRAIN_REPLY
-    node: str
-    state: str
-    reason: str | None = None
+    node: NodeName
+    state: Name
+    reason: Text | None = None
 
 
 @message
@@ -433,8 +476,8 @@ class Export(Message):
     done, with the manifest; the client then reads the files (export.read) and closes the export."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT
-    job: str
-    step: int | None = None
+    job: JobRef
+    step: Step | None = None
 
 
 @message
@@ -444,11 +487,11 @@ class ExportReply(Message):
     path of "/"-separated parts (the client checks it before writing anything)."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_REPLY
-    export_id: str
-    job_id: str
-    node: str
-    step: int
-    files: list[dict[str, Any]]
+    export_id: ExportId
+    job_id: JobId
+    node: NodeName
+    step: Step
+    files: Files
 
 
 @message
@@ -458,10 +501,10 @@ class ExportRead(Message):
     connection that asked for the export may read it."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_READ
-    export_id: str
-    name: str
-    offset: int
-    size: int = EXPORT_CHUNK_MAX
+    export_id: ExportId
+    name: ExportName
+    offset: Count
+    size: ChunkSize = EXPORT_CHUNK_MAX
 
 
 @message
@@ -470,10 +513,10 @@ class ExportData(Message):
     """Exactly min(size, file size - offset) bytes: empty only at the end of the file."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_DATA
-    export_id: str
-    name: str
-    offset: int
-    data: bytes
+    export_id: ExportId
+    name: ExportName
+    offset: Count
+    data: Chunk
 
 
 @message
@@ -482,19 +525,14 @@ class ExportClose(Message):
     """The client is done (or gives up): the node deletes the export's files."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_CLOSE
-    export_id: str
+    export_id: ExportId
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class ExportClosed(Message):
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_CLOSED
-    export_id: str
-
-
-EXPORT_NAME_MAX = 1024
-EXPORT_NAME_PART_MAX = 255
-EXPORT_NAME_DEPTH_MAX = 8
+    export_id: ExportId
 
 
 def export_name_problem(name: Any) -> str | None:
@@ -515,6 +553,7 @@ def export_name_problem(name: Any) -> str | None:
     return None
 
 
+
 # -- dpd -> coordinator ------------------------------------------------------------------------
 
 
@@ -524,20 +563,19 @@ class NodeRegister(Message):
     """A daemon joining (or re-joining) the pool.
 
     `incarnation` is random per daemon process: the same name with the same incarnation is a
-    re-registration, with another one while the first is alive a duplicate. `info`: platform, chip,
-    memory_bytes, mlx_version, backend, advertise, slots, pid. `running`: [{job, generation, rank,
-    slot, pid}] of workers alive now; `exited`: [{job, generation, rank, slot, code, stopped, error}], the
-    daemon's newest worker exits (their node.worker_exited may have been lost with the link). `holdings`: [{job, slot, step}], the newest checkpoint each
-    slot's run dir holds.
+    re-registration, with another one while the first is alive a duplicate. `info`: the machine
+    (`NodeInfo`). `running`: the workers alive now; `exited`: the daemon's newest worker exits
+    (their node.worker_exited may have been lost with the link). `holdings`: the newest checkpoint
+    each slot's run dir holds.
     """
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_REGISTER
-    name: str
-    incarnation: str
-    info: dict[str, Any]
-    running: list[dict[str, Any]] = field(default_factory=list)
-    exited: list[dict[str, Any]] = field(default_factory=list)
-    holdings: list[dict[str, Any]] = field(default_factory=list)
+    name: NodeName
+    incarnation: Token
+    info: NodeInfo
+    running: Annotated[list[RunningWorker], Items(MAX_SLOTS)] = field(default_factory=list)
+    exited: Annotated[list[ExitedWorker], Items(EXITS_MAX)] = field(default_factory=list)
+    holdings: Annotated[list[Holding], Items(HOLDINGS_MAX)] = field(default_factory=list)
 
 
 @message
@@ -546,18 +584,18 @@ class NodeRegistered(Message):
     """Welcome; the coordinator's heartbeat interval and liveness, which the daemon adopts."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_REGISTERED
-    heartbeat_s: float
-    liveness: int
+    heartbeat_s: Annotated[float, Float(0.001, 3600.0)]
+    liveness: Annotated[int, Int(1, 1000)]
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class NodeHeartbeat(Message):
-    """Sent when the daemon has sent nothing else for an interval. `workers`: [{job, generation,
-    slot}] alive now, so the coordinator frees slots whose workers are gone."""
+    """Sent when the daemon has sent nothing else for an interval. `workers`: the workers alive
+    now, so the coordinator frees slots whose workers are gone."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_HEARTBEAT
-    workers: list[dict[str, Any]] = field(default_factory=list)
+    workers: Annotated[list[AliveWorker], Items(MAX_SLOTS)] = field(default_factory=list)
 
 
 @message
@@ -574,22 +612,22 @@ class NodePrepared(Message):
     """Reply to group.prepare: one free TCP port per prepared slot on `host` (empty when refused)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_PREPARED
-    job: str
-    generation: int
-    host: str
-    ports: list[int]
-    error: str | None = None
+    job: JobId
+    generation: Generation
+    host: Annotated[str, Str(255)]
+    ports: Annotated[list[Port], Items(MAX_SLOTS)]
+    error: Text | None = None
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class NodeWorkerStarted(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_STARTED
-    job: str
-    generation: int
-    rank: int
-    slot: int
-    pid: int
+    job: JobId
+    generation: Generation
+    rank: Rank
+    slot: SlotIndex
+    pid: Pid
 
 
 @message
@@ -598,44 +636,44 @@ class NodeWorkerHello(Message):
     """A worker's group is up and its checkpoint loaded (relayed worker.hello)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_HELLO
-    job: str
-    generation: int
-    rank: int
-    pid: int
-    resume_step: int
+    job: JobId
+    generation: Generation
+    rank: Rank
+    pid: Pid
+    resume_step: Step
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class NodeProgress(Message):
-    """One rank finished one step (relayed worker.progress)."""
+    """One rank finished one step (relayed worker.progress). `loss` is null when not finite."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_PROGRESS
-    job: str
-    generation: int
-    rank: int
-    step: int
-    loss: float
-    tokens: int
-    seconds: float
+    job: JobId
+    generation: Generation
+    rank: Rank
+    step: Step
+    loss: Number | None
+    tokens: Count
+    seconds: Seconds
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class NodeMetric(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODE_METRIC
-    job: str
-    generation: int
-    row: dict[str, Any]
+    job: JobId
+    generation: Generation
+    row: MetricRow
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class NodeSample(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODE_SAMPLE
-    job: str
-    generation: int
-    row: dict[str, Any]
+    job: JobId
+    generation: Generation
+    row: SampleRow
 
 
 @message
@@ -644,12 +682,12 @@ class NodeCheckpoint(Message):
     """Rank `rank`'s step-`step` checkpoint is durable on this node (in slot `slot`'s run dir)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_CHECKPOINT
-    job: str
-    generation: int
-    rank: int
-    slot: int
-    step: int
-    seconds: float
+    job: JobId
+    generation: Generation
+    rank: Rank
+    slot: SlotIndex
+    step: Step
+    seconds: Seconds
 
 
 @message
@@ -658,10 +696,10 @@ class NodeLogs(Message):
     """Output lines of one worker, batched (stdout and stderr merged, in order)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_LOGS
-    job: str
-    generation: int
-    rank: int
-    lines: list[str]
+    job: JobId
+    generation: Generation
+    rank: Rank
+    lines: Annotated[list[Annotated[str, Str(LOG_LINE_MAX)]], Items(LOG_LINES_MAX)]
 
 
 @message
@@ -673,13 +711,13 @@ class NodeWorkerExited(Message):
     without the prefix), or None."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_WORKER_EXITED
-    job: str
-    generation: int
-    rank: int
-    slot: int
-    code: int
+    job: JobId
+    generation: Generation
+    rank: Rank
+    slot: SlotIndex
+    code: ExitCode
     stopped: bool
-    error: str | None = None
+    error: Annotated[str, Str(ERROR_LINE_MAX)] | None = None
 
 
 @message
@@ -689,9 +727,9 @@ class NodeExportReady(Message):
     export.reply. A node that cannot make it answers `error` with that id instead."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_EXPORT_READY
-    export_id: str
-    step: int
-    files: list[dict[str, Any]]
+    export_id: ExportId
+    step: Step
+    files: Files
 
 
 @message
@@ -700,10 +738,10 @@ class NodeExportData(Message):
     """Answers export.fetch (same id) with exactly min(size, file size - offset) bytes."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_EXPORT_DATA
-    export_id: str
-    name: str
-    offset: int
-    data: bytes
+    export_id: ExportId
+    name: ExportName
+    offset: Count
+    data: Chunk
 
 
 # -- coordinator -> dpd ------------------------------------------------------------------------
@@ -721,24 +759,25 @@ class GroupPrepare(Message):
     """Phase 1 of a start: reserve one TCP port on the node's advertised address per slot."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_PREPARE
-    job: str
-    generation: int
-    slots: list[int]
+    job: JobId
+    generation: Generation
+    slots: SlotList
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class GroupStart(Message):
-    """Phase 2: start the node's ranks. `ranks`: [{"slot", "rank"}] on this node; `hostfile`: one
-    ["ip:port"] per rank of the whole group; `shares`: sequences per rank (index = rank)."""
+    """Phase 2: start the node's ranks. `ranks`: which slot runs which rank on this node;
+    `hostfile`: one ["ip:port"] per rank of the whole group; `shares`: sequences per rank (index =
+    rank)."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_START
-    job: str
-    generation: int
-    spec: dict[str, Any]
-    ranks: list[dict[str, int]]
-    shares: list[int]
-    hostfile: list[list[str]]
+    job: JobId
+    generation: Generation
+    spec: JobDoc
+    ranks: Annotated[list[RankSlot], Items(MAX_SLOTS)]
+    shares: Shares
+    hostfile: Annotated[list[Annotated[list[Annotated[str, Str(300)]], Items(16)]], Items(MAX_WORLD)]
 
 
 @message
@@ -749,9 +788,9 @@ class GroupStop(Message):
     checkpoint at the next step boundary and exit 75."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_STOP
-    job: str
-    generation: int
-    mode: str = "now"
+    job: JobId
+    generation: Generation
+    mode: Annotated[str, OneOf("now", "checkpoint")] = "now"
 
 
 @message
@@ -763,9 +802,9 @@ class ExportPrepare(Message):
     refused it; export_failed: it crashed or timed out)."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_PREPARE
-    export_id: str
-    job: str
-    step: int | None = None
+    export_id: ExportId
+    job: JobId
+    step: Step | None = None
 
 
 @message
@@ -774,10 +813,10 @@ class ExportFetch(Message):
     """Read part of one file of a prepared export; answered with node.export_data or `error`."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_FETCH
-    export_id: str
-    name: str
-    offset: int
-    size: int
+    export_id: ExportId
+    name: ExportName
+    offset: Count
+    size: ChunkSize
 
 
 @message
@@ -786,7 +825,7 @@ class ExportRelease(Message):
     """Delete a prepared export's files (the client is done, gave up, or went away). No answer."""
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_RELEASE
-    export_id: str
+    export_id: ExportId
 
 
 # -- trainer <-> its dpd -----------------------------------------------------------------------
@@ -796,43 +835,43 @@ class ExportRelease(Message):
 @dataclass(frozen=True, slots=True)
 class WorkerHello(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_HELLO
-    rank: int
-    world_size: int
-    generation: int
-    pid: int
-    resume_step: int
+    rank: Rank
+    world_size: WorldSize
+    generation: Generation
+    pid: Pid
+    resume_step: Step
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class WorkerProgress(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_PROGRESS
-    step: int
-    loss: float
-    tokens: int
-    seconds: float
+    step: Step
+    loss: Number | None
+    tokens: Count
+    seconds: Seconds
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class WorkerMetric(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_METRIC
-    row: dict[str, Any]
+    row: MetricRow
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class WorkerSample(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_SAMPLE
-    row: dict[str, Any]
+    row: SampleRow
 
 
 @message
 @dataclass(frozen=True, slots=True)
 class WorkerCheckpoint(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_CHECKPOINT
-    step: int
-    seconds: float
+    step: Step
+    seconds: Seconds
 
 
 @message
@@ -843,20 +882,44 @@ class WorkerStop(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_STOP
 
 
+# Who accepts what: a receiver names the types it takes, and a frame of another type is refused
+# from its header, before its body is read (a `status.reply` sent to the coordinator is not
+# unpacked, whatever it holds).
+FROM_CLIENT = frozenset({
+    MsgType.SUBMIT, MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES,
+    MsgType.LOGS, MsgType.CANCEL, MsgType.DRAIN, MsgType.UNDRAIN, MsgType.EXPORT, MsgType.EXPORT_READ,
+    MsgType.EXPORT_CLOSE,
+})
+FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is not MsgType.NODE_REGISTERED)
+TO_NODE = frozenset({
+    MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
+    MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.ERROR,
+})
+FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t is not MsgType.WORKER_STOP)
+COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}
+TO_CLIENT = frozenset({
+    MsgType.SUBMITTED, MsgType.STATUS_REPLY, MsgType.NODES_REPLY, MsgType.METRICS_REPLY, MsgType.EVENTS_REPLY,
+    MsgType.SAMPLES_REPLY, MsgType.LOGS_REPLY, MsgType.CANCEL_REPLY, MsgType.DRAIN_REPLY, MsgType.UNDRAIN_REPLY,
+    MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.ERROR,
+})
+TO_WORKER = frozenset({MsgType.WORKER_STOP})
+
+
 # ---------------------------------------------------------------------------------------------
 # Decoding.
 
 
-def _unpack(data: bytes) -> Any:
-    # strict_map_key: only str/bytes map keys; limits bound what a hostile frame can allocate.
+def _unpack(data: bytes, max_items: int = 16) -> Any:
+    # strict_map_key: only str map keys; the limits bound what one container may hold (the body's
+    # total is counted before this, by count_objects).
     return msgpack.unpackb(
         data,
         raw=False,
         strict_map_key=True,
         max_str_len=MAX_BODY_BYTES,
         max_bin_len=MAX_BODY_BYTES,
-        max_array_len=1_000_000,
-        max_map_len=1_000_000,
+        max_array_len=max_items,
+        max_map_len=max_items,
         max_ext_len=0,
     )
 
@@ -887,26 +950,33 @@ def decode_header(frame: bytes) -> tuple[MsgType, int]:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, f"unknown message type {shown}", msg_id) from None
 
 
-def decode(frames: list[bytes]) -> tuple[Message, int]:
-    """A message and its id from its two frames (routing id already removed); raises ProtocolError."""
-    if len(frames) != 2:
+def decode(frames: list[bytes], accept: Collection[MsgType] | None = None) -> tuple[Message, int]:
+    """A message and its id from its two frames (routing id already removed); raises ProtocolError.
+    `accept`: the types this receiver takes (None: any); another is refused before its body is read."""
+    if len(frames) != MAX_FRAMES:
         msg_id = 0
         if frames:
             try:
                 _, msg_id = decode_header(frames[0])
             except ProtocolError as e:
                 msg_id = e.msg_id
-        raise ProtocolError(ErrorCode.BAD_FRAME, f"expected 2 frames (header, body), got {len(frames)}", msg_id)
+        got = len(frames) if len(frames) <= MAX_FRAMES else f"more than {MAX_FRAMES}"
+        raise ProtocolError(ErrorCode.BAD_FRAME, f"expected 2 frames (header, body), got {got}", msg_id)
     msg_type, msg_id = decode_header(frames[0])
+    if accept is not None and msg_type not in accept:
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg_type} is not accepted here", msg_id)
     if len(frames[1]) > MAX_BODY_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"body is {len(frames[1])} bytes, cap {MAX_BODY_BYTES}", msg_id)
+    cls = REGISTRY[msg_type]
+    if count_objects(frames[1], cls.MAX_OBJECTS) is None:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{msg_type} body holds more than {cls.MAX_OBJECTS} objects", msg_id)
     try:
-        body = _unpack(frames[1])
+        body = _unpack(frames[1], cls.MAX_OBJECTS)
     except Exception as e:
         raise ProtocolError(ErrorCode.BAD_FRAME, f"body is not msgpack: {type(e).__name__}", msg_id) from None
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_BODY, "body must be a map", msg_id)
-    return REGISTRY[msg_type].from_body(body, msg_id), msg_id
+    return cls.from_body(body, msg_id), msg_id
 
 
 def error_frames(err: ProtocolError) -> list[bytes]:

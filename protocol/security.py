@@ -31,6 +31,7 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from dpool.protocol.logs import Throttle
 from dpool.protocol.sockets import pending
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
@@ -148,7 +149,7 @@ class CurveServer:
         self.zap.bind(ZAP_ENDPOINT)
         self.tasks: list[asyncio.Task[None]] = []
         self.monitor: zmq.asyncio.Socket | None = None
-        self._logged: dict[str, tuple[float, int]] = {}  # what -> (last logged, held back since)
+        self._throttle = Throttle(lines=1, every=REFUSAL_LOG_S)
 
     def apply(self, sock: zmq.asyncio.Socket) -> None:
         sock.curve_server = True
@@ -165,7 +166,7 @@ class CurveServer:
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         while True:
             await sock.poll(500)
-            for frames in pending(raw):
+            for frames in pending(raw, frames=None):  # from libzmq itself: a ZAP request has 7 frames
                 handle(raw, frames)
 
     def _on_zap(self, zap: zmq.Socket[Any], frames: list[bytes]) -> None:
@@ -200,13 +201,9 @@ class CurveServer:
     def _warn(self, event: str, what: str, **fields: Any) -> None:
         """One line per `what` every REFUSAL_LOG_S, with the count of those held back: a refused
         peer retries every 100 ms and must not flood the log."""
-        now = time.monotonic()
-        last, held = self._logged.get(what, (-REFUSAL_LOG_S, 0))
-        if now - last < REFUSAL_LOG_S:
-            self._logged[what] = (last, held + 1)
-            return
-        self._logged[what] = (now, 0)
-        self.log.warning(event, repeated=held, **fields)
+        held = self._throttle.allow(what, time.monotonic())
+        if held is not None:
+            self.log.warning(event, repeated=held, **fields)
 
     async def stop(self) -> None:
         for t in self.tasks:

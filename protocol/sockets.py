@@ -2,6 +2,11 @@
 
 ZeroMQ's file descriptor is edge-triggered: after a wake-up a reader must take every message that
 is waiting (until EAGAIN), or what arrived meanwhile sits there until the next message wakes it.
+
+A message is read frame by frame, and only the first `frames + 1` are kept: a peer that sends a
+million frames in one message costs the reader a loop, not a list of a million. (ZeroMQ itself
+still assembles the whole message before the reader sees it: it caps the bytes of each frame, set
+by `zmq.MAXMSGSIZE`, not their number.)
 """
 
 from __future__ import annotations
@@ -11,14 +16,26 @@ from typing import Any
 
 import zmq
 
+from dpool.protocol.messages import MAX_FRAMES
 
-def pending(sock: zmq.Socket[Any], limit: int | None = None) -> Iterator[list[bytes]]:
-    """The multipart messages waiting on `sock`, without blocking (at most `limit` of them)."""
+HWM = 1000  # messages queued per peer, each way, on a socket that serves many peers (see README)
+
+
+def pending(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int | None = MAX_FRAMES) -> Iterator[list[bytes]]:
+    """The multipart messages waiting on `sock`, without blocking (at most `limit` of them). A
+    message of more than `frames` frames (a dpool message's two, plus the routing id on a ROUTER)
+    comes cut to one frame more, which decoding refuses as too many; None: keep every frame (ZAP
+    requests, which come from libzmq itself)."""
+    keep = None if frames is None else frames + 1
     taken = 0
     while limit is None or taken < limit:
         try:
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            got = [sock.recv(flags=zmq.NOBLOCK)]
         except zmq.Again:
             return
+        while sock.getsockopt(zmq.RCVMORE):
+            frame = sock.recv()  # the rest of a message is there once its first frame is
+            if keep is None or len(got) < keep:
+                got.append(frame)
         taken += 1
-        yield frames
+        yield got

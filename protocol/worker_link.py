@@ -15,6 +15,7 @@ later (stuck in MLX's init, or in an all_sum whose peers are gone) exits at once
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 import zmq
 
 from dpool.protocol.messages import (
+    TO_WORKER,
     Message,
     MsgType,
     ProtocolError,
@@ -33,6 +35,8 @@ from dpool.protocol.messages import (
     WorkerSample,
     decode,
 )
+from dpool.protocol.payloads import SampleRow, metric_row
+from dpool.protocol.schema import Invalid
 from dpool.protocol.sockets import pending
 
 ENV_ADDR = "DPOOL_WORKER_ADDR"
@@ -57,6 +61,7 @@ class WorkerLink:
         self._next_id = 1
         self._stop = False
         self.orphaned = False
+        self._said: set[str] = set()
         parent = os.environ.get(ENV_PARENT, "")
         self._parent = int(parent) if parent.isdigit() else os.getppid()
         self._closed = threading.Event()
@@ -73,13 +78,28 @@ class WorkerLink:
         self._send(WorkerHello(rank=rank, world_size=world_size, generation=generation, pid=pid, resume_step=resume_step))
 
     def progress(self, *, step: int, loss: float, tokens: int, seconds: float) -> None:
-        self._send(WorkerProgress(step=step, loss=float(loss), tokens=int(tokens), seconds=float(seconds)))
+        loss = float(loss)
+        self._send(WorkerProgress(step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds)))
 
     def metric(self, row: dict[str, Any]) -> None:
-        self._send(WorkerMetric(row=dict(row)))
+        """A metrics.jsonl row (a non-finite number travels as null, as it is written there)."""
+        try:
+            self._send(WorkerMetric(row=metric_row(row)))
+        except Invalid as e:
+            self._refused("metric", e)
 
     def sample(self, row: dict[str, Any]) -> None:
-        self._send(WorkerSample(row=dict(row)))
+        try:
+            self._send(WorkerSample(row=SampleRow.from_wire(dict(row))))
+        except Invalid as e:
+            self._refused("sample", e)
+
+    def _refused(self, what: str, e: Invalid) -> None:
+        """A row the protocol cannot carry is dropped, not raised into the training loop; said once."""
+        self.dropped += 1
+        if what not in self._said:
+            self._said.add(what)
+            print(f"dpool: a {what} row was not sent to the daemon: {e}", file=sys.stderr, flush=True)
 
     def checkpoint(self, *, step: int, seconds: float) -> None:
         self._send(WorkerCheckpoint(step=step, seconds=float(seconds)))
@@ -110,7 +130,7 @@ class WorkerLink:
             return True
         for frames in pending(self._sock):
             try:
-                msg, _ = decode(frames)
+                msg, _ = decode(frames, TO_WORKER)
             except ProtocolError:
                 continue  # the daemon is trusted, but a bad frame must not kill training
             if msg.TYPE is MsgType.WORKER_STOP:

@@ -21,6 +21,7 @@ from conftest import Processes, free_port, pids_with, wait_for
 from dpool.client.plot import JobRecord, restarts
 from dpool.client.rpc import Client
 from dpool.client.watch import render
+from dpool.protocol.payloads import EventRow, JobStatus, MetricRow, TrainRow
 from dpool.protocol import messages as m
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,9 +238,12 @@ def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, 
 
 
 def test_restarts_come_from_resume_events_and_generation_changes() -> None:
-    rows = [{"kind": "train", "step": s, "loss": 3.0, "generation": 1 if s <= 12 else 2 if s <= 30 else 3, "world_size": 2} for s in range(1, 41)]
-    events = [{"t": 1.0, "kind": "group.resumed", "generation": 2, "from_step": 10, "seconds_since_failure": 2.5, "steps_recomputed": 3}]
-    rec = JobRecord({"id": "j", "name": "j", "state": "succeeded", "step": 40, "steps": 40, "generation": 3}, rows, events)
+    rows: list[MetricRow] = [
+        TrainRow(kind="train", step=s, loss=3.0, lr=1e-3, tokens=64, tokens_per_s=900.0, world_size=2, generation=1 if s <= 12 else 2 if s <= 30 else 3) for s in range(1, 41)
+    ]
+    events = [EventRow.from_wire({"t": 1.0, "kind": "group.resumed", "generation": 2, "from_step": 10, "seconds_since_failure": 2.5, "steps_recomputed": 3})]
+    status = JobStatus(id="j", name="j", state="succeeded", step=40, steps=40, generation=3, world_size=0, workers=[], checkpoint_step=40, loss=3.0, val_loss=None, error=None)
+    rec = JobRecord(status, rows, events)
     assert restarts(rec) == [
         {"generation": 2, "from_step": 10, "steps_recomputed": 3, "seconds": 2.5},
         {"generation": 3, "from_step": 30, "steps_recomputed": 0, "seconds": None},  # no event: from the metrics
@@ -256,7 +260,7 @@ def test_the_terminal_view_shows_workers_and_recent_events() -> None:
         {"t": 20.0, "kind": "worker.failed", "rank": 1, "node": "node-1", "reason": "exit", "code": -9},
         {"t": 22.0, "kind": "group.resumed", "generation": 2, "from_step": 50, "seconds_since_failure": 2.0, "steps_recomputed": 3},
     ]
-    text = "\n".join(render(status, events, width=200))
+    text = "\n".join(render(JobStatus.from_wire(status), [EventRow.from_wire(e) for e in events], width=200))
     assert "RUNNING" in text and "step 57/200" in text and "generation 2" in text and "tokens/s 8810" in text
     assert re.search(r"1 +node-1 +8 +4410", text)
     assert "worker.failed" in text and "steps_recomputed=3" in text

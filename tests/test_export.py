@@ -29,6 +29,7 @@ from dpool.daemon import export_relay as xr
 from dpool.daemon import jobstate as js
 from dpool.daemon.exporter import Exporter, ExportError
 from dpool.protocol import messages as m
+from dpool.protocol.payloads import ExportFile, JobStatus
 
 TINY = """\
 name = "{name}"
@@ -275,7 +276,7 @@ def _only(actions: list[xr.Action], kind: type) -> Any:
 def _ready(relay: xr.ExportRelay, client: bytes = b"A") -> tuple[str, int]:
     ask = _only(relay.start(0.0, client, 7, "j-1", None, [("n1", 6), ("n0", 3)]), xr.ToNode)
     assert ask.node == "n1" and ask.msg == m.ExportPrepare(export_id=ask.msg.export_id, job="j-1", step=None)
-    files = [{"name": "model.safetensors", "bytes": 3_000_000, "sha256": "a" * 64}, {"name": "sub/config.json", "bytes": 10, "sha256": "b" * 64}]
+    files = [ExportFile(name="model.safetensors", bytes=3_000_000, sha256="a" * 64), ExportFile(name="sub/config.json", bytes=10, sha256="b" * 64)]
     reply = _only(relay.from_node(1.0, "n1", ask.msg_id, m.NodeExportReady(export_id=ask.msg.export_id, step=6, files=files)), xr.Reply)
     assert (reply.peer, reply.msg_id) == (client, 7) and isinstance(reply.msg, m.ExportReply)
     assert (reply.msg.node, reply.msg.step, reply.msg.files) == ("n1", 6, files)
@@ -339,7 +340,7 @@ def test_relay_asks_the_next_holder_when_one_holds_nothing_or_is_lost_and_gives_
     assert relay.tick(40.0, lambda node: True) == []
     assert relay.tick(52.0, lambda node: True) == [xr.ToNode("n1", 0, m.ExportRelease(export_id=eid))]
     ask = _only(relay.start(60.0, b"A", 4, "j-1", None, [("n1", 6)]), xr.ToNode)
-    evil = m.NodeExportReady(export_id=ask.msg.export_id, step=6, files=[{"name": "../../.bashrc", "bytes": 1, "sha256": "c" * 64}])
+    evil = m.NodeExportReady(export_id=ask.msg.export_id, step=6, files=[ExportFile(name="../../.bashrc", bytes=1, sha256="c" * 64)])
     out = relay.from_node(61.0, "n1", ask.msg_id, evil)
     assert out[0] == xr.ToNode("n1", 0, m.ExportRelease(export_id=ask.msg.export_id))
     assert out[1].msg.code == "export_failed" and "unsafe" in out[1].msg.message
@@ -368,7 +369,7 @@ class LyingCoordinator(threading.Thread):
     def answer(self, msg: m.Message) -> m.Message:
         match msg:
             case m.Status():
-                return m.StatusReply(jobs=[{"id": "j-1"}])
+                return m.StatusReply(jobs=[JobStatus(id="j-1", name="j", state="succeeded", step=6, steps=6, generation=1, world_size=0, workers=[], checkpoint_step=6, loss=None, val_loss=None, error=None)])
             case m.Export():
                 return m.ExportReply(export_id="e", job_id="j-1", node="evil", step=6, files=self.files)
             case m.ExportRead(name=name, offset=offset, size=size):
@@ -440,7 +441,7 @@ def test_exporter_kills_a_trainer_that_overruns_and_passes_on_its_refusal(tmp_pa
 
     async def scenario() -> None:
         ready = await exporter.prepare(m.ExportPrepare(export_id="e1", job="j-1"))
-        assert ready.step == 6 and ready.files == [{"name": "sub/a.bin", "bytes": 3000, "sha256": hashlib.sha256(b"z" * 3000).hexdigest()}]
+        assert ready.step == 6 and ready.files == [ExportFile(name="sub/a.bin", bytes=3000, sha256=hashlib.sha256(b"z" * 3000).hexdigest())]
         data = await exporter.fetch(m.ExportFetch(export_id="e1", name="sub/a.bin", offset=2990, size=100))
         assert data.data == b"z" * 10
         for fetch, code in [

@@ -3,6 +3,7 @@ injected clock: time is whatever the test says), and the store's metric de-dupli
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,15 @@ from dpool.daemon.pool import JobChanged, Pool, Record, Send
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
+from dpool.protocol.payloads import (
+    AliveWorker,
+    EvalRow,
+    ExitedWorker,
+    Holding,
+    NodeInfo,
+    RunningWorker,
+    TrainRow,
+)
 
 # -- the job state machine ---------------------------------------------------------------------
 
@@ -147,7 +157,7 @@ def sends(actions: list[Any], kind: type[m.Message]) -> list[Send]:
 
 
 def join(pool: Pool, name: str, slots: int, now: float = 0.0) -> list[Any]:
-    refusal, actions = pool.register(now, name, f"inc-{name}", {"slots": slots, "advertise": "127.0.0.1"}, [], [], [])
+    refusal, actions = pool.register(now, name, f"inc-{name}", NodeInfo(slots=slots, advertise="127.0.0.1"), [], [], [])
     assert refusal is None
     return actions
 
@@ -227,13 +237,13 @@ def test_cancel_stops_the_group_and_slots_free_when_workers_exit() -> None:
 def test_duplicate_names_are_refused_while_the_first_is_alive() -> None:
     pool = Pool(heartbeat_s=0.5, liveness=6)
     join(pool, "a", 1, now=0.0)
-    refusal, _ = pool.register(1.0, "a", "another", {"slots": 1}, [], [], [])
+    refusal, _ = pool.register(1.0, "a", "another", NodeInfo(slots=1), [], [], [])
     assert refusal is not None and "'a' is already in the pool" in refusal
-    refusal, _ = pool.register(1.0, "a", "inc-a", {"slots": 1}, [], [], [])  # the same daemon again
+    refusal, _ = pool.register(1.0, "a", "inc-a", NodeInfo(slots=1), [], [], [])  # the same daemon again
     assert refusal is None
     pool.tick(5.0)  # silent for more than 0.5 s x 6
     assert pool.node_rows(5.0)[0]["state"] == "lost"
-    refusal, _ = pool.register(5.5, "a", "another", {"slots": 1}, [], [], [])
+    refusal, _ = pool.register(5.5, "a", "another", NodeInfo(slots=1), [], [], [])
     assert refusal is None and pool.node_rows(5.5)[0]["state"] == "idle"
 
 
@@ -273,7 +283,7 @@ def test_heartbeats_free_slots_of_finished_jobs_whose_workers_are_gone() -> None
     join(pool, "a", 1)
     prepare_all(pool, pool.submit(0.0, "j", spec()))
     pool.cancel(1.0, pool.jobs["j"])
-    pool.heartbeat(1.5, "a", [{"job": "j", "generation": 1, "slot": 0}])
+    pool.heartbeat(1.5, "a", [AliveWorker(job="j", generation=1, slot=0)])
     assert pool.node_rows(1.5)[0]["busy_slots"] == 1  # still running there
     pool.heartbeat(2.0, "a", [])
     assert pool.node_rows(2.0)[0]["busy_slots"] == 0
@@ -284,13 +294,13 @@ def test_a_rejoining_node_keeps_its_group_and_orphans_are_stopped() -> None:
     join(pool, "a", 2)
     prepare_all(pool, pool.submit(0.0, "j", spec(hi=1)))
     pool.worker_hello(1.0, "a", "j", 1, 0, 42, 0)
-    running = [{"job": "j", "generation": 1, "rank": 0, "slot": 0, "pid": 42}, {"job": "old", "generation": 3, "rank": 0, "slot": 1, "pid": 7}]
-    refusal, out = pool.register(2.0, "a", "inc-a", {"slots": 2}, running, [], [])
+    running = [RunningWorker(job="j", generation=1, rank=0, slot=0, pid=42), RunningWorker(job="old", generation=3, rank=0, slot=1, pid=7)]
+    refusal, out = pool.register(2.0, "a", "inc-a", NodeInfo(slots=2), running, [], [])
     assert refusal is None and pool.jobs["j"].state is JobState.RUNNING
     assert [s.msg for s in sends(out, m.GroupStop)] == [m.GroupStop(job="old", generation=3)]
     # Exits that happened while the link was down arrive with the registration.
-    exited = [{"job": "j", "generation": 1, "rank": 0, "slot": 0, "code": 0, "stopped": False}]
-    pool.register(3.0, "a", "inc-a", {"slots": 2}, [], exited, [])
+    exited = [ExitedWorker(job="j", generation=1, rank=0, slot=0, code=0, stopped=False)]
+    pool.register(3.0, "a", "inc-a", NodeInfo(slots=2), [], exited, [])
     assert pool.jobs["j"].state is JobState.SUCCEEDED
 
 
@@ -309,18 +319,17 @@ def test_checkpoint_step_counts_once_every_rank_saved_it() -> None:
 
 
 def test_store_keeps_the_newest_generations_metric_rows(tmp_path: Path) -> None:
+    def train(step: int, loss: float, generation: int) -> TrainRow:
+        return TrainRow(kind="train", step=step, loss=loss, lr=1e-3, tokens=8, tokens_per_s=100.0, world_size=1, generation=generation)
+
     store = Store(tmp_path / "c.sqlite3")
-    store.add_metric("j", 1, {"kind": "train", "step": 5, "loss": 3.0, "generation": 1})
-    store.add_metric("j", 2, {"kind": "train", "step": 5, "loss": 2.9, "generation": 2})
-    store.add_metric("j", 1, {"kind": "train", "step": 5, "loss": 3.1, "generation": 1})  # late straggler
-    store.add_metric("j", 2, {"kind": "eval", "step": 5, "val_loss": 3.5})
-    store.add_metric("j", 2, {"kind": "train", "step": 4, "loss": 3.2, "generation": 2})
-    assert store.metrics("j", 0, 100) == [
-        {"kind": "train", "step": 4, "loss": 3.2, "generation": 2},
-        {"kind": "train", "step": 5, "loss": 2.9, "generation": 2},
-        {"kind": "eval", "step": 5, "val_loss": 3.5},
-    ]
-    assert store.metrics("j", 1, 1) == [{"kind": "train", "step": 5, "loss": 2.9, "generation": 2}]
+    store.add_metric("j", 1, train(5, 3.0, 1))
+    store.add_metric("j", 2, train(5, 2.9, 2))
+    store.add_metric("j", 1, train(5, 3.1, 1))  # late straggler
+    store.add_metric("j", 2, EvalRow(kind="eval", step=5, val_loss=3.5))
+    store.add_metric("j", 2, train(4, 3.2, 2))
+    assert store.metrics("j", 0, 100) == ([train(4, 3.2, 2), train(5, 2.9, 2), EvalRow(kind="eval", step=5, val_loss=3.5)], 3, False)
+    assert store.metrics("j", 1, 1) == ([train(5, 2.9, 2)], 2, True)
 
 
 def test_store_round_trips_jobs_for_a_restarted_coordinator(tmp_path: Path) -> None:
@@ -334,7 +343,7 @@ def test_store_round_trips_jobs_for_a_restarted_coordinator(tmp_path: Path) -> N
     assert job.id == "j" and job.state is JobState.STARTING and job.plan == pool.jobs["j"].plan
     restarted = Pool()
     restarted.restore(job, 100.0)
-    refusal, _ = restarted.register(101.0, "a", "inc-a", {"slots": 1}, [{"job": "j", "generation": 1, "rank": 0, "slot": 0, "pid": 9}], [], [])
+    refusal, _ = restarted.register(101.0, "a", "inc-a", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=0, slot=0, pid=9)], [], [])
     assert refusal is None
     restarted.worker_hello(101.5, "a", "j", 1, 0, 9, 0)
     restarted.progress(199.0, "j", 1, 0, 3, 192, 0.1)
@@ -482,11 +491,11 @@ def test_a_rank_finishing_frees_its_slot_without_growing_the_job() -> None:
 
 def test_the_trainers_own_rebalancing_is_recorded_and_seeds_the_next_plan() -> None:
     pool = running_pool(("a", "b"), hi=2)
-    row = {"kind": "train", "step": 8, "loss": 3.0, "shares": [4, 2], "rank_tokens_per_s": [2000.0, 1000.0]}
+    row = TrainRow(kind="train", step=8, loss=3.0, lr=1e-3, tokens=6, tokens_per_s=3000.0, world_size=2, shares=[4, 2], rank_tokens_per_s=[2000.0, 1000.0])
     out = pool.metric(2.0, "j", 1, row)
     assert records(out, "rebalanced") == [{"generation": 1, "step": 8, "shares": [4, 2], "previous": [3, 3], "cause": "speed"}]
     assert [w["share"] for w in pool.jobs["j"].status()["workers"]] == [4, 2]
-    assert records(pool.metric(2.1, "j", 1, {**row, "step": 9}), "rebalanced") == [], "only changes are events"
+    assert records(pool.metric(2.1, "j", 1, dataclasses.replace(row, step=9)), "rebalanced") == [], "only changes are events"
     # A crash: the next generation starts from the measured split instead of an equal one.
     pool.worker_exited(3.0, "b", "j", 1, 1, 0, -9, False)
     out = pool.worker_exited(3.1, "a", "j", 1, 0, 0, 1, False)
@@ -524,7 +533,7 @@ def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns(
     job = pool.jobs["j"]
     assert job.state is JobState.QUEUED and records(out, "job.queued")
     assert job.status()["checkpoint_step"] == 5
-    _, out = pool.register(5.0, "b", "inc-b2", {"slots": 1, "advertise": "127.0.0.1"}, [], [], [{"job": "j", "slot": 0, "step": 5}])
+    _, out = pool.register(5.0, "b", "inc-b2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
     assert job.state is JobState.RECOVERING  # admitted again: resuming, not a fresh start
     out = restart(pool, out, 6.0, resume=5)
     assert job.machine.generation == 2 and records(out, "group.resumed")
@@ -561,9 +570,9 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone() -> 
     # reloads the job, b reconnects still running rank 1, a comes back running nothing.
     restarted = Pool(heartbeat_s=0.5, liveness=6)
     restarted.restore(pool.jobs["j"], 10.0)
-    refusal, _ = restarted.register(10.5, "b", "inc-b", {"slots": 1}, [{"job": "j", "generation": 1, "rank": 1, "slot": 0, "pid": 101}], [], [])
+    refusal, _ = restarted.register(10.5, "b", "inc-b", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=1, slot=0, pid=101)], [], [])
     assert refusal is None and restarted.jobs["j"].state is JobState.RUNNING
-    refusal, out = restarted.register(11.0, "a", "inc-a2", {"slots": 1}, [], [], [{"job": "j", "slot": 0, "step": 5}])
+    refusal, out = restarted.register(11.0, "a", "inc-a2", NodeInfo(slots=1), [], [], [Holding(job="j", slot=0, step=5)])
     assert refusal is None and restarted.jobs["j"].state is JobState.RECOVERING
     assert records(out, "worker.failed") == [{"rank": 0, "node": "a", "reason": "heartbeat"}]
     assert "b" in [s.node for s in sends(out, m.GroupStop)]

@@ -5,47 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import typing
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from wire_samples import sample
 
 from dpool.protocol import messages as m
 from dpool.protocol.messages import ErrorCode, ProtocolError
+from dpool.protocol.payloads import NodeInfo, SampleRow, TrainRow
 from dpool.protocol.worker_link import WorkerLink
 
-
-def sample_value(hint: Any, rng: random.Random) -> Any:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return {"any": [1, "two", 3.5, None, True]}
-    if origin in (typing.Union, __import__("types").UnionType):
-        options = [o for o in typing.get_args(hint) if o is not type(None)]
-        return sample_value(options[0], rng)
-    if hint is bool:
-        return True
-    if hint is int:
-        return rng.randrange(1, 2**40)
-    if hint is float:
-        return rng.random() * 100
-    if hint is str:
-        return f"s-{rng.randrange(1000)}-ü"
-    if hint is bytes:
-        return rng.randbytes(rng.randrange(1, 64))
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        return [sample_value(item, rng) for _ in range(3)]
-    if origin is dict:
-        _, item = typing.get_args(hint)
-        return {f"k{i}": sample_value(item, rng) for i in range(2)}
-    raise AssertionError(f"no sample for {hint}")
-
-
-def sample(cls: type[m.Message], rng: random.Random) -> m.Message:
-    hints = typing.get_type_hints(cls)
-    return cls(**{f.name: sample_value(hints[f.name], rng) for f in dataclasses.fields(cls)})
+TRAIN_ROW = {"kind": "train", "step": 11, "loss": 2.5, "lr": 3e-4, "tokens": 192, "tokens_per_s": 3840.0, "world_size": 3, "generation": 2}
 
 
 def test_every_type_has_exactly_one_message_class() -> None:
@@ -112,7 +84,7 @@ def test_ints_are_not_bools_and_floats_accept_ints() -> None:
 
 def test_random_bytes_never_raise_anything_but_protocol_errors() -> None:
     rng = random.Random(1)
-    good = m.NodeRegister(name="a", incarnation="x", info={"slots": 1}).to_frames(3)
+    good = m.NodeRegister(name="a", incarnation="x", info=NodeInfo(slots=1)).to_frames(3)
     codes: dict[str, int] = {}
     decoded = 0
     for _ in range(3000):
@@ -147,7 +119,8 @@ def test_worker_link_reports_and_receives_stop(tmp_path: Any, monkeypatch: pytes
     try:
         link.hello(rank=1, world_size=3, generation=2, pid=4242, resume_step=10)
         link.progress(step=11, loss=2.5, tokens=192, seconds=0.05)
-        link.metric({"kind": "train", "step": 11, "loss": 2.5})
+        link.metric({"kind": "train", "step": 11})  # not a metrics row: dropped and counted, never raised
+        link.metric(dict(TRAIN_ROW, loss=float("nan")))  # a diverged step: its loss travels as null
         link.sample({"step": 11, "text": "def f():"})
         link.checkpoint(step=15, seconds=0.2)
         got = []
@@ -159,10 +132,11 @@ def test_worker_link_reports_and_receives_stop(tmp_path: Any, monkeypatch: pytes
         assert got == [
             m.WorkerHello(rank=1, world_size=3, generation=2, pid=4242, resume_step=10),
             m.WorkerProgress(step=11, loss=2.5, tokens=192, seconds=0.05),
-            m.WorkerMetric(row={"kind": "train", "step": 11, "loss": 2.5}),
-            m.WorkerSample(row={"step": 11, "text": "def f():"}),
+            m.WorkerMetric(row=TrainRow.from_wire({**TRAIN_ROW, "loss": None})),
+            m.WorkerSample(row=SampleRow(step=11, text="def f():")),
             m.WorkerCheckpoint(step=15, seconds=0.2),
         ]
+        assert link.dropped == 1  # the row that was not a metrics row
         assert link.stop_requested() is False
         router.send_multipart([peer, b"garbage"])  # ignored, never raised into the training loop
         router.send_multipart([peer, *m.WorkerStop().to_frames()])

@@ -1,0 +1,313 @@
+"""The records nested in message bodies, and the bounded types their fields and the messages' use.
+
+One frozen record per kind of map on the wire: what a node says about itself (`NodeInfo`), the
+workers it runs and the ones that exited, the checkpoints it holds, a trainer's metrics and sample
+rows, and the rows of the coordinator's replies (`JobStatus`, `NodeRow`, `EventRow`, `LogLine`).
+The daemon builds them, `decode` validates them, and dpctl, `watch`, `plot` and the demo read them;
+`to_wire()` is the map that travels, and what `--json` prints.
+
+The bounds are the real ranges where there is one (a slot of a node, a port, an exit code) and
+2^53 - 1 where there is none (a step, a byte count): an integer beyond that is never exact in JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, TypeAlias
+
+from dpool.protocol.schema import (
+    MAX_INT,
+    OMIT_NONE,
+    Float,
+    Int,
+    Invalid,
+    Items,
+    OneOf,
+    Record,
+    Str,
+    check_fields,
+    record,
+)
+
+MAX_SLOTS = 1024  # worker slots one node offers
+MAX_WORLD = 16384  # ranks in one group
+MAX_GENERATION = 2**31 - 1
+MAX_PID = 2**31 - 1
+MAX_SECONDS = 1e7  # a step, a checkpoint: longer than 115 days is not a measurement
+ERROR_LINE_MAX = 400  # characters of a trainer's `error: ...` line carried in node.worker_exited
+LOG_LINE_MAX = 8192  # characters of one output line of a worker
+EVENT_FIELDS_MAX = 32
+TEXT_MAX = 1024 * 1024  # a generated sample
+ROWS_MAX = 100_000  # rows in one reply (paged replies hold PAGE_LIMIT; status and nodes list all)
+
+# -- bounded scalars -----------------------------------------------------------------------------
+
+Count: TypeAlias = Annotated[int, Int(0, MAX_INT)]  # steps, tokens, bytes, offsets, cursors
+Step: TypeAlias = Annotated[int, Int(0, MAX_INT)]
+Generation: TypeAlias = Annotated[int, Int(0, MAX_GENERATION)]
+Rank: TypeAlias = Annotated[int, Int(0, MAX_WORLD - 1)]
+WorldSize: TypeAlias = Annotated[int, Int(1, MAX_WORLD)]
+SlotIndex: TypeAlias = Annotated[int, Int(0, MAX_SLOTS - 1)]
+Slots: TypeAlias = Annotated[int, Int(1, MAX_SLOTS)]
+Pid: TypeAlias = Annotated[int, Int(0, MAX_PID)]  # 0: not known
+Port: TypeAlias = Annotated[int, Int(1, 65535)]
+ExitCode: TypeAlias = Annotated[int, Int(-128, 255)]  # negative: killed by that signal
+Seconds: TypeAlias = Annotated[float, Float(0.0, MAX_SECONDS)]
+Number: TypeAlias = Annotated[float, Float()]  # any finite number
+UnixTime: TypeAlias = Annotated[float, Float(0.0, 1e11)]
+JobId: TypeAlias = Annotated[str, Str(128, 1)]  # `<name>-<6 hex>`
+JobRef: TypeAlias = Annotated[str, Str(128, 1)]  # an id, a unique id prefix, or a job name
+NodeName: TypeAlias = Annotated[str, Str(63, 1)]
+Token: TypeAlias = Annotated[str, Str(128, 1)]  # incarnations, export ids
+Name: TypeAlias = Annotated[str, Str(64)]  # short names: a state, a platform, a version
+Text: TypeAlias = Annotated[str, Str(4096)]  # a reason, a detail, an address
+
+
+# -- what a node says about itself ---------------------------------------------------------------
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class NodeInfo(Record):
+    """node.register's `info`: the machine, found without MLX (`daemon/sysinfo.py`)."""
+
+    slots: Slots = 1
+    platform: Name = ""
+    chip: Annotated[str, Str(256)] = ""
+    cpus: Annotated[int, Int(0, 1 << 20)] = 0
+    memory_bytes: Count = 0
+    mlx_version: Name = ""
+    backend: Name = ""
+    python: Name = ""
+    advertise: Annotated[str, Str(255)] = ""  # the IP MLX collectives use to reach the node
+    pid: Pid = 0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class RunningWorker(Record):
+    """A worker a daemon runs now (node.register's `running`)."""
+
+    job: JobId
+    generation: Generation
+    rank: Rank
+    slot: SlotIndex
+    pid: Pid = 0
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class ExitedWorker(Record):
+    """A worker's exit (node.register's `exited`; the fields of node.worker_exited)."""
+
+    job: JobId
+    generation: Generation
+    rank: Rank
+    slot: SlotIndex
+    code: ExitCode
+    stopped: bool = False
+    error: Annotated[str, Str(ERROR_LINE_MAX)] | None = None
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class Holding(Record):
+    """The newest checkpoint step of one slot's run dir of a job (node.register's `holdings`)."""
+
+    job: JobId
+    slot: SlotIndex
+    step: Step
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class AliveWorker(Record):
+    """A worker alive now (node.heartbeat's `workers`)."""
+
+    job: JobId
+    generation: Generation
+    slot: SlotIndex
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class RankSlot(Record):
+    """Which slot of the node runs which rank (group.start's `ranks`)."""
+
+    slot: SlotIndex
+    rank: Rank
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class ExportFile(Record):
+    """One file of an export's manifest. The name is checked as a path by whoever writes or reads
+    it (`export_name_problem`); here only its length."""
+
+    name: Annotated[str, Str(1024, 1)]
+    bytes: Count
+    sha256: Annotated[str, Str(64)]
+
+
+# -- a trainer's rows (metrics.jsonl, samples.jsonl) ---------------------------------------------
+
+Shares: TypeAlias = Annotated[list[Count], Items(MAX_WORLD)]
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class TrainRow(Record):
+    """A training step's metrics row (rank 0, every `log_every_steps`). `loss` and `grad_norm` are
+    null when not finite (a diverged step); `shares` and `rank_tokens_per_s` (the split in force and
+    each rank's speed) are what the coordinator balances with."""
+
+    TAG: ClassVar[tuple[str, str] | None] = ("kind", "train")
+    kind: Annotated[str, OneOf("train")]
+    step: Step
+    loss: Number | None
+    lr: Number
+    tokens: Count
+    tokens_per_s: Annotated[float, Float(0.0)]
+    world_size: WorldSize
+    generation: Generation | None = field(default=None, metadata=OMIT_NONE)
+    grad_norm: Number | None = field(default=None, metadata=OMIT_NONE)
+    shares: Shares | None = field(default=None, metadata=OMIT_NONE)
+    rank_tokens_per_s: Annotated[list[Annotated[float, Float(0.0)]], Items(MAX_WORLD)] | None = field(default=None, metadata=OMIT_NONE)
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class EvalRow(Record):
+    """A validation row: the held-out loss at `step` (null when not finite)."""
+
+    TAG: ClassVar[tuple[str, str] | None] = ("kind", "eval")
+    kind: Annotated[str, OneOf("eval")]
+    step: Step
+    val_loss: Number | None
+
+
+MetricRow: TypeAlias = TrainRow | EvalRow
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class SampleRow(Record):
+    step: Step
+    text: Annotated[str, Str(TEXT_MAX)]
+
+
+def metric_row(row: dict[str, Any]) -> MetricRow:
+    """A trainer's metrics row as a record: a number that is not finite (a diverged loss) becomes
+    null, as it is in metrics.jsonl. Raises Invalid when the row is not a metrics row."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+    if clean.get("kind") == "eval":
+        return EvalRow.from_wire(clean)  # type: ignore[no-any-return]
+    return TrainRow.from_wire(clean)  # type: ignore[no-any-return]
+
+
+# -- the coordinator's replies to dpctl ----------------------------------------------------------
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class WorkerStatus(Record):
+    rank: Rank
+    node: NodeName
+    share: Count
+    tokens_per_s: Annotated[float, Float(0.0)]
+    pid: Pid | None = None
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class JobStatus(Record):
+    """`dpctl status --json`'s object (INTERFACE.md)."""
+
+    id: JobId
+    name: Name
+    state: Annotated[str, OneOf("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled")]
+    step: Step
+    steps: Step
+    generation: Generation
+    world_size: Annotated[int, Int(0, MAX_WORLD)]
+    workers: Annotated[list[WorkerStatus], Items(MAX_WORLD)]
+    checkpoint_step: Step | None
+    loss: Number | None
+    val_loss: Number | None
+    error: Text | None
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class NodeRow(Record):
+    """`dpctl nodes --json`'s object (INTERFACE.md)."""
+
+    name: NodeName
+    address: Annotated[str, Str(255)]
+    state: Annotated[str, OneOf("idle", "busy", "draining", "lost")]
+    platform: Name
+    chip: Annotated[str, Str(256)]
+    memory_bytes: Count
+    mlx_version: Name
+    backend: Name
+    slots: Slots
+    busy_slots: Annotated[int, Int(0, MAX_SLOTS)]
+    job: Annotated[str, Str(MAX_SLOTS * 130)] | None  # the jobs its slots run, comma-separated
+    ranks: Annotated[list[Rank], Items(MAX_WORLD)]
+    heartbeat_age_s: Annotated[float, Float(0.0)]
+    reason: Text | None
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class LogLine(Record):
+    """One output line of a worker, as `dpctl logs` pages them."""
+
+    seq: Count
+    t: UnixTime
+    rank: Rank
+    generation: Generation
+    text: Annotated[str, Str(LOG_LINE_MAX)]
+
+
+EventScalar: TypeAlias = Text | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | None
+EventValue: TypeAlias = EventScalar | Annotated[list[EventScalar], Items(MAX_WORLD)]
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class EventRow(Record):
+    """`dpctl events --json`'s object: `{"t", "kind", ...}`, its other keys depending on the kind
+    (INTERFACE.md); here they are `fields`. On the wire and in JSON the map is flat."""
+
+    t: UnixTime
+    kind: Annotated[str, Str(64, 1)]
+    fields: Annotated[dict[str, EventValue], Items(EVENT_FIELDS_MAX)] = field(default_factory=dict)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> EventRow:
+        if type(value) is not dict:
+            raise Invalid("a map (an event)", value)
+        rest = dict(value)
+        head = {k: rest.pop(k) for k in ("t", "kind") if k in rest}
+        try:
+            return cls(**check_fields(cls.FIELDS, {**head, "fields": rest}, "EventRow"))
+        except Invalid as e:
+            if e.path[:1] == ["fields"]:
+                e.path.pop(0)  # flat on the wire: `node`, not `fields.node`
+            raise
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": self.t, "kind": self.kind, **self.fields}
+
+    def __getitem__(self, key: str) -> Any:
+        if key in ("t", "kind"):
+            return getattr(self, key)
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
