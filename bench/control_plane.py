@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,68 +26,29 @@ from pathlib import Path
 
 import zmq
 
+from dpool.client.localpool import LocalPool
 from dpool.client.rpc import Client
 from dpool.protocol import messages as m
-from dpool.protocol.jobspec import load_job
-
-JOB = """\
-name = "bench"
-[workers]
-min = 1
-max = 1
-[model]
-layers = 2
-dim = 64
-heads = 4
-context = 64
-[train]
-steps = {steps}
-global_batch = 16
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 1000000
-[eval]
-every_steps = 1000000
-batches = 1
-sample_every_steps = 1000000
-"""
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import JobSpec, load_job, parse_job
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def bench_job(steps: int) -> JobSpec:
+    """The trainer's job: a 2-layer GPT of width 64, 16 sequences of 64 tokens a step, no
+    checkpoints or evaluation to measure."""
+    return parse_job({
+        "name": "bench",
+        "workers": {"min": 1, "max": 1},
+        "model": {"layers": 2, "dim": 64, "heads": 4, "context": 64},
+        "train": {"steps": steps, "global_batch": 16, "warmup_steps": 2, "log_every_steps": 1},
+        "checkpoint": {"every_steps": 1_000_000},
+        "eval": {"every_steps": 1_000_000, "batches": 1, "sample_every_steps": 1_000_000},
+    }, source="bench/control_plane.py")
 
 
 def row(name: str, value: float, unit: str, base_name: str, base: float, higher_is_better: bool) -> None:
     ratio = value / base if base else float("nan")
     print(f"{name:<34} {value:>12.1f} {unit:<10} baseline {base_name:<28} {base:>12.1f} {unit:<10} ratio {ratio:.3f}" + ("" if higher_is_better else " (lower is better)"))
-
-
-def start_dpd(root: Path, addr: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", addr, "--name", "bench", "--state-dir", str(root / "state"), "--log-level", "warning"]
-    log = open(root / "dpd.log", "wb")  # noqa: SIM115 -- lives as long as the daemon
-    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with Client(addr, 1.0) as c:
-                if c.call(m.Nodes(), m.NodesReply).nodes:
-                    return p
-        except Exception:
-            time.sleep(0.2)
-    raise SystemExit(f"dpd did not come up; see {root / 'dpd.log'}")
-
-
-def stop(p: subprocess.Popen[bytes]) -> None:
-    if p.poll() is None:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def bench_status(addr: str, n: int) -> None:
@@ -222,7 +181,7 @@ def run_under(addr: str, job: Path, daemon_pid: int) -> tuple[float, float]:
 
 def bench_trainer(root: Path, addr: str, steps: int, trials: int, daemon_pid: int) -> None:
     job = root / "bench.toml"
-    job.write_text(JOB.format(steps=steps))
+    job.write_text(dump_job(bench_job(steps)))
     run_alone(root, job, -1)  # builds the token cache outside the timed runs
     alone, under, cpu = [], [], []
     for i in range(trials):  # interleaved, so drift in machine load hits both sides
@@ -245,14 +204,14 @@ def main() -> int:
     p.add_argument("--progress", type=int, default=50_000)
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="dpool-bench-"))
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    daemon = start_dpd(root, addr)
     try:
-        bench_status(addr, a.requests)
-        bench_progress(addr, a.progress)
-        bench_trainer(root, addr, a.steps, a.trials, daemon.pid)
+        with LocalPool(root) as pool:
+            daemon = pool.start_daemon("bench", serve=True, args=("--log-level", "warning"))
+            pool.wait_registered(1)
+            bench_status(pool.addr, a.requests)
+            bench_progress(pool.addr, a.progress)
+            bench_trainer(root, pool.addr, a.steps, a.trials, daemon.pid)
     finally:
-        stop(daemon)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,34 +38,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpool.client.rpc import Client
+from dpool.client.localpool import LocalPool, wait_for
+from dpool.client.rpc import pages
 from dpool.protocol import messages as m
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import JobSpec, parse_job
 
-JOB = """\
-name = "{name}"
-[workers]
-min = 1
-max = 3
-[model]
-layers = 4
-dim = 128
-heads = 4
-context = 64
-[train]
-steps = {steps}
-global_batch = 12
-warmup_steps = 10
-log_every_steps = 1
-[checkpoint]
-every_steps = {every}
-keep = 2
-[eval]
-every_steps = 1000000
-batches = 1
-sample_every_steps = 1000000
-[recovery]
-max_restarts = 1000
-"""
+
+def bench_job(name: str, steps: int, every: int) -> JobSpec:
+    """The benchmark's job: a ~0.8M-parameter GPT, 12 sequences of 64 tokens a step, a checkpoint
+    every `every` steps, no evaluation, restarts without limit."""
+    return parse_job({
+        "name": name,
+        "workers": {"min": 1, "max": 3},
+        "model": {"layers": 4, "dim": 128, "heads": 4, "context": 64},
+        "train": {"steps": steps, "global_batch": 12, "warmup_steps": 10, "log_every_steps": 1},
+        "checkpoint": {"every_steps": every, "keep": 2},
+        "eval": {"every_steps": 1_000_000, "batches": 1, "sample_every_steps": 1_000_000},
+        "recovery": {"max_restarts": 1000},
+    }, source="bench/recovery.py")
+
 
 ANCHORS = {
     "kill_trainer": ("6.0 s", "10.7 s", "<= 3 s"),
@@ -77,102 +68,35 @@ ANCHORS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def events(pool: LocalPool, job: str) -> list[dict[str, Any]]:
+    return [e for page in pages(lambda after: pool.call(m.Events(job=job, after=after), m.EventsReply)) for e in page.events]
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def pids_with(marker: str) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    out.append(int(entry.name))
-    return out
-
-
-class LocalPool:
-    def __init__(self, root: Path) -> None:
-        self.root, self.addr = root, f"tcp://127.0.0.1:{free_port()}"
-        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
-
-    def dpd(self, name: str) -> subprocess.Popen[bytes]:
-        serve = ["--serve", self.addr] if name == "n0" else ["--join", self.addr]
-        log = open(self.root / f"dpd-{name}.log", "ab")  # noqa: SIM115 -- the process owns it
-        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", "1", "--state-dir", str(self.root / f"state-{name}"), "--stop-grace", "5", *serve]
-        self.daemons[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return self.daemons[name]
-
-    def call(self, msg: m.Message, expect: type[Any]) -> Any:
-        with Client(self.addr, 5.0) as c:
-            return c.call(msg, expect)
-
-    def status(self, job: str) -> dict[str, Any]:
-        return self.call(m.Status(job=job), m.StatusReply).jobs[0]
-
-    def events(self, job: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        after = 0
-        while True:
-            reply = self.call(m.Events(job=job, after=after), m.EventsReply)
-            out += reply.events
-            if not reply.more:
-                return out
-            after = reply.cursor
-
-    def nodes(self) -> dict[str, str]:
-        with contextlib.suppress(Exception):
-            return {n["name"]: n["state"] for n in self.call(m.Nodes(), m.NodesReply).nodes}
-        return {}
-
-    def stop(self) -> None:
-        for p in self.daemons.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.daemons.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for pid in pids_with(f"{self.root}/state-"):  # trainers of a killed dpd (never this process)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+def nodes(pool: LocalPool) -> dict[str, str]:
+    return {n["name"]: n["state"] for n in pool.nodes()}
 
 
 def event_after(pool: LocalPool, job: str, kind: str, t0: float, timeout: float = 120.0, where: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any]:
-    return wait_for(f"{kind} after the fault", lambda: next((e for e in pool.events(job) if e["kind"] == kind and e["t"] >= t0 - 0.01 and where(e)), None), timeout, every=0.1)
+    return wait_for(f"{kind} after the fault", lambda: next((e for e in events(pool, job) if e["kind"] == kind and e["t"] >= t0 - 0.01 and where(e)), None), timeout, every=0.1)
 
 
 def training(pool: LocalPool, job: str, world: int, steps: int = 5) -> None:
     """Running with `world` workers, `steps` steps past the current generation's start."""
-    start = wait_for("the group running", lambda: (s := pool.status(job))["state"] == "running" and s["world_size"] == world and s, 180)
-    wait_for(f"{steps} steps", lambda: pool.status(job)["step"] >= start["step"] + steps, 120)
+    start = wait_for("the group running", lambda: (s := pool.status(job)) and s["state"] == "running" and s["world_size"] == world and s, 180, every=0.05)
+    wait_for(f"{steps} steps", lambda: (s := pool.status(job)) and s["step"] >= start["step"] + steps, 120, every=0.05)
 
 
 def one_cycle(pool: LocalPool, job: str, fig: dict[str, list[float]], recomputed: list[int]) -> None:
     # 1. a killed trainer
     training(pool, job, 3)
-    (pid,) = pids_with(f"state-n1/jobs/{job}/")
+    (pid,) = pool.trainer_pids("n1", job)
     t0 = time.time()
     os.kill(pid, signal.SIGKILL)
     fig["kill_trainer"].append(event_after(pool, job, "group.resumed", t0)["t"] - t0)
 
     # 2. a frozen trainer
     training(pool, job, 3)
-    (pid,) = pids_with(f"state-n1/jobs/{job}/")
+    (pid,) = pool.trainer_pids("n1", job)
     t0 = time.time()
     os.kill(pid, signal.SIGSTOP)
     fig["stop_detected"].append(event_after(pool, job, "worker.failed", t0)["t"] - t0)
@@ -181,15 +105,15 @@ def one_cycle(pool: LocalPool, job: str, fig: dict[str, list[float]], recomputed
     # 3. a lost node (its dpd killed; its trainer dies with it)
     training(pool, job, 3)
     t0 = time.time()
-    pool.daemons["n2"].send_signal(signal.SIGKILL)
-    pool.daemons["n2"].wait()
+    pool.daemons["n2"].proc.send_signal(signal.SIGKILL)
+    pool.daemons["n2"].proc.wait()
     fig["kill_dpd"].append(event_after(pool, job, "group.resumed", t0)["t"] - t0)
 
     # 4. the node joins again: the group grows at a checkpoint boundary
     training(pool, job, 2, steps=3)
-    wait_for("n2 lost", lambda: pool.nodes().get("n2") == "lost", 30)
+    wait_for("n2 lost", lambda: nodes(pool).get("n2") == "lost", 30)
     t0 = time.time()
-    pool.dpd("n2")
+    pool.start_daemon("n2")
     joined = event_after(pool, job, "node.joined", t0, where=lambda e: e.get("node") == "n2")
     resumed = event_after(pool, job, "group.resumed", t0, where=lambda e: e.get("cause") == "membership")
     fig["join"].append(resumed["t"] - joined["t"])
@@ -202,7 +126,7 @@ def checkpoint_cost(root: Path, steps: int) -> tuple[float, float]:
     out = []
     for every in (1, 1_000_000):
         job = root / f"ckpt-{every}.toml"
-        job.write_text(JOB.format(name="ckpt", steps=steps, every=every))
+        job.write_text(dump_job(bench_job("ckpt", steps, every)))
         run = root / f"ckpt-run-{every}"
         subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(run)], check=True, capture_output=True, timeout=900)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -220,25 +144,16 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     fig: dict[str, list[float]] = {k: [] for k in ("kill_trainer", "stop_detected", "stop_resumed", "kill_dpd", "join", "join_from_start")}
     recomputed: list[int] = []
-    pool = LocalPool(root)
-    try:
-        for name in ("n0", "n1", "n2"):
-            pool.dpd(name)
-        wait_for("3 nodes", lambda: len(pool.nodes()) == 3, 60)
-        job_path = root / "bench.toml"
-        job_path.write_text(JOB.format(name="bench", steps=1_000_000, every=5))
-        from dpool.protocol.jobspec import load_job
-
-        job = pool.call(m.Submit(job=load_job(job_path).to_dict(), source=str(job_path)), m.Submitted).job_id
+    with LocalPool(root) as pool:
+        pool.start(1, 1, 1)
+        job = pool.call(m.Submit(job=bench_job("bench", 1_000_000, 5).to_dict(), source="bench/recovery.py"), m.Submitted).job_id
         for trial in range(args.trials):
             one_cycle(pool, job, fig, recomputed)
             print(f"trial {trial + 1}/{args.trials}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in fig.items()) + f", recomputed {recomputed[-1]}", flush=True)
         with contextlib.suppress(Exception):
             pool.call(m.Cancel(job=job), m.CancelReply)
-        events = pool.events(job)
-    finally:
-        pool.stop()
-    failure_recomputed = [e["steps_recomputed"] for e in events if e["kind"] == "group.resumed" and e.get("cause") == "failure"]
+        seen = events(pool, job)
+    failure_recomputed = [e["steps_recomputed"] for e in seen if e["kind"] == "group.resumed" and e.get("cause") == "failure"]
     with_ckpt, without = checkpoint_cost(root, 60)
 
     med = {k: statistics.median(v) for k, v in fig.items()}
