@@ -1,9 +1,16 @@
 """The coordinator: a ROUTER socket and an asyncio loop around the pure `Pool`.
 
 The loop reads every waiting frame, decodes it (a bad one gets an `error` reply naming the field,
-and a rate-limited log line, never an exception that escapes), hands it to the pool or answers a query from the store,
-carries out the pool's actions, commits once per batch, and on a timer ticks the pool (heartbeat
-expiry, deadlines) and heartbeats every registered node.
+and a rate-limited log line), hands it to the pool or answers a query from the store, carries out
+the pool's actions, and on a timer ticks the pool (heartbeat expiry, deadlines) and heartbeats every
+registered node. Then it commits, once per batch, and only then sends what the batch produced: a
+`group.start` never leaves before the generation it starts is on disk, so a restarted coordinator
+cannot start that generation number again.
+
+Nothing a peer sends stops the loop. Each request and each tick is one unit of work: its database
+writes are a savepoint and its messages wait in the outbox, so a unit that raises is undone whole
+(its writes rolled back, its messages dropped; a request gets `internal`), logged with a traceback
+at most once a minute per kind, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -11,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import secrets
+import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +43,7 @@ from dpool.protocol.sockets import HWM, pending
 
 BATCH = 500  # frames handled between commits and ticks
 BAD_FRAME_LOGS_PER_S = 5
+TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
 
 
 class Coordinator:
@@ -61,10 +71,12 @@ class Coordinator:
         self.sock: zmq.asyncio.Socket | None = None
         self.raw: zmq.Socket | None = None  # the same socket, for non-blocking recv/send
         self._deferred: list[Any] = []  # actions to run once the current reply is sent
+        self._outbox: list[list[bytes]] = []  # sent once the batch is committed
         self.endpoint: str | None = None
         self.ready = asyncio.Event()
-        self.stats = {"frames": 0, "rejected": 0, "progress": 0}
+        self.stats = {"frames": 0, "rejected": 0, "progress": 0, "failed": 0}
         self._rejected_log = Throttle(lines=BAD_FRAME_LOGS_PER_S, every=1.0)
+        self._failed_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -104,20 +116,61 @@ class Coordinator:
                         self._handle_frames(frames)
                 now = self.clock()
                 if now >= next_tick:
-                    self._run(self.pool.tick(now))
-                    self._relay(self.exports.tick(now, self._alive))
-                    for name, peer in self.peer_of.items():
-                        node = self.pool.nodes.get(name)
-                        if node is not None and not node.lost:
-                            self._send_to(peer, m.CoordHeartbeat())
+                    self._unit("tick", functools.partial(self._tick, now))
                     next_tick = now + self.heartbeat_s
-                self.store.commit()
+                self._commit_and_send()
         finally:
             self.store.close()
             sock.close(linger=0)
             if self.curve is not None:
                 await self.curve.stop()
             self.log.info("coordinator.stopped")
+
+    def _tick(self, now: float) -> None:
+        self._run(self.pool.tick(now))
+        self._relay(self.exports.tick(now, self._alive))
+        for name, peer in self.peer_of.items():
+            node = self.pool.nodes.get(name)
+            if node is not None and not node.lost:
+                self._send_to(peer, m.CoordHeartbeat())
+
+    def _commit_and_send(self) -> None:
+        """The batch's writes to disk, then its messages out (in the order they were made)."""
+        try:
+            self.store.commit()
+        except Exception as e:  # a full disk: the pool runs on in memory; say so, rate-limited
+            self._failed("commit", e)
+        outbox, self._outbox = self._outbox, []
+        assert self.raw is not None
+        for frames in outbox:
+            # A ROUTER drops what it cannot deliver (a full or vanished peer); heartbeats notice the rest.
+            with contextlib.suppress(zmq.ZMQError):
+                self.raw.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _unit(self, what: str, work: Callable[[], None]) -> Exception | None:
+        """Do one unit of work whole or not at all: what it raised (after undoing it), or None.
+        A ProtocolError is an answer (not_found, ...); anything else a bug, logged."""
+        sent = len(self._outbox)
+        try:
+            self.store.begin_unit()
+            work()
+            self.store.end_unit()
+        except Exception as e:
+            del self._outbox[sent:]
+            self._deferred = []
+            with contextlib.suppress(sqlite3.Error):  # a database that cannot even roll back: said below
+                self.store.undo_unit()
+            if not isinstance(e, ProtocolError):
+                self._failed(what, e)
+            return e
+        return None
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """A bug (or a failing disk) met while serving: one traceback per kind a minute."""
+        self.stats["failed"] += 1
+        held = self._failed_log.allow(f"{what}:{type(e).__name__}", self.clock())
+        if held is not None:
+            self.log.error(f"{what}.failed", error=f"{type(e).__name__}: {str(e)[:300]}", repeated=held, exc_info=e)
 
     # -- frames --------------------------------------------------------------------------------
 
@@ -131,14 +184,14 @@ class Coordinator:
         except ProtocolError as e:
             self._reject(peer, e)
             return
-        try:
-            reply = self._dispatch(peer, msg, msg_id)
-        except ProtocolError as e:
-            self._reject(peer, ProtocolError(e.code, e.message, msg_id))
-            return
-        except Exception as e:  # a bug must cost one request, not the pool
-            self.log.exception("message.failed", type=str(msg.TYPE))
-            reply = m.Error(code=str(ErrorCode.INTERNAL), message=f"{type(e).__name__}: {e}")
+        raised = self._unit(str(msg.TYPE), lambda: self._serve(peer, msg, msg_id))
+        if isinstance(raised, ProtocolError):
+            self._reject(peer, ProtocolError(raised.code, raised.message, msg_id))
+        elif raised is not None:  # a bug costs one request, not the pool
+            self._send_to(peer, m.Error(code=str(ErrorCode.INTERNAL), message=f"{msg.TYPE}: {type(raised).__name__}: {raised}"), msg_id)
+
+    def _serve(self, peer: bytes, msg: Message, msg_id: int) -> None:
+        reply = self._dispatch(peer, msg, msg_id)
         if reply is not None:
             self._send_to(peer, reply, msg_id)
         deferred, self._deferred = self._deferred, []
@@ -161,10 +214,7 @@ class Coordinator:
         self._send_frames(peer, frames)
 
     def _send_frames(self, peer: bytes, frames: list[bytes]) -> None:
-        assert self.raw is not None
-        # A ROUTER drops what it cannot deliver (a full or vanished peer); heartbeats notice the rest.
-        with contextlib.suppress(zmq.ZMQError):
-            self.raw.send_multipart([peer, *frames], flags=zmq.NOBLOCK)
+        self._outbox.append([peer, *frames])
 
     def _run(self, actions: list[Any]) -> None:
         now = self.clock()

@@ -359,7 +359,9 @@ class Pool:
         job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(plan.ranks)}
         job.watch = StepWatch.for_job(spec, now, job.watch)
         deadline = now + float(spec["recovery"]["start_timeout_s"])
-        actions = self._feed(job, js.GroupLaunched(plan.generation, deadline), now)
+        # Saved (and committed by the coordinator) before any group.start leaves: a restarted
+        # coordinator knows this generation was launched and never launches its number again.
+        actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline), now), JobChanged(job.id)]
         for node in plan.nodes():
             ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
             actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=spec, ranks=ranks, shares=list(shares), hostfile=hostfile)))

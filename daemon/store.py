@@ -83,6 +83,21 @@ class Store:
     def commit(self) -> None:
         self.db.commit()
 
+    # A unit of work (one request, one tick) is a savepoint inside the batch's transaction: one
+    # that fails is undone whole, and the batch commits once.
+
+    def begin_unit(self) -> None:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN")
+        self.db.execute("SAVEPOINT unit")
+
+    def end_unit(self) -> None:
+        self.db.execute("RELEASE unit")
+
+    def undo_unit(self) -> None:
+        self.db.execute("ROLLBACK TO unit")
+        self.db.execute("RELEASE unit")
+
     def close(self) -> None:
         self.db.commit()
         self.db.close()
