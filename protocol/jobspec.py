@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import math
 import os
 import re
 import tomllib
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from dpool.protocol.schema import MAX_INT
 
 NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
 
@@ -45,11 +48,13 @@ _MISSING: Any = _Missing()
 
 
 def _int(lo: int | None = None, hi: int | None = None):
+    top = MAX_INT if hi is None else hi  # the wire carries no integer beyond 2^53 - 1
+
     def check(v: Any) -> str | None:
         ok = isinstance(v, int) and not isinstance(v, bool)
-        if ok and (lo is None or v >= lo) and (hi is None or v <= hi):
+        if ok and (lo is None or v >= lo) and v <= top:
             return None
-        rng = f" >= {lo}" if hi is None else f" in [{lo}, {hi}]"
+        rng = f" >= {lo} (and below 2^53)" if hi is None else f" in [{lo}, {hi}]"
         return f"must be an integer{rng if lo is not None else ''}"
 
     return check
@@ -57,11 +62,11 @@ def _int(lo: int | None = None, hi: int | None = None):
 
 def _float(lo: float, hi: float | None = None, *, lo_open: bool = False):
     def check(v: Any) -> str | None:
-        ok = isinstance(v, int | float) and not isinstance(v, bool)
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
         if ok and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi):
             return None
         low = f"> {lo}" if lo_open else f">= {lo}"
-        return f"must be a number {low}" + (f" and <= {hi}" if hi is not None else "")
+        return f"must be a finite number {low}" + (f" and <= {hi}" if hi is not None else "")
 
     return check
 

@@ -165,3 +165,38 @@ def test_written_job_keeps_paths_and_hash(tmp_path):
     again = load_job(tmp_path / "job.toml")
     assert again.training_hash() == spec.training_hash()
     assert again.resolve(again.model.path) == str(tmp_path / "client" / "models" / "m")
+
+
+def test_an_infinite_start_timeout_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(GOOD + "\n[recovery]\nstart_timeout_s = inf\n")
+    with pytest.raises(JobFileError) as err:
+        load_job(path)
+    assert "recovery.start_timeout_s = inf" in str(err.value) and "finite" in str(err.value)
+
+
+def _float_keys() -> list[tuple[str, str]]:
+    from dataclasses import fields
+
+    from dpool.protocol.jobspec import SECTIONS
+
+    return [(section, f.name) for section, cls in SECTIONS.items() for f in fields(cls) if f.type == "float"]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize(("section", "key"), _float_keys(), ids=[".".join(k) for k in _float_keys()])
+def test_every_number_of_the_job_file_must_be_finite(section, key, value):
+    import tomllib
+
+    data = tomllib.loads(LM if section == "model" else GOOD)
+    data.setdefault(section, {})[key] = value
+    with pytest.raises(JobFileError) as err:
+        parse_job(data, source="job.toml")
+    assert err.value.key == f"{section}.{key}" and "finite" in str(err.value), str(err.value)
+
+
+def test_integers_stay_below_2_to_the_53():
+    with pytest.raises(JobFileError) as err:
+        parse_job({"name": "big", "train": {"steps": 2**53}})
+    assert err.value.key == "train.steps"
+    assert parse_job({"name": "big", "train": {"steps": 2**53 - 1}}).train.steps == 2**53 - 1
