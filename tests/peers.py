@@ -1,0 +1,156 @@
+"""Peers that speak the control plane the way an attacker or a broken daemon would: raw frames on a
+real socket to a real coordinator (a `dpd run --serve` process), and what its process costs.
+
+Used by test_hostile.py (one attack per test) and test_fuzz.py (ten thousand frames)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from conftest import Processes, free_port, wait_for
+
+from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import parse_job
+from dpool.protocol.payloads import NodeInfo
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def raw(msg_type: str, body: Any, msg_id: int = 1) -> list[bytes]:
+    """The two frames of a message of `msg_type` whose body is `body` as given (packed when not bytes)."""
+    packed = body if isinstance(body, bytes) else msgpack.packb(body, use_bin_type=True)
+    return [msgpack.packb(["dpool", 1, msg_type, msg_id]), packed]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, in MiB."""
+    pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return pages * 4096 / 2**20
+
+
+class PeakRss(threading.Thread):
+    """Samples a process's resident memory every 20 ms until stopped; `peak` is the highest seen."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.base = pid, rss_mib(pid)
+        self.peak = self.base
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.wait(0.02):
+            self.peak = max(self.peak, rss_mib(self.pid))
+
+    def stop(self) -> float:
+        """Stop sampling; the growth of the peak over the start, in MiB."""
+        self.stopping.set()
+        self.join()
+        self.peak = max(self.peak, rss_mib(self.pid))
+        return self.peak - self.base
+
+
+class Peer:
+    """A DEALER on the coordinator's socket that sends whatever it is given."""
+
+    def __init__(self, addr: str, *, rcvhwm: int = 1000) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        self.sock.connect(addr)
+        self.ids = itertools.count(1000)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def ask(self, frames: list[bytes], timeout: float = 10.0) -> m.Message:
+        """Send `frames`, return the reply carrying their id (other messages, heartbeats, skipped)."""
+        msg_id = msgpack.unpackb(frames[0])[3]
+        self.send(frames)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not self.sock.poll(int(left * 1000) + 1):
+                break
+            reply, reply_id = m.decode(self.sock.recv_multipart())
+            if reply_id == msg_id and not isinstance(reply, m.CoordHeartbeat):
+                return reply
+        raise AssertionError(f"no reply to message {msg_id} within {timeout}s")
+
+    def message(self, msg: m.Message) -> m.Message:
+        return self.ask(msg.to_frames(next(self.ids)))
+
+    def register(self, name: str, **info: Any) -> m.Message:
+        return self.message(m.NodeRegister(name=name, incarnation=f"inc-{name}", info=NodeInfo(**info)))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class Served:
+    """One `dpd run --serve` process with `slots` slots: the coordinator and a node, as users run it."""
+
+    def __init__(self, procs: Processes, root: Path, *, slots: int = 1, name: str = "n0") -> None:
+        self.root, self.name = root, name
+        self.addr = f"tcp://127.0.0.1:{free_port()}"
+        self.log = root / f"dpd-{name}.log"
+        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", str(slots), "--state-dir", str(root / f"state-{name}"), "--stop-grace", "5", "--serve", self.addr]
+        self.proc = procs.start(cmd, self.log)
+        wait_for(f"{name} registered", lambda: self.node_state() == "idle", 60, every=0.2)
+
+    def call(self, msg: m.Message, expect: type[Any], timeout: float = 10.0) -> Any:
+        with Client(self.addr, timeout) as c:
+            return c.call(msg, expect)
+
+    def node_state(self) -> str | None:
+        try:
+            rows = self.call(m.Nodes(), m.NodesReply, 2.0).nodes
+        except (Unreachable, RemoteError):
+            return None
+        return next((n.state for n in rows if n.name == self.name), None)
+
+    def works(self) -> None:
+        """The daemon lives, answers, still holds its own node, and takes a new node's registration."""
+        assert self.proc.poll() is None, f"dpd exited {self.proc.returncode}: {self.log.read_text()[-3000:]}"
+        assert self.node_state() in ("idle", "busy"), self.log.read_text()[-3000:]
+        peer = Peer(self.addr)
+        try:
+            assert isinstance(peer.register("probe", slots=1), m.NodeRegistered)
+            peer.send(m.NodeBye().to_frames())
+        finally:
+            peer.close()
+
+    def submit(self, name: str, steps: int = 5, **sections: dict[str, Any]) -> str:
+        doc: dict[str, Any] = {
+            "name": name,
+            "workers": {"min": 1, "max": 1},
+            "model": {"layers": 1, "dim": 32, "heads": 2, "context": 32},
+            "train": {"steps": steps, "global_batch": 4, "warmup_steps": 1, "log_every_steps": 1},
+            "checkpoint": {"every_steps": 5},
+            "eval": {"every_steps": 1000, "batches": 1, "sample_every_steps": 1000},
+            **sections,
+        }
+        return str(self.call(m.Submit(job=parse_job(doc).to_dict(), source="test"), m.Submitted).job_id)
+
+    def wait_end(self, job: str, timeout: float = 120.0) -> Any:
+        def ended() -> Any:
+            try:
+                s = self.call(m.Status(job=job), m.StatusReply, 2.0).jobs[0]
+            except (Unreachable, RemoteError):
+                return None
+            return s if s.state in TERMINAL else None
+
+        return wait_for(f"job {job} to end", ended, timeout, every=0.25)
+
+    def tracebacks(self) -> int:
+        return self.log.read_text(errors="replace").count("Traceback")
+
