@@ -309,7 +309,7 @@ def _float(b: Float) -> Callable[[Any], Any]:
     return convert
 
 
-def _sized(t: type, lo: int, hi: int, text: str) -> Callable[[Any], Any]:
+def _sized(t: type[str] | type[bytes], lo: int, hi: int, text: str) -> Callable[[Any], Any]:
     """A str (length in characters) or bytes of `lo` to `hi`."""
 
     def convert(v: Any) -> Any:
