@@ -79,24 +79,36 @@ class Store:
         if "restarts" not in columns:  # a database written before recovery existed
             self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
         self.db.commit()
+        self._unit = self._saved = False
 
     def commit(self) -> None:
         self.db.commit()
 
-    # A unit of work (one request, one tick) is a savepoint inside the batch's transaction: one
-    # that fails is undone whole, and the batch commits once.
+    # A unit of work (one request, one tick) is a savepoint inside the batch's transaction, opened
+    # at its first write (most units write nothing): one that fails is undone whole, and the batch
+    # commits once.
 
     def begin_unit(self) -> None:
-        if not self.db.in_transaction:
-            self.db.execute("BEGIN")
-        self.db.execute("SAVEPOINT unit")
+        self._unit, self._saved = True, False
 
     def end_unit(self) -> None:
-        self.db.execute("RELEASE unit")
+        if self._saved:
+            self.db.execute("RELEASE unit")
+        self._unit = self._saved = False
 
     def undo_unit(self) -> None:
-        self.db.execute("ROLLBACK TO unit")
-        self.db.execute("RELEASE unit")
+        saved, self._unit, self._saved = self._saved, False, False
+        if saved:
+            self.db.execute("ROLLBACK TO unit")
+            self.db.execute("RELEASE unit")
+
+    def _write(self) -> None:
+        """Called by every method that writes, before it does."""
+        if self._unit and not self._saved:
+            if not self.db.in_transaction:
+                self.db.execute("BEGIN")
+            self.db.execute("SAVEPOINT unit")
+            self._saved = True
 
     def close(self) -> None:
         self.db.commit()
@@ -105,12 +117,14 @@ class Store:
     # -- nodes and jobs ------------------------------------------------------------------------
 
     def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float) -> None:
+        self._write()
         self.db.execute(
             "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
             (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason),
         )
 
     def save_job(self, job: Job) -> None:
+        self._write()
         m = job.machine
         plan = None
         if job.plan is not None:
@@ -154,6 +168,7 @@ class Store:
     def add_metric(self, job: str, generation: int, row: MetricRow) -> None:
         """Keep one row per (job, kind, step): the newest generation's, so a resumed run's
         recomputed steps replace the first attempt's and the curve stays clean."""
+        self._write()
         self.db.execute(
             "INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, kind, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= metrics.generation",
@@ -170,6 +185,7 @@ class Store:
         return rows, after + min(limit, len(found)), len(found) > limit
 
     def add_sample(self, job: str, generation: int, row: SampleRow) -> None:
+        self._write()
         self.db.execute(
             "INSERT INTO samples VALUES (?, ?, ?, ?) ON CONFLICT (job, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= samples.generation",
@@ -184,6 +200,7 @@ class Store:
         return rows, after + min(limit, len(found)), len(found) > limit
 
     def add_event(self, job: str | None, t: float, kind: str, fields: dict[str, Any]) -> None:
+        self._write()
         self.db.execute("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
 
     def events(self, job: Job, after: int, limit: int) -> tuple[list[EventRow], int]:
@@ -202,6 +219,7 @@ class Store:
         return out, cursor
 
     def add_logs(self, job: str, t: float, rank: int, generation: int, lines: list[str]) -> None:
+        self._write()
         self.db.executemany(
             "INSERT INTO logs (job, t, rank, generation, text) VALUES (?, ?, ?, ?, ?)",
             [(job, t, rank, generation, line) for line in lines],

@@ -18,7 +18,7 @@ fields are refused, and no pickle or other code-carrying format is ever used.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
 
@@ -65,6 +65,7 @@ from dpool.protocol.payloads import (
 from dpool.protocol.schema import (
     MAX_INT,
     Bytes,
+    Field,
     Float,
     Int,
     Invalid,
@@ -201,7 +202,7 @@ REPLY_OBJECTS = 2_000_000  # in a reply that carries rows (read by dpctl, from i
 @dataclass(frozen=True, slots=True)
 class Message:
     TYPE: ClassVar[MsgType]
-    FIELDS: ClassVar[tuple[tuple[str, Callable[[Any], Any], bool, bool], ...]] = ()
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
     MAX_OBJECTS: ClassVar[int] = MAX_OBJECTS
 
     def to_body(self) -> dict[str, Any]:
@@ -968,7 +969,7 @@ def decode(frames: list[bytes], accept: Collection[MsgType] | None = None) -> tu
     if len(frames[1]) > MAX_BODY_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"body is {len(frames[1])} bytes, cap {MAX_BODY_BYTES}", msg_id)
     cls = REGISTRY[msg_type]
-    if count_objects(frames[1], cls.MAX_OBJECTS) is None:
+    if len(frames[1]) > cls.MAX_OBJECTS and count_objects(frames[1], cls.MAX_OBJECTS) is None:  # every object takes a byte
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{msg_type} body holds more than {cls.MAX_OBJECTS} objects", msg_id)
     try:
         body = _unpack(frames[1], cls.MAX_OBJECTS)

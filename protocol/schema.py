@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import sys
 import types
 import typing
@@ -116,7 +117,10 @@ class Record:
     `record["field"]` and `record.get("field")` read a field as a map would: what readers written
     for the plain maps of earlier versions still use."""
 
-    FIELDS: ClassVar[tuple[tuple[str, Callable[[Any], Any], bool, bool], ...]] = ()  # (name, convert, required, omit_none)
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
+    _NAMES: ClassVar[tuple[str, ...]] = ()
+    _VALUES: ClassVar[Any]  # an operator.attrgetter of the fields' values (and one more), at C speed
+    _FIX: ClassVar[tuple[tuple[str, bool, bool], ...]] = ()  # (name, omit_none, plain) of fields to look at
     TAG: ClassVar[tuple[str, str] | None] = None  # (key, value) that tells this record apart in a union
 
     @classmethod
@@ -126,12 +130,14 @@ class Record:
         return cls(**check_fields(cls.FIELDS, value, cls.__name__))
 
     def to_wire(self) -> dict[str, Any]:
-        out = {}
-        for name, _, _, omit_none in self.FIELDS:
-            v = getattr(self, name)
-            if v is None and omit_none:
-                continue
-            out[name] = to_wire(v)
+        out = dict(zip(self._NAMES, self._VALUES(self), strict=False))  # _VALUES has one value more
+        for name, omit_none, plain in self._FIX:
+            v = out[name]
+            if v is None:
+                if omit_none:
+                    del out[name]
+            elif not plain:
+                out[name] = to_wire(v)
         return out
 
     def __getitem__(self, key: str) -> Any:
@@ -150,7 +156,7 @@ class Record:
         return isinstance(key, str) and self.get(key, _NONE) is not _NONE
 
     def _omits(self, key: str) -> bool:
-        return any(name == key and omit for name, _, _, omit in self.FIELDS)
+        return any(name == key and omit for name, _, _, omit, _ in self.FIELDS)
 
 
 _NONE: Any = object()
@@ -159,28 +165,40 @@ _NONE: Any = object()
 def record(cls: type[Record]) -> type[Record]:
     """Register a record class: compile its fields' converters (and check every field is bounded)."""
     cls.FIELDS = field_converters(cls)
+    cls._NAMES = tuple(f.name for f in cls.FIELDS)
+    cls._VALUES = operator.attrgetter(*cls._NAMES, cls._NAMES[0])  # a tuple even for one field
+    cls._FIX = tuple((f.name, f.omit_none, f.plain) for f in cls.FIELDS if f.omit_none or not f.plain)
     return cls
 
 
-def field_converters(cls: type) -> tuple[tuple[str, Callable[[Any], Any], bool, bool], ...]:
+class Field(typing.NamedTuple):
+    name: str
+    convert: Callable[[Any], Any]
+    required: bool
+    omit_none: bool  # left out of the wire form while None
+    plain: bool  # holds no record: its value is already its wire form
+
+
+def field_converters(cls: type) -> tuple[Field, ...]:
     hints = typing.get_type_hints(cls, include_extras=True)
     out = []
     for f in dataclasses.fields(cls):
+        hint = hints[f.name]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        out.append((f.name, compile_type(hints[f.name], f"{cls.__name__}.{f.name}"), required, bool(f.metadata.get("omit_none"))))
+        out.append(Field(f.name, compile_type(hint, f"{cls.__name__}.{f.name}"), required, bool(f.metadata.get("omit_none")), not _holds_record(hint)))
     return tuple(out)
 
 
-def check_fields(fields: tuple[tuple[str, Callable[[Any], Any], bool, bool], ...], value: dict[str, Any], what: str) -> dict[str, Any]:
+def _holds_record(hint: Any) -> bool:
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return True
+    return any(_holds_record(a) for a in typing.get_args(hint) if not isinstance(a, Int | Float | Str | Bytes | Items | OneOf))
+
+
+def check_fields(fields: tuple[Field, ...], value: dict[str, Any], what: str) -> dict[str, Any]:
     """The converted fields of a map, or Invalid naming the first bad one."""
-    names = {name for name, *_ in fields}
-    unknown = [k for k in value if k not in names]
-    if unknown:
-        err = Invalid(f"absent (not a field of {what}; fields: {', '.join(sorted(names))})", value[unknown[0]])
-        err.path.append(str(unknown[0])[:64])
-        raise err
     out = {}
-    for name, convert, required, _ in fields:
+    for name, convert, required, _, _ in fields:
         if name not in value:
             if required:
                 err = Invalid("given (a required field)", _MissingValue())
@@ -192,6 +210,12 @@ def check_fields(fields: tuple[tuple[str, Callable[[Any], Any], bool, bool], ...
         except Invalid as e:
             e.path.insert(0, name)
             raise
+    if len(out) != len(value):  # a key that is no field
+        names = {f.name for f in fields}
+        unknown = next(k for k in value if k not in names)
+        err = Invalid(f"absent (not a field of {what}; fields: {', '.join(sorted(names))})", value[unknown])
+        err.path.append(str(unknown)[:64])
+        raise err
     return out
 
 
@@ -364,10 +388,15 @@ def _map(item: Callable[[Any], Any], hi: int, text: str) -> Callable[[Any], Any]
 
 
 def _union(options: list[tuple[Callable[[Any], Any], str]], hints: tuple[Any, ...]) -> tuple[Callable[[Any], Any], str]:
-    """`X | Y | None`: the first option that fits. Records with a TAG are chosen by it, so an
+    """`X | Y | None`: the first option that fits. Only the options that take the value's Python
+    type are tried (no exception on the common path); records with a TAG are chosen by it, so an
     error names the field of the record the value meant to be, not the first option tried."""
     text = " or ".join(t for _, t in options)
     tagged = {h.TAG: h.from_wire for h in hints if isinstance(h, type) and issubclass(h, Record) and h.TAG}
+    by_type: dict[type, list[Callable[[Any], Any]]] = {}
+    for (option, _), hint in zip(options, hints, strict=True):
+        for t in _python_types(hint):
+            by_type.setdefault(t, []).append(option)
 
     def convert(v: Any) -> Any:
         if tagged and type(v) is dict:
@@ -375,7 +404,7 @@ def _union(options: list[tuple[Callable[[Any], Any], str]], hints: tuple[Any, ..
                 if v.get(key) == value:
                     return from_wire(v)
         out_of_range, deeper = False, None
-        for option, _ in options:
+        for option in by_type.get(type(v), ()):
             try:
                 return option(v)
             except Invalid as e:
@@ -387,6 +416,18 @@ def _union(options: list[tuple[Callable[[Any], Any], str]], hints: tuple[Any, ..
         raise Invalid(text, v, out_of_range=out_of_range)
 
     return convert, text
+
+
+def _python_types(hint: Any) -> tuple[type, ...]:
+    """What msgpack decodes to for a value of `hint`."""
+    if typing.get_origin(hint) is Annotated:
+        hint = typing.get_args(hint)[0]
+    origin = typing.get_origin(hint)
+    if origin in (list, dict):
+        return (origin,)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        return (dict,)
+    return (float, int) if hint is float else (hint,)
 
 
 # -- how much a body holds, before it is built ---------------------------------------------------
