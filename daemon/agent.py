@@ -66,7 +66,7 @@ KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
 
 
 class Refused(Exception):
-    """The coordinator refused this node (a duplicate name): fatal, the daemon exits 1."""
+    """The coordinator refused this node (a duplicate name, or info out of bounds): fatal, the daemon exits 1."""
 
 
 class NoAnswer(Exception):
@@ -250,8 +250,8 @@ class Agent:
                     self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
                 return
-            if isinstance(msg, m.Error) and msg.code == ErrorCode.DUPLICATE_NAME:
-                raise Refused(msg.message)
+            if isinstance(msg, m.Error) and msg.code in (ErrorCode.DUPLICATE_NAME, ErrorCode.BAD_BODY, ErrorCode.BAD_REQUEST):
+                raise Refused(msg.message)  # asking again cannot help (`--workers 2000`: slots are at most 1024)
             if isinstance(msg, m.Error):
                 raise NoAnswer(f"{msg.code}: {msg.message}")
         raise NoAnswer(f"no answer from {self.join}")

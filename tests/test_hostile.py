@@ -205,3 +205,10 @@ def test_after_all_that_the_pool_trains_a_job(pool: Served) -> None:
     final = pool.wait_end(job)
     assert final.state == "succeeded", pool.log.read_text()[-3000:]
     assert pool.tracebacks() == 0
+
+
+def test_a_daemon_with_more_slots_than_a_node_may_have_exits_1_saying_why(pool: Served, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", "wide", "--workers", "2000", "--state-dir", str(tmp_path / "wide"), "--join", pool.addr]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "info.slots: must be an integer in [1, 1024], got 2000" in r.stderr, r.stderr[-2000:]
+    pool.works()
