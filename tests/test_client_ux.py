@@ -21,8 +21,8 @@ from conftest import Processes, free_port, pids_with, wait_for
 from dpool.client.plot import JobRecord, restarts
 from dpool.client.rpc import Client
 from dpool.client.watch import render
-from dpool.protocol.payloads import EventRow, JobStatus, MetricRow, TrainRow
 from dpool.protocol import messages as m
+from dpool.protocol.payloads import EventRow, JobStatus, MetricRow, TrainRow
 
 ROOT = Path(__file__).resolve().parent.parent
 
