@@ -13,41 +13,16 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import Processes, free_port, pids_with, wait_for
+from conftest import LocalPool, Processes, alive, pids_with, wait_for
+from jobs import write_job
 
 from dpool.client.plot import JobRecord, restarts
-from dpool.client.rpc import Client
 from dpool.client.watch import render
-from dpool.protocol import messages as m
 from dpool.protocol.payloads import EventRow, JobStatus, MetricRow, TrainRow
 
 ROOT = Path(__file__).resolve().parent.parent
-
-TINY = """\
-name = "{name}"
-[workers]
-min = {min}
-max = {min}
-[model]
-layers = 1
-dim = 32
-heads = 2
-context = 32
-[train]
-steps = 12
-global_batch = 4
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 5
-[eval]
-every_steps = 6
-batches = 1
-sample_every_steps = 1000
-"""
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -57,14 +32,6 @@ def png_size(path: Path) -> tuple[int, int]:
     assert data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
     return width, height
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def dpctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -170,39 +137,18 @@ def test_ctrl_c_stops_the_demo_pool(processes: Processes, tmp_path: Path) -> Non
     assert pids_with(pool.group(2)) == []
 
 
-class OneNodePool:
-    def __init__(self, procs: Processes, root: Path) -> None:
-        self.root = root
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", "solo", "--workers", "1", "--state-dir", str(root / "state"), "--serve", self.addr]
-        procs.start(cmd, root / "dpd.log")
-        wait_for("the node registered", lambda: self.call(m.Nodes(), m.NodesReply).nodes, 30, every=0.2)
-
-    def call(self, msg: m.Message, expect: type[Any]) -> Any:
-        with Client(self.addr, 5.0) as c:
-            try:
-                return c.call(msg, expect)
-            except Exception:
-                return None
-
-    def dpctl(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return dpctl("--coordinator", self.addr, *args, cwd=self.root, timeout=timeout)
-
-    def submit(self, name: str, workers_min: int = 1) -> str:
-        path = self.root / f"{name}.toml"
-        path.write_text(TINY.format(name=name, min=workers_min))
-        r = self.dpctl("submit", str(path))
-        assert r.returncode == 0, r.stderr
-        return r.stdout.strip()
+def submit(pool: LocalPool, name: str, workers: int = 1) -> str:
+    """A 12-step job with 3 evaluations (steps 0, 6, 12) that needs `workers` workers."""
+    return pool.submit(write_job(pool.root, name, workers={"min": workers, "max": workers}, train={"steps": 12, "global_batch": 4}, eval={"every_steps": 6}))
 
 
 @pytest.mark.slow
 def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, tmp_path: Path) -> None:
-    pool = OneNodePool(processes, tmp_path)
-    job = pool.submit("watched")
+    pool = LocalPool(processes, tmp_path).start(1)
+    job = submit(pool, "watched")
 
     # Not a terminal: one line per change, until the job ends; exit 0 because it succeeded.
-    r = pool.dpctl("watch", job)
+    r = pool.dpctl("watch", job, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr
     lines = r.stdout.splitlines()
     steps = [int(s) for s in re.findall(r"step (\d+)/12", r.stdout)]
@@ -215,14 +161,14 @@ def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, 
     assert r.returncode == 0 and "succeeded" in r.stdout
 
     out = tmp_path / "plots" / "watched.png"
-    r = pool.dpctl("plot", job, "-o", str(out))
+    r = pool.dpctl("plot", job, "-o", str(out), timeout=120)
     assert r.returncode == 0, r.stderr
     assert "12 steps, 3 evaluations, 0 restarts" in r.stdout
     width, height = png_size(out)
     assert width > 400 and height > 300
 
     # A job that cannot start (it needs 2 workers, the pool has 1), then cancelled: watch exits 1.
-    queued = pool.submit("needs-two", workers_min=2)
+    queued = submit(pool, "needs-two", workers=2)
     watcher = subprocess.Popen([sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "watch", queued], stdout=subprocess.PIPE, text=True)
     try:
         assert pool.dpctl("cancel", queued).returncode == 0

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import conftest
 import msgpack
 import pytest
 import zmq
-from conftest import Processes, free_port, pids_with, wait_for
+from conftest import HomesPool, Processes, free_port, pids_with, wait_for
+from jobs import write_job
 
 from dpool.daemon import export_relay as xr
 from dpool.daemon import jobstate as js
@@ -31,40 +31,9 @@ from dpool.daemon.exporter import Exporter, ExportError
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import ExportFile, JobStatus
 
-TINY = """\
-name = "{name}"
-[workers]
-min = 2
-max = 2
-[model]
-layers = 1
-dim = 224
-heads = 2
-context = 32
-[train]
-steps = 6
-global_batch = 6
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 3
-[eval]
-every_steps = 1000
-batches = 1
-sample_every_steps = 1000
-sample_tokens = 4
-"""
-
+# Two ranks, checkpoints at steps 3 and 6; the model is a few MB, so an export is several chunks.
+JOB = {"workers": {"min": 2, "max": 2}, "model": {"dim": 224}, "train": {"steps": 6}, "checkpoint": {"every_steps": 3}, "eval": {"sample_tokens": 4}}
 JOB_TIMEOUT = 150.0
-
-
-class HomesPool(conftest.LocalPool):
-    """Each daemon (and so each of its trainers) has its own HOME under the pool's root."""
-
-    def prefix(self, name: str, serve: bool) -> list[str]:
-        home = self.root / f"home-{name}"
-        home.mkdir(exist_ok=True)
-        return ["env", f"HOME={home}"]
 
 
 def has_export() -> bool:
@@ -89,10 +58,9 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HomesPool]:
 def trained(pool: HomesPool) -> tuple[str, Path]:
     """A two-rank job trained to the end: checkpoints of steps 3 and 6 on both nodes. (Its model is
     a few MB: several chunks of the export, in flight together.)"""
-    path = pool.root / "tiny.toml"
-    path.write_text(TINY.format(name="tiny"))
+    path = write_job(pool.root, "tiny", **JOB)
     job_id = pool.submit(path)
-    final = wait_for(f"job {job_id} to end", lambda: (s := pool.status(job_id)) and s["state"] in ("succeeded", "failed", "cancelled") and s, JOB_TIMEOUT, 0.25)
+    final = pool.wait_end(job_id, JOB_TIMEOUT, every=0.25)
     assert final["state"] == "succeeded", (final, pool.dpctl("logs", job_id).stdout[-3000:])
     return job_id, path
 
@@ -226,17 +194,16 @@ def test_hostile_export_requests_get_errors_and_the_pool_keeps_working(pool: Hom
         b.close()
         ctx.term()
     wait_for("the node's export folder deleted", lambda: not leftovers(pool), 10)
-    assert all(p.poll() is None for p in pool.daemons.values())
+    assert all(d.proc.poll() is None for d in pool.daemons.values())
     r = pool.dpctl("export", job_id, str(pool.root / "after-hostile"), timeout=180)
     assert r.returncode == 0, r.stderr
 
 
 def test_a_trainer_refusing_its_input_fails_the_job_naming_the_node_and_its_reason(pool: HomesPool) -> None:
-    corpus = pool.root / "home-n0" / "corpus"
+    corpus = pool.home("n0") / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
     (corpus / "text.txt").write_text(inspect.getsource(json) + inspect.getsource(subprocess))  # only n0 has it
-    path = pool.root / "homes.toml"
-    path.write_text(TINY.format(name="homes") + '[data]\nsource = "~/corpus/*.txt"\n')
+    path = write_job(pool.root, "homes", **JOB, data={"source": "~/corpus/*.txt"})
     r = pool.dpctl("submit", str(path), "--follow", timeout=JOB_TIMEOUT)
     assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
     job_id = r.stdout.split()[0]

@@ -14,67 +14,37 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import LocalPool, Processes, wait_for
+from conftest import HomesPool, Processes
+from jobs import write_job
 
 from dpool.trainer import tinylm
 
 pytestmark = pytest.mark.slow
 
-JOB = """\
-name = "{name}"
-[workers]
-min = 1
-max = 3
-[model]
-kind = "mlx_lm"
-path = "~/models/tiny"
-fine_tune = "lora"
-lora_rank = 4
-lora_layers = 8
-context = 160
-[data]
-source = "~/data/chat"
-mask_prompt = true
-[train]
-steps = {steps}
-global_batch = 12
-micro_batch = 4
-lr = 1e-2
-warmup_steps = 1
-log_every_steps = 1
-[checkpoint]
-every_steps = 3
-[eval]
-every_steps = {steps}
-batches = 1
-sample_every_steps = {steps}
-sample_tokens = 8
-"""
 STEPS = 18
 TOL = 1e-3
+LORA = {  # LoRA on the tiny llama at ~/models/tiny, chat data at ~/data/chat: paths of each node's HOME
+    "workers": {"min": 1, "max": 3},
+    "model": {"kind": "mlx_lm", "path": "~/models/tiny", "fine_tune": "lora", "lora_rank": 4, "lora_layers": 8, "context": 160},
+    "data": {"source": "~/data/chat", "mask_prompt": True},
+    "train": {"steps": STEPS, "global_batch": 12, "micro_batch": 4, "lr": 1e-2, "warmup_steps": 1, "log_every_steps": 1},
+    "checkpoint": {"every_steps": 3},
+    "eval": {"every_steps": STEPS, "batches": 1, "sample_every_steps": STEPS, "sample_tokens": 8},
+}
 
 
-class HomePool(LocalPool):
+class HomePool(HomesPool):
     """One-slot daemons, each with its own HOME (its own `~`)."""
 
-    def prefix(self, name: str, serve: bool) -> list[str]:
-        home = self.root / f"home-{name}"
-        home.mkdir(exist_ok=True)
-        return ["env", f"HOME={home}"]
-
     def give(self, name: str, assets: Path, *, model: bool = True) -> None:
-        home = self.root / f"home-{name}"
+        home = self.home(name)
         (home / "data").mkdir(parents=True, exist_ok=True)
         shutil.copytree(assets / "chat", home / "data" / "chat", dirs_exist_ok=True)
         if model:
             (home / "models").mkdir(exist_ok=True)
             shutil.copytree(assets / "model", home / "models" / "tiny", dirs_exist_ok=True)
-
-    def wait_end(self, job: str, timeout: float = 300) -> dict[str, Any]:
-        return wait_for(f"job {job} to end", lambda: (s := self.status(job)) and s["state"] in ("succeeded", "failed", "cancelled") and s, timeout, every=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +66,7 @@ def reference_curve(assets: Path, tmp_path: Path) -> dict[int, float]:
     (home / "models").mkdir(parents=True)
     shutil.copytree(assets / "model", home / "models" / "tiny")
     shutil.copytree(assets / "chat", home / "data" / "chat")
-    job = tmp_path / "reference.toml"
-    job.write_text(JOB.format(name="reference", steps=STEPS))
+    job = write_job(tmp_path, "reference", base=LORA)
     done = subprocess.run(
         [sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(tmp_path / "reference")],
         env={**os.environ, "HOME": str(home)}, capture_output=True, text=True, timeout=300,
@@ -111,13 +80,11 @@ def test_lora_on_three_workers_survives_a_killed_worker_and_exports(pool: HomePo
     for name in ("n0", "n1", "n2"):
         pool.give(name, assets)
     pool.start(1, 1, 1)
-    job_path = tmp_path / "lora.toml"
-    job_path.write_text(JOB.format(name="lora", steps=STEPS))
-    job = pool.submit(job_path)
-    wait_for("the job mid-run on 3 workers", lambda: (s := pool.status(job)) and s["state"] == "running" and s["step"] >= 5 and s["world_size"] == 3, 180, every=0.05)
+    job = pool.submit(write_job(tmp_path, "lora", base=LORA))
+    pool.wait_status(job, "the job mid-run on 3 workers", lambda s: s["state"] == "running" and s["step"] >= 5 and s["world_size"] == 3, 180, every=0.05)
     (victim,) = pool.trainer_pids("n1", job)
     os.kill(victim, signal.SIGKILL)
-    final = pool.wait_end(job)
+    final = pool.wait_end(job, timeout=300)
     events = pool.dpctl_json("events", job)
     assert final["state"] == "succeeded", (final, events)
     assert any(e["kind"] == "group.resumed" and e["cause"] == "failure" for e in events), events
@@ -142,9 +109,7 @@ def test_a_worker_without_the_model_fails_the_job_naming_the_node(pool: HomePool
     pool.give("n0", assets)
     pool.give("n1", assets, model=False)  # the data, but no ~/models/tiny on this machine
     pool.start(1, 1)
-    job_path = tmp_path / "missing.toml"
-    job_path.write_text(JOB.format(name="missing", steps=STEPS).replace("min = 1", "min = 2"))
-    job = pool.submit(job_path)
+    job = pool.submit(write_job(tmp_path, "missing", base=LORA, workers={"min": 2}))
     final = pool.wait_end(job, timeout=120)
     assert final["state"] == "failed", final
     assert "n1" in final["error"] and "model.path" in final["error"] and "on this machine" in final["error"], final

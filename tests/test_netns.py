@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes, wait_for
+from conftest import Processes
 from test_recovery import STEPS, Pool, job_file, kinds, mid_run
 from test_recovery import reference as reference  # the fault-free curve fixture, shared
+
+from dpool.client.localpool import Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -68,16 +69,17 @@ def hosts() -> Iterator[dict[str, str]]:
 
 
 class NetnsPool(Pool):
+    """n0 in the root namespace serves on the bridge; n1 and n2 each run in their own namespace."""
+
     def __init__(self, procs: Processes, root: Path, hosts: dict[str, str]) -> None:
-        super().__init__(procs, root)
+        super().__init__(procs, root, addr=f"tcp://{hosts['n0']}:{7400 + os.getpid() % 500}")
         self.hosts = hosts
-        self.addr = f"tcp://{hosts['n0']}:{7400 + os.getpid() % 500}"
 
     def prefix(self, name: str, serve: bool) -> list[str]:
         return [] if serve else ["ip", "netns", "exec", self.hosts[f"{name}.ns"]]
 
-    def dpd(self, name: str, *, serve: bool = False, workers: int = 1, extra: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
-        return super().dpd(name, serve=serve, workers=workers, extra=(*extra, "--insecure", "--advertise", self.hosts[name]))
+    def start_daemon(self, name: str, *, args: Sequence[str] = (), **kw: Any) -> Daemon:
+        return super().start_daemon(name, args=(*args, "--insecure", "--advertise", self.hosts[name]), **kw)
 
 
 def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
@@ -91,8 +93,6 @@ def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processe
     assert failed and failed[0]["reason"] in ("heartbeat", "stalled"), failed
     assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
     assert pool.status(job)["step"] == STEPS  # type: ignore[index]
-    # The cut host's trainer is still there (nothing reached it); the fixture's teardown ends it.
-    for p in list(pool.daemons.values()):
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    wait_for("daemons stopped", lambda: all(p.poll() is not None for p in pool.daemons.values()), 30)
+    # Every daemon stops on SIGTERM, the cut host's too; its trainer, which nothing reached, is
+    # ended as a leftover.
+    assert pool.stop(timeout=30) == []

@@ -21,39 +21,15 @@ import msgpack
 import pytest
 import zmq
 from conftest import Processes, free_port, pids_with, wait_for
+from jobs import write_job
 
 from dpool.protocol import messages as m
-
-TINY = """\
-name = "{name}"
-[workers]
-min = {min}
-max = {max}
-[model]
-layers = 1
-dim = 32
-heads = 2
-context = 32
-[train]
-steps = {steps}
-global_batch = 6
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 5
-[eval]
-every_steps = 1000
-batches = 1
-sample_every_steps = 1000
-"""
 
 JOB_TIMEOUT = 120.0
 
 
 def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = 20) -> Path:
-    path = dir / f"{name}.toml"
-    path.write_text(TINY.format(name=name, min=lo, max=hi, steps=steps))
-    return path
+    return write_job(dir, name, workers={"min": lo, "max": hi}, train={"steps": steps})
 
 
 class LocalPool(conftest.LocalPool):
@@ -63,7 +39,7 @@ class LocalPool(conftest.LocalPool):
         return st
 
     def wait_state(self, job: str, *states: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
-        return wait_for(f"job {job} in {states}", lambda: (s := self.status(job))["state"] in states and s, timeout, every=0.25)
+        return self.wait_status(job, f"job {job} in {states}", lambda s: s["state"] in states, timeout, every=0.25)
 
 
 @pytest.fixture
@@ -145,7 +121,7 @@ def test_bad_job_file_exits_2_and_queues_nothing(local_pool: LocalPool, tmp_path
     assert "train.global_batch" in r.stderr and str(bad) in r.stderr
     assert "Traceback" not in r.stderr
     unknown = tmp_path / "unknown.toml"
-    unknown.write_text(job_file(tmp_path, "unknown").read_text() + "bogus = 1\n")  # lands in [eval]
+    unknown.write_text(job_file(tmp_path, "unknown").read_text() + "bogus = 1\n")  # lands in the last table
     r = pool.dpctl("submit", str(unknown))
     assert r.returncode == 2 and "bogus" in r.stderr
     assert pool.dpctl_json("status") == []
@@ -202,7 +178,7 @@ def test_coordinator_survives_garbage_and_still_runs_jobs(local_pool: LocalPool,
     finally:
         sock.close()
         ctx.term()
-    assert pool.daemons["n0"].poll() is None
+    assert pool.daemons["n0"].proc.poll() is None
     job_id = pool.submit(job_file(tmp_path, "after-fuzz", hi=1))
     assert pool.wait_state(job_id, "succeeded", "failed", "cancelled")["state"] == "succeeded"
 
@@ -219,10 +195,10 @@ def test_status_without_a_coordinator_exits_3_within_its_timeout() -> None:
 
 def test_duplicate_name_and_insecure_bind_are_refused(local_pool: LocalPool, tmp_path: Path) -> None:
     pool = local_pool.start(1)
-    dup = pool.dpd("n0", workers=1)  # joins under the serving daemon's name
-    assert dup.wait(timeout=30) == 1
-    assert "node name 'n0' is already in the pool" in pool.logs[-1].read_text()
-    assert pool.daemons["n0"].poll() is None
+    dup = pool.start_daemon("n0")  # joins under the serving daemon's name
+    assert dup.proc.wait(timeout=30) == 1
+    assert "node name 'n0' is already in the pool" in dup.log.read_text()
+    assert pool.daemons["n0"].proc.poll() is None
     assert [(n["name"], n["state"]) for n in pool.nodes()] == [("n0", "idle")]
     r = subprocess.run(
         [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", f"tcp://0.0.0.0:{free_port()}", "--state-dir", str(tmp_path / "x")],
@@ -240,5 +216,5 @@ def test_sigterm_stops_workers_and_exits_0(local_pool: LocalPool, tmp_path: Path
     wait_for("the trainer process", lambda: pids_with(f"jobs/{job_id}/"), 10)
     daemon = pool.daemons["n0"]
     os.kill(daemon.pid, signal.SIGTERM)
-    assert daemon.wait(timeout=20) == 0
+    assert daemon.proc.wait(timeout=20) == 0
     assert not pids_with(f"jobs/{job_id}/")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,41 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LocalPool, Processes, wait_for
+from conftest import LocalPool, Processes, alive, wait_for
+from jobs import write_job
 
 pytestmark = pytest.mark.slow
 
-JOB = """\
-name = "{name}"
-[workers]
-min = {min}
-max = {max}
-[model]
-layers = 2
-dim = 64
-heads = 2
-context = 32
-[train]
-steps = {steps}
-global_batch = 12
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 4
-[eval]
-every_steps = 1000
-batches = 1
-sample_every_steps = 1000
-"""
 STEPS = 60
 JOB_TIMEOUT = 240.0
 TOL = 1e-3
 
 
 def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS) -> Path:
-    path = dir / f"{name}.toml"
-    path.write_text(JOB.format(name=name, min=lo, max=hi, steps=steps))
-    return path
+    """A job twice as deep and wide as the tests' TINY, with a checkpoint every 4 steps."""
+    return write_job(
+        dir, name, workers={"min": lo, "max": hi}, model={"layers": 2, "dim": 64},
+        train={"steps": steps, "global_batch": 12}, checkpoint={"every_steps": 4},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +43,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     the background, and awaited when the first scenario compares against it)."""
     root = tmp_path_factory.mktemp("reference")
     job = job_file(root, "ref")
-    log = open(root / "trainer.log", "wb")  # noqa: SIM115 -- closed below
-    proc = subprocess.Popen([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    procs = Processes(root)
+    proc = procs.start([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")], root / "trainer.log")
     cache: dict[int, float] = {}
 
     def curve() -> dict[int, float]:
@@ -77,10 +57,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     try:
         yield curve
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        procs.stop_all()
 
 
 class Pool(LocalPool):
@@ -90,12 +67,9 @@ class Pool(LocalPool):
         super().start(*[1] * n)
         return self
 
-    def wait(self, what: str, job: str, check: Any, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
-        return wait_for(what, lambda: (s := self.status(job)) is not None and check(s) and s, timeout, every=0.05)
-
     def finish(self, job: str, reference: Any) -> list[dict[str, Any]]:
         """Wait for the end; assert success and the reference curve; return the job's events."""
-        final = self.wait(f"job {job} to end", job, lambda s: s["state"] in ("succeeded", "failed", "cancelled"))
+        final = self.wait_end(job, JOB_TIMEOUT, every=0.05)
         events = self.dpctl_json("events", job)
         assert final["state"] == "succeeded", (final, events, self.dpctl("logs", job).stdout[-3000:])
         assert final["step"] == STEPS
@@ -112,7 +86,7 @@ def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 
 
 def mid_run(pool: Pool, job: str, step: int = 6) -> dict[str, Any]:
-    return pool.wait(f"job {job} at step {step}", job, lambda s: s["state"] == "running" and s["step"] >= step, timeout=120)
+    return pool.wait_status(job, f"job {job} at step {step}", lambda s: s["state"] == "running" and s["step"] >= step, timeout=120, every=0.05)
 
 
 @pytest.fixture
@@ -140,7 +114,7 @@ def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool
     job = pool.submit(job_file(tmp_path, "kill-dpd"))
     mid_run(pool, job)
     assert pool.trainer_pids("n2", job)
-    pool.daemons["n2"].send_signal(signal.SIGKILL)
+    pool.daemons["n2"].proc.send_signal(signal.SIGKILL)
     # Its trainer does not live on as an orphan (PR_SET_PDEATHSIG).
     wait_for("n2's trainer gone", lambda: not pool.trainer_pids("n2", job), 10)
     events = pool.finish(job, reference)
@@ -158,25 +132,18 @@ def test_sigstop_of_a_trainer_is_caught_by_the_progress_deadline(pool: Pool, tmp
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] == "stalled", failed
     assert kinds(events, "group.resumed")
-    wait_for("the stopped trainer reaped", lambda: not os.path.exists(f"/proc/{victim}") or _zombie(victim), 10)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
-    except OSError:
-        return True
+    wait_for("the stopped trainer reaped", lambda: not alive(victim), 10)
 
 
 def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool, tmp_path: Path, reference: Any) -> None:
     pool.start(3)
     job = pool.submit(job_file(tmp_path, "kill-coordinator"))
     mid_run(pool, job)
-    pool.daemons["n0"].send_signal(signal.SIGKILL)
-    pool.daemons["n0"].wait()
+    pool.daemons["n0"].proc.send_signal(signal.SIGKILL)
+    pool.daemons["n0"].proc.wait()
     wait_for("n0's trainer gone", lambda: not pool.trainer_pids("n0", job), 10)
     time.sleep(1.0)  # the pool without its control plane: the other daemons keep their state
-    pool.dpd("n0", serve=True)  # same name, same state dir: the coordinator reloads its SQLite
+    pool.start_daemon("n0", serve=True)  # same name, same state dir: the coordinator reloads its SQLite
     events = pool.finish(job, reference)
     assert kinds(events, "group.resumed")
     names = {n["name"]: n["state"] for n in pool.nodes()}
@@ -187,7 +154,7 @@ def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: P
     pool.start(3)
     job = pool.submit(job_file(tmp_path, "grow", hi=4))
     mid_run(pool, job, step=2)
-    pool.dpd("n3")
+    pool.start_daemon("n3")
     events = pool.finish(job, reference)
     resumed = kinds(events, "group.resumed")
     assert resumed and all(e["steps_recomputed"] == 0 and e["cause"] == "membership" for e in resumed), events
@@ -219,11 +186,11 @@ def test_below_workers_min_the_job_waits_queued_then_finishes(pool: Pool, tmp_pa
     pool.start(2)
     job = pool.submit(job_file(tmp_path, "below-min", lo=2, hi=2))
     mid_run(pool, job)
-    pool.daemons["n1"].send_signal(signal.SIGKILL)
-    pool.daemons["n1"].wait()
-    queued = pool.wait("the job back in the queue", job, lambda s: s["state"] == "queued", timeout=60)
+    pool.daemons["n1"].proc.send_signal(signal.SIGKILL)
+    pool.daemons["n1"].proc.wait()
+    queued = pool.wait_status(job, "the job back in the queue", lambda s: s["state"] == "queued", timeout=60, every=0.05)
     assert queued["checkpoint_step"] is not None
     wait_for("n1 lost", lambda: any(n["name"] == "n1" and n["state"] == "lost" for n in pool.nodes()), 30)
-    pool.dpd("n1")  # the node comes back (same state dir, so it still holds its checkpoints)
+    pool.start_daemon("n1")  # the node comes back (same state dir, so it still holds its checkpoints)
     events = pool.finish(job, reference)
     assert kinds(events, "job.queued") and kinds(events, "group.resumed")

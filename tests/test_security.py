@@ -16,30 +16,8 @@ from pathlib import Path
 
 import pytest
 import zmq.auth
-from conftest import Processes, free_port, wait_for
-
-JOB = """\
-name = "curve"
-[workers]
-min = 2
-max = 2
-[model]
-layers = 1
-dim = 32
-heads = 2
-context = 32
-[train]
-steps = 10
-global_batch = 6
-warmup_steps = 2
-log_every_steps = 1
-[checkpoint]
-every_steps = 5
-[eval]
-every_steps = 1000
-batches = 1
-sample_every_steps = 1000
-"""
+from conftest import LocalPool, Processes, free_port, wait_for
+from jobs import write_job
 
 
 def dpctl(*args: str, keys: Path | None = None, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
@@ -51,16 +29,6 @@ def dpctl(*args: str, keys: Path | None = None, timeout: float = 10.0) -> subpro
 
 def keys_init(dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return dpctl("keys", "init", str(dir), *extra)
-
-
-def dpd(procs: Processes, root: Path, name: str, addr: str, keys: Path | None, *, serve: str | None = None, log_name: str | None = None) -> Path:
-    cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--state-dir", str(root / f"state-{name}"), "--join", addr, "--advertise", "127.0.0.1", "--stop-grace", "5"]
-    cmd += ["--serve", serve] if serve else []
-    cmd += ["--keys", str(keys)] if keys else []
-    log = root / f"{log_name or name}.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("DPOOL_KEYS", "DPOOL_COORDINATOR")}
-    procs.start(cmd, log, env=env)
-    return log
 
 
 def nodes(addr: str, keys: Path) -> list[dict[str, object]]:
@@ -164,13 +132,13 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     assert keys_init(keys, "--node", "rogue").returncode == 0
     (keys / "allowed" / "node-rogue.key").unlink()  # rogue has a pair, but not admitted
     port = free_port()
-    addr = f"tcp://127.0.0.1:{port}"
-    coord_log = dpd(processes, tmp_path, "n0", addr, keys, serve=f"tcp://0.0.0.0:{port}")  # non-loopback: allowed with keys
-    dpd(processes, tmp_path, "n1", addr, keys)
+    pool = LocalPool(processes, tmp_path, addr=f"tcp://127.0.0.1:{port}")
+    addr, with_keys = pool.addr, ("--advertise", "127.0.0.1", "--keys", str(keys))
+    coord_log = pool.start_daemon("n0", serve=f"tcp://0.0.0.0:{port}", args=with_keys).log  # non-loopback: allowed with keys
+    pool.start_daemon("n1", args=with_keys)
     wait_for("two nodes registered over CURVE", lambda: len(nodes(addr, keys)) == 2, 30)
 
-    job = tmp_path / "curve.toml"
-    job.write_text(JOB)
+    job = write_job(tmp_path, "curve", workers={"min": 2, "max": 2}, train={"steps": 10})
     r = dpctl("--coordinator", addr, "submit", str(job), keys=keys)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
@@ -182,7 +150,7 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     other = tmp_path / "other-pool"
     assert keys_init(other).returncode == 0
     assert dpctl("--coordinator", addr, "status", keys=other, timeout=1).returncode == 3
-    dpd(processes, tmp_path, "rogue", addr, keys)
+    pool.start_daemon("rogue", args=with_keys)
 
     def done() -> dict[str, object] | None:
         r = dpctl("--coordinator", addr, "status", job_id, "--json", keys=keys)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import Processes, free_port
+from conftest import LocalPool, Processes
 
 from dpool.client.keys import init_keys
 from dpool.daemon import cli, sdnotify, service
@@ -256,16 +256,11 @@ def test_notify_reaches_path_and_abstract_sockets(tmp_path: Path) -> None:
 def test_dpd_says_ready_once_registered_and_stopping_on_sigterm(processes: Processes, tmp_path: Path) -> None:
     address = f"@dpool-test-{uuid.uuid4().hex}"  # abstract: as systemd's own NOTIFY_SOCKET may be
     with receiver(address) as r:
-        env = {k: v for k, v in os.environ.items() if k not in ("DPOOL_KEYS", "DPOOL_COORDINATOR")} | {"NOTIFY_SOCKET": address}
-        port = free_port()
-        p = processes.start(
-            [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", f"tcp://127.0.0.1:{port}", "--name", "n0", "--state-dir", str(tmp_path / "state")],
-            tmp_path / "dpd.log",
-            env=env,
-        )
+        pool = LocalPool(processes, tmp_path)
+        p = pool.start_daemon("n0", serve=True, env={"NOTIFY_SOCKET": address}).proc
         ready = r.recv(4096).decode()
         assert ready.splitlines()[0] == "READY=1"
-        assert f"STATUS=registered with tcp://127.0.0.1:{port}" in ready
+        assert f"STATUS=registered with {pool.addr}" in ready
         os.kill(p.pid, signal.SIGTERM)
         assert r.recv(4096).decode().splitlines()[0] == "STOPPING=1"
         assert p.wait(timeout=30) == 0
