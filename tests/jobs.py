@@ -24,6 +24,14 @@ TINY: dict[str, dict[str, Any]] = {
     "eval": {"every_steps": 1000, "batches": 1, "sample_every_steps": 1000},
 }
 
+# The trainer's own tests (ring groups, no daemon): two layers of width 64, 24 sequences of 64 tokens
+# a step, enough that the loss curve tells runs apart.
+SMALL: dict[str, dict[str, Any]] = {
+    "model": {"layers": 2, "dim": 64, "heads": 4, "context": 64},
+    "train": {"global_batch": 24, "lr": 1e-3, "warmup_steps": 3, "log_every_steps": 1},
+}
+
+
 def job(name: str, base: dict[str, dict[str, Any]] = TINY, **sections: dict[str, Any]) -> dict[str, Any]:
     """The job `name`: `base` with the keys of each given section replaced. A `model` of another
     kind than the base's starts from nothing (the GPT's keys do not apply to it)."""

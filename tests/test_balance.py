@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import ring
+from jobs import SMALL, write_job
 
 from dpool.protocol.shares import apportion
 from dpool.trainer.balance import (
@@ -69,35 +70,13 @@ def test_balancer_weighs_tokens_not_examples():
     assert b.speeds() == [1000.0, 1000.0] and b.propose() is None
 
 
-JOB = """\
-name = "balance"
-[model]
-layers = 2
-dim = 64
-heads = 4
-context = 64
-[train]
-steps = 30
-global_batch = 24
-micro_batch = {micro}
-lr = 1e-3
-warmup_steps = 3
-log_every_steps = 1
-[checkpoint]
-every_steps = 30
-[eval]
-every_steps = 30
-batches = 1
-sample_every_steps = 30
-sample_tokens = 8
-"""
-
-
 @pytest.mark.skipif(not shutil.which("taskset") or (os.cpu_count() or 1) < 2, reason="needs taskset and 2 CPUs")
 def test_a_slowed_rank_gets_a_smaller_share_and_the_curve_holds(tmp_path):
     """Rank 1 shares its CPU with a busy loop (a slower machine); rank 0 has a CPU to itself."""
-    job = tmp_path / "job.toml"
-    job.write_text(JOB.format(micro='"auto"'))
+    job = write_job(
+        tmp_path, "balance", file="job.toml", base=SMALL, train={"steps": 30, "micro_batch": "auto"},
+        checkpoint={"every_steps": 30}, eval={"every_steps": 30, "batches": 1, "sample_every_steps": 30, "sample_tokens": 8},
+    )
     env = {"DPOOL_CACHE_DIR": str(tmp_path / "cache"), "OPENBLAS_NUM_THREADS": "1"}
     ring.run(job, str(tmp_path / "alone"), 1, tmp_path / "logs", env=env)
     spinner = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"], start_new_session=True)

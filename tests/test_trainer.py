@@ -18,39 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ring
+from jobs import SMALL, write_job
 
 TESTS = Path(__file__).parent
 EXAMPLES = TESTS.parent / "examples"
 
-TINY = """\
-name = "tiny"
-[model]
-layers = 2
-dim = 64
-heads = 4
-context = 64
-[train]
-steps = 15
-global_batch = 24
-micro_batch = {micro}
-lr = 1e-3
-warmup_steps = 3
-log_every_steps = 1
-[checkpoint]
-every_steps = {every}
-keep = {keep}
-[eval]
-every_steps = 5
-batches = 2
-sample_every_steps = 10
-sample_tokens = 20
-"""
-
-
-def tiny_job(folder: Path, micro: int = 24, every: int = 3, keep: int = 10) -> Path:
-    path = folder / f"tiny-m{micro}-e{every}-k{keep}.toml"
-    path.write_text(TINY.format(micro=micro, every=every, keep=keep))
-    return path
+def tiny_job(folder: Path, micro: int = 24, every: int = 3, keep: int = 10, lr: float = 1e-3) -> Path:
+    return write_job(
+        folder, "tiny", file=f"tiny-m{micro}-e{every}-k{keep}-lr{lr}.toml", base=SMALL,
+        train={"steps": 15, "micro_batch": micro, "lr": lr}, checkpoint={"every_steps": every, "keep": keep},
+        eval={"every_steps": 5, "batches": 2, "sample_every_steps": 10, "sample_tokens": 20},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +187,7 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(reference, work, env
 def test_checkpoint_of_another_job_is_refused(reference, work, env):
     run_dir = work / "other-job"
     shutil.copytree(reference, run_dir)
-    other = work / "other.toml"
-    other.write_text(tiny_job(work).read_text().replace("lr = 1e-3", "lr = 2e-3"))
+    other = tiny_job(work, lr=2e-3)
     g = ring.start(other, str(run_dir), 1, work / "logs", env=env)
     try:
         assert g.wait(120) == [2]
