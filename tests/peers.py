@@ -6,7 +6,6 @@ Used by test_hostile.py (one attack per test) and test_fuzz.py (ten thousand fra
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,8 +13,9 @@ from typing import Any
 
 import msgpack
 import zmq
-from conftest import Processes, free_port, wait_for
+from conftest import Processes, wait_for
 
+from dpool.client.localpool import LocalPool
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
@@ -101,10 +101,9 @@ class Served:
 
     def __init__(self, procs: Processes, root: Path, *, slots: int = 1, name: str = "n0") -> None:
         self.root, self.name = root, name
-        self.addr = f"tcp://127.0.0.1:{free_port()}"
-        self.log = root / f"dpd-{name}.log"
-        cmd = [sys.executable, "-m", "dpool.daemon.cli", "run", "--name", name, "--workers", str(slots), "--state-dir", str(root / f"state-{name}"), "--stop-grace", "5", "--serve", self.addr]
-        self.proc = procs.start(cmd, self.log)
+        pool = LocalPool(root, procs=procs)
+        daemon = pool.start_daemon(name, serve=True, workers=slots)
+        self.addr, self.proc, self.log = pool.addr, daemon.proc, daemon.log
         wait_for(f"{name} registered", lambda: self.node_state() == "idle", 60, every=0.2)
 
     def call(self, msg: m.Message, expect: type[Any], timeout: float = 10.0) -> Any:
