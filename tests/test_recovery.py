@@ -186,6 +186,9 @@ def test_below_workers_min_the_job_waits_queued_then_finishes(pool: Pool, tmp_pa
     pool.start(2)
     job = pool.submit(job_file(tmp_path, "below-min", lo=2, hi=2))
     mid_run(pool, job)
+    # A checkpoint reached the coordinator (written off the step path, it can trail the steps on
+    # a busy machine): the job must go back to the queue with it.
+    pool.wait_status(job, "a checkpoint reported", lambda s: s["checkpoint_step"] is not None, timeout=60, every=0.05)
     pool.daemons["n1"].proc.send_signal(signal.SIGKILL)
     pool.daemons["n1"].proc.wait()
     queued = pool.wait_status(job, "the job back in the queue", lambda s: s["state"] == "queued", timeout=60, every=0.05)
