@@ -81,7 +81,29 @@ class Stepper:
         # parameters are implicit inputs, re-read at every call, so updates made by the optimizer
         # are seen (bench/overhead.py: ~1.2x on CPU).
         self.loss_and_grad = mx.compile(loss_and_grad, inputs=model.state, outputs=model.state)
-        self.dtypes = {k: v.dtype for k, v in tree_flatten(model.trainable_parameters())}
+        flat = tree_flatten(model.trainable_parameters())
+        self.names = [k for k, _ in flat]
+        self.dtypes = {k: v.dtype for k, v in flat}
+        # The update, compiled too (as mlx-lm compiles its whole step): divide the pool's sums by
+        # its token count, clip by the global norm, AdamW. Its state is the model's and the
+        # optimizer's, read and written in place (set up before compiling, so the dicts stay).
+        optimizer.init(model.trainable_parameters())
+        state = [model.state, optimizer.state]
+        self.apply = mx.compile(self._apply, inputs=state, outputs=state)
+
+    def _apply(self, sums: list[mx.array], ctl_sum: mx.array) -> mx.array:
+        grads = self._mean(sums, ctl_sum)
+        norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for g in grads))
+        if self.grad_clip > 0:
+            scale = mx.minimum(1.0, self.grad_clip / (norm + 1e-6))
+            grads = [(g * scale).astype(g.dtype) for g in grads]
+        self.optimizer.update(self.model, tree_unflatten(list(zip(self.names, grads, strict=True))))
+        return norm
+
+    def _mean(self, sums: list[mx.array], ctl_sum: mx.array) -> list[mx.array]:
+        """Every rank divides the pool's gradient sums by the pool's trained-token count."""
+        inv = 1.0 / ctl_sum[1]
+        return [(g * inv).astype(self.dtypes[k]) for k, g in zip(self.names, sums, strict=True)]
 
     def batches(self, examples: list[Example]) -> list[MicroBatch]:
         return pack(examples, self.micro, self.task.pad_to, self.task.width_cap)
@@ -110,6 +132,13 @@ class Stepper:
         self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None
     ) -> tuple[list[str], list[mx.array], mx.array]:
         """The pool's mean gradient (names, arrays) and the summed control vector, identical on every rank."""
+        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce)
+        return self.names, self._mean(sums, ctl_sum), ctl_sum
+
+    def reduce_sums(
+        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None
+    ) -> tuple[list[mx.array], mx.array]:
+        """The pool's gradient sums (in `names` order) and the summed control vector."""
         t0 = time.perf_counter()
         flat, loss, tokens = self.grad_sums(examples)
         compute = time.perf_counter() - t0
@@ -124,23 +153,16 @@ class Stepper:
             known[3 + world : 3 + 2 * world] = [float(s) for s in announce]
         # The loss and token sums are still lazy: placed into their slots without a sync.
         control = mx.array(known, dtype=mx.float32).at[0].add(loss).at[1].add(tokens).at[3 + 2 * world + rank].add(tokens)
+        assert [k for k, _ in flat] == self.names, "gradients come in the trainable parameters' order"
         summed = self.group.all_sum_fused([g for _, g in flat] + [control])
-        ctl_sum = summed[-1]
-        inv = 1.0 / ctl_sum[1]  # every rank divides by the pool's trained-token count
-        names = [k for k, _ in flat]
-        grads = [(g * inv).astype(self.dtypes[k]) for k, g in zip(names, summed[:-1], strict=True)]
-        return names, grads, ctl_sum
+        return summed[:-1], summed[-1]
 
     def step(
         self, examples: list[Example], lr: float, stop_requested: bool = False, announce: list[int] | None = None
     ) -> StepStats:
-        names, grads, ctl_sum = self.reduce(examples, stop_requested, announce)
-        norm = mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for g in grads))
-        if self.grad_clip > 0:
-            scale = mx.minimum(1.0, self.grad_clip / (norm + 1e-6))
-            grads = [(g * scale).astype(g.dtype) for g in grads]
+        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
-        self.optimizer.update(self.model, tree_unflatten(list(zip(names, grads, strict=True))))
+        norm = self.apply(sums, ctl_sum)
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
         mx.eval(self.model.parameters(), self.optimizer.state, ctl_sum, norm)
         c = ctl_sum.tolist()
