@@ -111,3 +111,20 @@ def run(job, run_dir, world, tmp, timeout: float = 300, **kw) -> Group:
 def metrics(run_dir: Path, kind: str = "train") -> dict[int, dict]:
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in rows if r["kind"] == kind}
+
+
+def kill_at_checkpoint(job, run_dir: Path, step: int, tmp: Path, env: dict[str, str] | None = None, timeout: float = 120) -> None:
+    """Run one rank and SIGKILL it the moment its step-`step` checkpoint exists (its manifest is
+    the last file written), before it can write the next one."""
+    g = start(job, str(run_dir), 1, tmp, env=env)
+    manifest = Path(run_dir) / "checkpoints" / f"step-{step}" / "manifest.json"
+    try:
+        deadline = time.monotonic() + timeout
+        while not manifest.exists():
+            assert g.procs[0].poll() is None, g.output(0)
+            assert time.monotonic() < deadline, f"no step-{step} checkpoint in {timeout} s"
+            time.sleep(0.005)
+        os.killpg(g.procs[0].pid, signal.SIGKILL)
+        assert g.procs[0].wait(timeout=10) == -signal.SIGKILL
+    finally:
+        g.kill()

@@ -9,12 +9,9 @@ what mlx-lm's own CLIs read.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -175,18 +172,7 @@ def test_a_killed_run_resumes_exactly(assets, env, tmp_path):
     ref = tmp_path / "ref"
     ring.run(job_file, str(ref), 1, tmp_path / "logs", env=env)
     killed = tmp_path / "killed"
-    g = ring.start(job_file, str(killed), 1, tmp_path / "logs", env=env)
-    manifest = killed / "checkpoints" / "step-4" / "manifest.json"
-    try:
-        deadline = time.monotonic() + 120
-        while not manifest.exists():
-            assert g.procs[0].poll() is None, g.output(0)
-            assert time.monotonic() < deadline, "no step-4 checkpoint in 120 s"
-            time.sleep(0.005)
-        os.killpg(g.procs[0].pid, signal.SIGKILL)
-        g.procs[0].wait(timeout=10)
-    finally:
-        g.kill()
+    ring.kill_at_checkpoint(job_file, killed, 4, tmp_path / "logs", env=env)
     assert not (killed / "checkpoints" / "step-8").exists(), "killed before the end"
     resumed = ring.run(job_file, str(killed), 1, tmp_path / "logs", env=env)
     assert '"resume_step":' in resumed.output(0) and '"resume_step":0' not in resumed.output(0)

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -142,18 +141,7 @@ def test_micro_batch_does_not_change_the_curve(reference, work, env):
 def test_sigkill_after_checkpoint_resumes_exactly(reference, work, env):
     run_dir = work / "killed"
     job = tiny_job(work, every=6)
-    g = ring.start(job, str(run_dir), 1, work / "logs", env=env)
-    manifest = run_dir / "checkpoints" / "step-6" / "manifest.json"
-    try:
-        deadline = time.monotonic() + 120
-        while not manifest.exists():
-            assert g.procs[0].poll() is None, g.output(0)
-            assert time.monotonic() < deadline, "no step-6 checkpoint in 120 s"
-            time.sleep(0.005)
-        os.killpg(g.procs[0].pid, signal.SIGKILL)
-        assert g.procs[0].wait(timeout=10) == -signal.SIGKILL
-    finally:
-        g.kill()
+    ring.kill_at_checkpoint(job, run_dir, 6, work / "logs", env=env)
     assert not (run_dir / "checkpoints" / "step-12").exists(), "killed before the next checkpoint"
     resumed = ring.run(job, str(run_dir), 1, work / "logs", env=env)
     assert '"resume_step":6' in resumed.output(0)
