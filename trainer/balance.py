@@ -36,10 +36,14 @@ class Balancer:
     window: int = 4
     min_gain: float = 0.10
     _rates: deque[list[float]] = field(default_factory=deque)
+    _skip: int = 0  # steps not to learn from: the first under a new split compiles its new shapes
 
     def observe(self, rank_seconds: list[float], rank_work: list[float] | None = None) -> None:
         """One step's compute seconds per rank, and the work each did in them (trained tokens;
         default: its share of sequences, all of one length)."""
+        if self._skip:
+            self._skip -= 1
+            return
         work = rank_work if rank_work is not None else self.shares
         self._rates.append([w / max(t, 1e-9) for w, t in zip(work, rank_seconds, strict=True)])
         while len(self._rates) > self.window:
@@ -70,6 +74,7 @@ class Balancer:
         """Shares changed (every rank switched): timings under the old split no longer apply."""
         self.shares = list(shares)
         self._rates.clear()
+        self._skip = 1
 
 
 # ---------------------------------------------------------------------------------------------
