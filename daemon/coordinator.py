@@ -3,9 +3,9 @@
 The loop reads every waiting frame, decodes it (a bad one gets an `error` reply naming the field,
 and a rate-limited log line), hands it to the pool or answers a query from the store, carries out
 the pool's actions, and on a timer ticks the pool (heartbeat expiry, deadlines) and heartbeats every
-registered node. Then it commits, once per batch, and only then sends what the batch produced: a
-`group.start` never leaves before the generation it starts is on disk, so a restarted coordinator
-cannot start that generation number again.
+registered node. Then it lets the pool admit waiting jobs (once per batch, not per message), commits,
+and only then sends what the batch produced: a `group.start` never leaves before the generation it
+starts is on disk, so a restarted coordinator cannot start that generation number again.
 
 Nothing a peer sends stops the loop. Each request and each tick is one unit of work: its database
 writes are a savepoint and its messages wait in the outbox, so a unit that raises is undone whole
@@ -31,7 +31,8 @@ import zmq.asyncio
 
 from dpool.daemon import export_relay as xr
 from dpool.daemon.export_relay import ExportRelay
-from dpool.daemon.pool import Job, JobChanged, NodeChanged, Pool, Record, Send
+from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Send
+from dpool.daemon.records import JobRef
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, parse_job
@@ -70,7 +71,6 @@ class Coordinator:
         self.node_of: dict[bytes, str] = {}
         self.sock: zmq.asyncio.Socket | None = None
         self.raw: zmq.Socket | None = None  # the same socket, for non-blocking recv/send
-        self._deferred: list[Any] = []  # actions to run once the current reply is sent
         self._outbox: list[list[bytes]] = []  # sent once the batch is committed
         self.endpoint: str | None = None
         self.ready = asyncio.Event()
@@ -95,9 +95,9 @@ class Coordinator:
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         now = self.clock()
-        self.pool.remembered = self.store.set_aside_nodes()
-        for job in self.store.load_jobs():
-            self.pool.restore(job, now)
+        self.pool.remembered = self.store.held_nodes()
+        for job, saved in self.store.load_jobs():
+            self.pool.restore(job, saved, now)
         self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs), curve=self.keys is not None)
         self.ready.set()
         return self.endpoint
@@ -118,6 +118,7 @@ class Coordinator:
                 if now >= next_tick:
                     self._unit("tick", functools.partial(self._tick, now))
                     next_tick = now + self.heartbeat_s
+                self._unit("schedule", lambda: self._run(self.pool.schedule(self.clock())))
                 self._commit_and_send()
         finally:
             self.store.close()
@@ -157,7 +158,6 @@ class Coordinator:
             self.store.end_unit()
         except Exception as e:
             del self._outbox[sent:]
-            self._deferred = []
             with contextlib.suppress(sqlite3.Error):  # a database that cannot even roll back: said below
                 self.store.undo_unit()
             if not isinstance(e, ProtocolError):
@@ -191,11 +191,12 @@ class Coordinator:
             self._send_to(peer, m.Error(code=str(ErrorCode.INTERNAL), message=f"{msg.TYPE}: {type(raised).__name__}: {raised}"), msg_id)
 
     def _serve(self, peer: bytes, msg: Message, msg_id: int) -> None:
-        reply = self._dispatch(peer, msg, msg_id)
+        # The reply goes out before what the request caused: a registering node knows it is
+        # registered before any group message reaches it.
+        reply, actions = self._dispatch(peer, msg, msg_id)
         if reply is not None:
             self._send_to(peer, reply, msg_id)
-        deferred, self._deferred = self._deferred, []
-        self._run(deferred)
+        self._run(actions)
 
     def _reject(self, peer: bytes, err: ProtocolError) -> None:
         self.stats["rejected"] += 1
@@ -217,8 +218,12 @@ class Coordinator:
         self._outbox.append([peer, *frames])
 
     def _run(self, actions: list[Any]) -> None:
-        now = self.clock()
+        now, saved = self.clock(), set()
         for a in actions:
+            if isinstance(a, JobChanged | NodeChanged):
+                if a in saved:
+                    continue  # saved once per unit of work, however often it changed
+                saved.add(a)
             if isinstance(a, Send):
                 peer = self.peer_of.get(a.node)
                 if peer is not None:
@@ -233,7 +238,7 @@ class Coordinator:
             elif isinstance(a, NodeChanged):
                 node = self.pool.nodes.get(a.node)
                 if node is not None:
-                    self.store.save_node(self.pool.node_row(node, now), node.incarnation, node.joined_at, node.last_seen)
+                    self.store.save_node(self.pool.node_row(node, now), node.incarnation, node.joined_at, node.last_seen, node.hold)
 
     def _relay(self, actions: list[xr.Action]) -> None:
         """Carry out the export relay's actions (answers to clients, requests to nodes)."""
@@ -253,56 +258,63 @@ class Coordinator:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0) -> Message | None:
+    def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0) -> tuple[Message | None, list[Any]]:
+        """The reply to a message (None: answered later, or not at all) and the pool's actions."""
         now = self.clock()
         match msg:
             case m.Submit():
                 return self._submit(msg, now)
             case m.Status(job=None):
-                jobs = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
-                return m.StatusReply(jobs=[j.status() for j in jobs])
+                live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
+                stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live})
+                return m.StatusReply(jobs=[j.status() for j in live] + stored), []
             case m.Status(job=ref):
-                return m.StatusReply(jobs=[self._job(ref).status()])
+                ref_ = self._job(ref)
+                job = self.pool.jobs.get(ref_.id)
+                return m.StatusReply(jobs=[job.status()] if job else self.store.statuses(1, only=ref_.id)), []
             case m.Nodes():
-                return m.NodesReply(nodes=self.pool.node_rows(now))
+                return m.NodesReply(nodes=self.pool.node_rows(now)), []
             case m.Metrics(job=ref, after=after, limit=limit):
-                job = self._job(ref)
-                rows, cursor, more = self.store.metrics(job.id, after, _page(limit))
-                return m.MetricsReply(job_id=job.id, rows=rows, cursor=cursor, more=more)
+                job_id = self._job(ref).id
+                rows, cursor, more = self.store.metrics(job_id, after, _page(limit))
+                return m.MetricsReply(job_id=job_id, rows=rows, cursor=cursor, more=more), []
             case m.Samples(job=ref, after=after, limit=limit):
-                job = self._job(ref)
-                samples, cursor, more = self.store.samples(job.id, after, _page(limit))
-                return m.SamplesReply(job_id=job.id, rows=samples, cursor=cursor, more=more)
+                job_id = self._job(ref).id
+                samples, cursor, more = self.store.samples(job_id, after, _page(limit))
+                return m.SamplesReply(job_id=job_id, rows=samples, cursor=cursor, more=more), []
             case m.Events(job=ref, after=after, limit=limit):
-                job, limit = self._job(ref), _page(limit)
-                events, cursor = self.store.events(job, after, limit)
-                return m.EventsReply(job_id=job.id, events=events, cursor=cursor, more=len(events) == limit)
+                found, limit = self._job(ref), _page(limit)
+                events, cursor = self.store.events(found, after, limit)
+                return m.EventsReply(job_id=found.id, events=events, cursor=cursor, more=len(events) == limit), []
             case m.Logs(job=ref, after=after, rank=rank, limit=limit):
-                job, limit = self._job(ref), _page(limit)
-                lines, cursor = self.store.logs(job.id, after, rank, limit)
-                return m.LogsReply(job_id=job.id, lines=lines, cursor=cursor, more=len(lines) == limit, state=str(job.state))
+                found, limit = self._job(ref), _page(limit)
+                lines, cursor = self.store.logs(found.id, after, rank, limit)
+                return m.LogsReply(job_id=found.id, lines=lines, cursor=cursor, more=len(lines) == limit, state=str(found.state)), []
             case m.Cancel(job=ref):
-                job = self._job(ref)
-                self._run(self.pool.cancel(now, job))
-                return m.CancelReply(job_id=job.id, state=str(job.state))
+                found = self._job(ref)
+                job = self.pool.live.get(found.id)
+                if job is None:  # finished already: nothing to cancel
+                    return m.CancelReply(job_id=found.id, state=str(found.state)), []
+                actions = self.pool.cancel(now, job)
+                return m.CancelReply(job_id=job.id, state=str(job.state)), actions
             case m.Drain(node=name) | m.Undrain(node=name):
                 if name not in self.pool.nodes:
                     known = ", ".join(sorted(self.pool.nodes)) or "none"
                     raise ProtocolError(ErrorCode.NOT_FOUND, f"no node {name!r} in the pool (nodes: {known})")
                 drain = isinstance(msg, m.Drain)
-                self._run(self.pool.drain(now, name) if drain else self.pool.undrain(now, name))
+                actions = self.pool.drain(now, name) if drain else self.pool.undrain(now, name)
                 node = self.pool.nodes[name]
-                return (m.DrainReply if drain else m.UndrainReply)(node=name, state=str(node.state), reason=node.reason)
+                return (m.DrainReply if drain else m.UndrainReply)(node=name, state=str(node.state), reason=node.reason), actions
             case m.Export(job=ref, step=step):
-                job = self._job(ref)
-                self._relay(self.exports.start(now, peer, msg_id, job.id, step, self.pool.export_holders(job.id, step)))
-                return None  # answered once a node has made it (or could not)
+                job_id = self._job(ref).id
+                self._relay(self.exports.start(now, peer, msg_id, job_id, step, self.pool.export_holders(job_id, step)))
+                return None, []  # answered once a node has made it (or could not)
             case m.ExportRead():
                 self._relay(self.exports.read(now, peer, msg_id, msg))
-                return None
+                return None, []
             case m.ExportClose(export_id=export_id):
                 self._relay(self.exports.close(now, peer, msg_id, export_id))
-                return None
+                return None, []
             case m.NodeRegister():
                 return self._register(peer, msg, now)
         name = self.node_of.get(peer)
@@ -310,92 +322,81 @@ class Coordinator:
             if msg.TYPE.value.startswith("node."):
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, f"{msg.TYPE} from a peer that has not registered; send node.register")
             raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
+        return None, self._from_node(peer, name, msg, msg_id, now)
+
+    def _from_node(self, peer: bytes, name: str, msg: Message, msg_id: int, now: float) -> list[Any]:
+        """A registered node's message: the pool's actions (nodes are never answered)."""
         self.pool.seen(now, name)
-        actions: list[Any]
         match msg:
-            case m.NodeHeartbeat(workers=workers):
-                actions = self.pool.heartbeat(now, name, workers)
             case m.NodeBye():
-                actions = self.pool.bye(now, name)
                 self.node_of.pop(peer, None)
                 self.peer_of.pop(name, None)
-            case m.NodePrepared(job=job, generation=g, host=host, ports=ports, error=error):
-                actions = self.pool.prepared(now, name, job, g, host, ports, error)
-            case m.NodeWorkerStarted(job=job, generation=g, rank=r, pid=pid):
-                actions = self.pool.worker_started(now, name, job, g, r, pid)
-            case m.NodeWorkerHello(job=job, generation=g, rank=r, pid=pid, resume_step=resume):
-                actions = self.pool.worker_hello(now, name, job, g, r, pid, resume)
-            case m.NodeProgress(job=job, generation=g, rank=r, step=step, tokens=tokens, seconds=seconds):
+                return self.pool.bye(now, name)
+            case m.NodeProgress():
                 self.stats["progress"] += 1
-                actions = self.pool.progress(now, job, g, r, step, tokens, seconds)
             case m.NodeMetric(job=job, generation=g, row=row):
                 if isinstance(row, TrainRow) and row.generation is None:
-                    row = dataclasses.replace(row, generation=g)
+                    msg = dataclasses.replace(msg, row=dataclasses.replace(row, generation=g))
+                    row = msg.row
                 if job in self.pool.jobs:
                     self.store.add_metric(job, g, row)
-                actions = self.pool.metric(now, job, g, row)
             case m.NodeSample(job=job, generation=g, row=row):
                 if job in self.pool.jobs:
                     self.store.add_sample(job, g, row)
-                actions = []
-            case m.NodeCheckpoint(job=job, generation=g, rank=r, slot=slot, step=step, seconds=seconds):
-                actions = self.pool.checkpoint(now, name, job, g, r, slot, step, seconds)
+                return []
             case m.NodeLogs(job=job, generation=g, rank=r, lines=lines):
                 if job in self.pool.jobs:
                     self.store.add_logs(job, now, r, g, lines)
-                actions = []
+                return []
             case m.NodeExportReady() | m.NodeExportData():
                 self._relay(self.exports.from_node(now, name, msg_id, msg))
-                actions = []
+                return []
             case m.Error(code=code, message=text):
                 if msg_id:  # a node's answer to a relayed export request it could not serve
                     self._relay(self.exports.from_node(now, name, msg_id, msg))
                 else:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
-                actions = []  # never answered: an error about an error would echo forever
-            case m.NodeWorkerExited(job=job, generation=g, rank=r, slot=slot, code=code, stopped=stopped, error=error):
-                actions = self.pool.worker_exited(now, name, job, g, r, slot, code, stopped, error)
+                return []  # never answered: an error about an error would echo forever
+            case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
+                  | m.NodeWorkerExited()):
+                pass
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
-        self._run(actions)
-        return None
+        return self.pool.from_node(now, name, msg)  # type: ignore[arg-type]
 
-    def _job(self, ref: str) -> Job:
-        job = self.pool.resolve(ref)
-        if job is None:
+    def _job(self, ref: str) -> JobRef:
+        found = self.store.find_job(ref)
+        if found is None:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {ref!r} (an id, a unique id prefix, or a job name)")
-        return job
+        job = self.pool.jobs.get(found.id)
+        return job.ref() if job is not None else found
 
-    def _submit(self, msg: m.Submit, now: float) -> Message:
+    def _submit(self, msg: m.Submit, now: float) -> tuple[Message, list[Any]]:
         try:
             spec = parse_job(msg.job, source=msg.source)
         except JobFileError as e:
-            return m.Error(code=str(ErrorCode.BAD_JOB), message=str(e))
+            return m.Error(code=str(ErrorCode.BAD_JOB), message=str(e)), []
         except (TypeError, ValueError, KeyError) as e:
-            return m.Error(code=str(ErrorCode.BAD_JOB), message=f"{msg.source}: {e}")
+            return m.Error(code=str(ErrorCode.BAD_JOB), message=f"{msg.source}: {e}"), []
         job_id = f"{spec.name}-{secrets.token_hex(3)}"
-        while job_id in self.pool.jobs:
+        while self.store.has_job(job_id):
             job_id = f"{spec.name}-{secrets.token_hex(3)}"
-        self._run(self.pool.submit(now, job_id, spec))
-        return m.Submitted(job_id=job_id)
+        return m.Submitted(job_id=job_id), self.pool.submit(now, job_id, spec)
 
-    def _register(self, peer: bytes, msg: m.NodeRegister, now: float) -> Message:
+    def _register(self, peer: bytes, msg: m.NodeRegister, now: float) -> tuple[Message, list[Any]]:
         known = self.pool.nodes.get(msg.name)
         restarted = known is not None and known.incarnation != msg.incarnation
-        refusal, actions = self.pool.register(now, msg.name, msg.incarnation, msg.info, msg.running, msg.exited, msg.holdings)
+        refusal, actions = self.pool.register(now, msg)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)
-            return m.Error(code=str(ErrorCode.DUPLICATE_NAME), message=refusal)
+            return m.Error(code=str(ErrorCode.DUPLICATE_NAME), message=refusal), []
         old = self.peer_of.get(msg.name)
         if old is not None and old != peer:
             self.node_of.pop(old, None)
         self.peer_of[msg.name], self.node_of[peer] = peer, msg.name
         if restarted:
             self._relay(self.exports.node_restarted(now, msg.name))
-        # The reply goes out before the actions, so the node knows it is registered before any
-        # group message reaches it.
-        self._deferred = actions
-        return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness)
+        return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness), actions
 
 
 def _page(limit: int) -> int:

@@ -5,12 +5,14 @@
        |         v           v  |
        '------ recovering ------'   (a failure or a membership change: stop, re-plan, start g+1)
 
-`recovering` has two phases. First the old generation is stopped: `live` holds its ranks whose
-process may still run, and the phase ends when every one has exited (or its node is gone), or when
-the settle time after a failure has passed (a rank on a dead node never reports its exit; the next
-generation starts without its slot). Then the job waits for admission like a queued job (the pool
-re-plans with the slots that are free) and the next generation starts; it is `running` again once
-every rank has said hello, and `group.resumed` is emitted at its first completed step.
+`recovering` goes through phases (`Phase`). First the old generation is stopped, now (`stopping`)
+or at its next step boundary (`checkpointing`): `live` holds its ranks whose process may still run,
+and the stop ends when every one has exited (or its node is gone), or when the settle time after a
+failure has passed (a rank on a dead node never reports its exit; the next generation starts
+without its slot). Then the job waits for admission like a queued job (`stopped`; the pool re-plans
+with the slots that are free) and the next generation is prepared and started (`restarting`); it
+is `running` again once every rank has said hello, and `group.resumed` is emitted at its first
+completed step.
 
 A failure (a rank exiting with an error, a node's heartbeats stopping, no step progress in time)
 uses one restart of the job's budget; a membership change (a node joining, a drain, a dpd stopping
@@ -23,6 +25,7 @@ into messages. Every transition carries a comment saying why it happens.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +41,29 @@ class JobState(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class Phase(enum.StrEnum):
+    """What a RECOVERING job is doing (None in every other state)."""
+
+    STOPPING = "stopping"  # the old group is being stopped now (SIGTERM, then SIGKILL)
+    CHECKPOINTING = "checkpointing"  # the old group was asked to checkpoint at a step boundary and exit
+    STOPPED = "stopped"  # nothing of it is expected to run: waiting for admission
+    RESTARTING = "restarting"  # the next generation was admitted: being prepared, or launched and forming
+
+
+class StopMode(enum.StrEnum):
+    """How a group is stopped (the `mode` of group.stop on the wire)."""
+
+    NOW = "now"  # SIGTERM, then SIGKILL after the grace time
+    CHECKPOINT = "checkpoint"  # checkpoint at the next step boundary and exit 75
+
+
+class Cause(enum.StrEnum):
+    """Why a group was interrupted: a failure uses a restart of the budget, a membership change not."""
+
+    FAILURE = "failure"
+    MEMBERSHIP = "membership"
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -128,6 +154,29 @@ class Requeue:
 
 
 @dataclass(frozen=True, slots=True)
+class Saved:
+    """What the coordinator's database keeps of a job's machine (`daemon/store.py`)."""
+
+    state: JobState
+    generation: int
+    restarts: int
+    step: int
+    error: str | None
+    started_at: float | None
+    finished_at: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """A restarted coordinator read the job back from its database."""
+
+    saved: Saved
+    launched: int | None  # the world size of the saved plan when that plan is of `generation`: it was started
+    start_deadline: float  # a group that was starting must be up by then
+    settle_by: float  # a group that was being stopped is given up on by then (its ranks unreported)
+
+
+@dataclass(frozen=True, slots=True)
 class CancelRequested:
     pass
 
@@ -139,7 +188,7 @@ class Tick:
 
 Event = (
     Admitted | StartAborted | GroupLaunched | RankUp | StepDone | RankExited | NodeLost | Stalled | Reshape | Requeue
-    | CancelRequested | Tick
+    | Restored | CancelRequested | Tick
 )
 
 
@@ -152,7 +201,7 @@ class StopGroup:
     them to checkpoint at the next step boundary and exit 75)."""
 
     generation: int
-    mode: str = "now"
+    mode: StopMode = StopMode.NOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,26 +227,29 @@ Action = StopGroup | Emit | Blame
 
 @dataclass(slots=True)
 class JobMachine:
+    """One job's state. Only its own methods write these fields: the pool reads them and feeds
+    events through `handle`."""
+
+    max_restarts: int = 10
     state: JobState = JobState.QUEUED
+    phase: Phase | None = None  # RECOVERING: how far the recovery got
     generation: int = 0  # group starts so far; the running group's number
     world_size: int = 0
     error: str | None = None
     started_at: float | None = None  # first group.start
     finished_at: float | None = None
-    deadline: float | None = None  # the launched group must be up by then (None: not launched yet)
+    deadline: float | None = None  # the launched group must be up by then (None: not launched, or up)
     up: set[int] = field(default_factory=set)  # ranks of `generation` that said hello
     done: set[int] = field(default_factory=set)  # ranks of `generation` that exited 0
     live: set[int] = field(default_factory=set)  # ranks of `generation` whose process may run
-    max_restarts: int = 10
     restarts: int = 0  # crash restarts used (membership changes never count)
-    stop_mode: str | None = None  # RECOVERING: how the old group is being stopped
-    settle_by: float | None = None  # RECOVERING after a failure: re-plan by then even if ranks linger
-    stop_by: float | None = None  # RECOVERING at a checkpoint: the group must have exited by then
+    settle_by: float | None = None  # stopping after a failure: re-plan by then even if ranks linger
+    stop_by: float | None = None  # checkpointing: the group must have exited by then
     step: int = 0  # the highest step any generation completed
     high_water: int = 0  # `step` when the current generation launched
     from_step: int | None = None  # the current generation's resume step (rank 0's hello)
     interrupted_at: float | None = None  # when the failure or change that led here was seen
-    cause: str | None = None  # what it was: "failure" or "membership"
+    cause: Cause | None = None
 
     @property
     def terminal(self) -> bool:
@@ -207,189 +259,273 @@ class JobMachine:
     def launched(self) -> bool:
         return self.deadline is not None or self.state is JobState.RUNNING
 
-    def ready_to_restart(self, now: float) -> bool:
-        """RECOVERING, the old group stopped (or given up on), the next one not yet admitted."""
-        if self.state is not JobState.RECOVERING or self.stop_mode is None:
-            return False
-        return not self.live or (self.settle_by is not None and now >= self.settle_by)
+    @property
+    def forming(self) -> bool:
+        """Launched and not every rank up yet."""
+        return self.deadline is not None
 
-    def handle(self, event: Event, now: float) -> list[Action]:
-        st = self.state
-        match event:
-            case Admitted(world_size=n) if st is JobState.QUEUED or self.ready_to_restart(now):
-                # QUEUED -> STARTING: enough free slots for workers.min; ports are being reserved.
-                # RECOVERING (stopped) -> RECOVERING (restarting): the same, for generation g+1.
-                if st is JobState.QUEUED and self.generation == 0:
-                    self.state = JobState.STARTING
-                elif st is JobState.QUEUED:
-                    self.state = JobState.RECOVERING  # a requeued job resumes: still recovering
-                self.world_size, self.stop_mode, self.settle_by, self.stop_by = n, None, None, None
-                self.up, self.done, self.live, self.deadline = set(), set(), set(), None
-                return []
-            case StartAborted(reason=reason) if st in (JobState.STARTING, JobState.RECOVERING) and self.stop_mode is None and self.deadline is None:
-                # STARTING -> QUEUED: nothing was started, so nothing is lost; try again when slots
-                # are free (the node that failed to answer is usually lost by then). A restart being
-                # prepared goes back to "stopped, waiting for admission".
-                if st is JobState.STARTING:
-                    self.state = JobState.QUEUED
-                else:
-                    self.stop_mode = "aborted"
-                return [Emit("group.aborted", {"reason": reason})]
-            case GroupLaunched(generation=g, deadline=deadline) if st in (JobState.STARTING, JobState.RECOVERING) and self.stop_mode is None:
-                # (preparing) -> (launched): the generation counts from here.
-                self.generation, self.deadline = g, deadline
-                self.live, self.high_water, self.from_step = set(range(self.world_size)), self.step, None
-                if self.started_at is None:
-                    self.started_at = now
-                return []
-            case RankUp(generation=g, rank=rank, resume_step=resume) if g == self.generation and self.deadline is not None:
-                self.up.add(rank)
-                if rank == 0 and resume is not None:
-                    self.from_step = resume
-                if len(self.up) == self.world_size:
-                    # STARTING|RECOVERING -> RUNNING: every rank joined the group and loaded its
-                    # checkpoint. (The first step's deadline is the pool's progress watch.)
-                    self.state, self.deadline = JobState.RUNNING, None
-                    return [Emit("group.started", {"generation": g, "world_size": self.world_size})]
-                return []
-            case StepDone(generation=g, step=step):
-                self.step = max(self.step, step)
-                if g == self.generation and st is JobState.RUNNING and self.interrupted_at is not None:
-                    # The first step of the new generation: the interruption is over.
-                    start = self.from_step if self.from_step is not None else step - 1
-                    fields = {
-                        "from_step": start,
-                        "generation": g,
-                        "seconds_since_failure": round(now - self.interrupted_at, 3),
-                        "steps_recomputed": max(0, self.high_water - start),
-                        "cause": self.cause,
-                    }
-                    self.interrupted_at, self.cause = None, None
-                    return [Emit("group.resumed", fields)]
-                return []
-            case RankExited(generation=g) if g != self.generation or st not in ACTIVE or not self.live:
-                return []  # an old generation's straggler, or a job already decided: no news
-            case RankExited(rank=rank, code=0):
-                self.live.discard(rank)
-                self.done.add(rank)
-                if len(self.done) == self.world_size:
-                    # RUNNING|RECOVERING -> SUCCEEDED: every rank finished the job's steps (a stop
-                    # request that came too late to matter changes nothing).
-                    return self._finish(JobState.SUCCEEDED, None, now, [Emit("group.stopped", {"generation": self.generation, "reason": "done"})])
-                return []
-            case RankExited(rank=rank, node=node, code=code) if code == EXIT_STOPPED:
-                self.live.discard(rank)
-                if st is not JobState.RECOVERING:
-                    # RUNNING -> RECOVERING: the group checkpointed and stopped without being asked
-                    # here (its trainer lost its daemon, or asked by a coordinator since restarted).
-                    # Nothing is lost, so it is a membership change, not a failure.
-                    return self._stop_group(now, "checkpoint", "membership", f"rank {rank} on {node} stopped at a checkpoint", settle=False)
-                return []
-            case RankExited(rank=rank, node=node, code=code, stopped=stopped, error=error):
-                self.live.discard(rank)
-                said = {"error": error} if error else {}
-                if code == 2 and not stopped:
-                    # STARTING|RUNNING|RECOVERING -> FAILED: the trainer refused its input (the job
-                    # file, a path missing on that machine, an unusable checkpoint); no restart can
-                    # help. Also while recovering: its peers' "connection lost" exits often arrive
-                    # first and start a restart that would meet the same refusal.
-                    why = f"node {node}: rank {rank}: {error}" if error else f"rank {rank} on node {node} failed: bad job file"
-                    failed: list[Action] = [Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said})]
-                    if st is not JobState.RECOVERING or self.stop_mode == "checkpoint":
-                        failed += [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "worker.failed"})]
-                    return self._finish(JobState.FAILED, why, now, failed)
-                detail = f"rank {rank} on node {node} failed: exit code {code}" + (f": {error}" if error else "")
-                if st is JobState.RECOVERING and self.stop_mode == "checkpoint" and not stopped:
-                    # RECOVERING (checkpointing) -> RECOVERING (failed): a rank died instead of
-                    # checkpointing; the group is broken, stop the rest now.
-                    return self._fail(now, [Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said})], [node], detail)
-                if st is JobState.RECOVERING:
-                    return []  # the old group on its way out: peers of the failure, or our SIGTERM
-                exited = Emit("worker.failed", {"rank": rank, "node": node, "reason": "exit", "code": code, **said, **({"stopped": True} if stopped else {})})
-                if stopped:
-                    # STARTING|RUNNING -> RECOVERING: its daemon stopped it (dpd shutting down): the
-                    # node leaves; a membership change, so no restart is used and no node blamed.
-                    return [exited, *self._stop_group(now, "now", "membership", f"rank {rank} on node {node} stopped by its daemon")]
-                # STARTING|RUNNING -> RECOVERING: a rank died; its peers fail within ~0.1 s. Exit 1
-                # is what a rank whose peer vanished exits with ("connection to a peer was lost"),
-                # and it often arrives first, so it does not count against its node.
-                blame = [node] if code != 1 else []
-                return self._fail(now, [exited], blame, detail)
-            case NodeLost(node=node, ranks=ranks) if st in ACTIVE and self.launched_or_stopping():
-                gone = [r for r in ranks if r in self.live]
-                self.live.difference_update(ranks)
-                if not gone:
-                    return []
-                if st is JobState.RECOVERING and self.stop_mode != "checkpoint":
-                    return []  # stopping anyway: the lost ranks are accounted for
-                # STARTING|RUNNING|RECOVERING (checkpointing) -> RECOVERING: a node with ranks of
-                # this generation stopped heartbeating; their peers will hang or fail.
-                emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": node, "reason": "heartbeat"}) for r in gone]
-                return self._fail(now, emits, [node], f"node {node} (ranks {', '.join(map(str, gone))}) stopped heartbeating")
-            case Stalled(ranks=ranks, detail=detail) if (st is JobState.RUNNING or (st is JobState.RECOVERING and self.stop_mode == "checkpoint")) and self.live:
-                # RUNNING -> RECOVERING: no step completed within the progress deadline (a frozen
-                # rank leaves the others spinning inside all_sum forever).
-                emits = [Emit("worker.failed", {"rank": r, "node": n, "reason": "stalled", "detail": detail}) for r, n in ranks]
-                return self._fail(now, emits, [n for _, n in ranks[:1]], f"group {self.generation} stalled: {detail}")
-            case Reshape(reason=reason, stop_by=stop_by) if st is JobState.RUNNING:
-                # RUNNING -> RECOVERING: a node joined or is drained; checkpoint at the next step
-                # boundary and exit, so the next generation starts from exactly that step.
-                stopping = self._stop_group(now, "checkpoint", "membership", reason, settle=False)
-                self.stop_by = stop_by
-                return stopping
-            case Reshape(reason=reason) if st in (JobState.STARTING, JobState.RECOVERING) and self.deadline is not None:
-                # STARTING|RECOVERING (launched, not up) -> RECOVERING: no step was taken yet, so
-                # stopping now loses nothing; a membership change.
-                return self._stop_group(now, "now", "membership", reason)
-            case Requeue(reason=reason) if self.ready_to_restart(now):
-                # RECOVERING -> QUEUED: fewer than workers.min slots are left; the checkpoints stay,
-                # and the job resumes from them when slots return.
-                self.state, self.stop_mode, self.live, self.settle_by = JobState.QUEUED, None, set(), None
-                return [Emit("job.queued", {"reason": reason})]
-            case CancelRequested() if st is JobState.QUEUED:
-                # QUEUED -> CANCELLED: nothing runs; the job leaves the queue.
-                return self._finish(JobState.CANCELLED, None, now, [])
-            case CancelRequested() if st in ACTIVE:
-                # STARTING|RUNNING|RECOVERING -> CANCELLED: the user asked; stop what runs, keep
-                # checkpoints.
-                actions: list[Action] = []
-                if self.live:
-                    actions = [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "cancelled"})]
-                return self._finish(JobState.CANCELLED, None, now, actions)
-            case Tick() if self.deadline is not None and now >= self.deadline and st in (JobState.STARTING, JobState.RECOVERING):
-                # STARTING|RECOVERING (launched) -> RECOVERING: the group did not form in time (a
-                # peer that never appears leaves the others waiting in MLX's init forever).
-                missing = sorted(set(range(self.world_size)) - self.up)
-                emits = [Emit("worker.failed", {"rank": r, "reason": "stalled", "detail": "start timeout"}) for r in missing]
-                return self._fail(now, emits, [], f"group {self.generation} did not start in time: ranks {missing} never reported")
-            case Tick() if st is JobState.RECOVERING and self.stop_mode == "checkpoint" and self.stop_by is not None and now >= self.stop_by and self.live:
-                # RECOVERING (checkpointing) -> RECOVERING (stopping now): the group did not exit in
-                # time after the stop request; whatever it saved is kept.
-                self.stop_mode, self.settle_by, self.stop_by = "now", now + SETTLE_S, None
-                return [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "checkpoint stop timed out"})]
-        return []  # an event that does not apply in this state changes nothing
+    @property
+    def checkpointing(self) -> bool:
+        return self.phase is Phase.CHECKPOINTING
 
     def launched_or_stopping(self) -> bool:
         return self.launched or bool(self.live)
 
-    def _stop_group(self, now: float, mode: str, cause: str, reason: str, *, settle: bool = True) -> list[Action]:
-        self.state, self.stop_mode, self.deadline = JobState.RECOVERING, mode, None
+    def ready_to_restart(self, now: float) -> bool:
+        """RECOVERING, the old group stopped (or given up on), the next one not yet admitted."""
+        if self.state is not JobState.RECOVERING or self.phase not in (Phase.STOPPING, Phase.CHECKPOINTING, Phase.STOPPED):
+            return False
+        return not self.live or (self.settle_by is not None and now >= self.settle_by)
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event; the actions it calls for. An event that does not apply in this state
+        changes nothing and returns []."""
+        return _HANDLERS[type(event)](self, event, now)
+
+    # -- one method per event ------------------------------------------------------------------
+
+    def _admitted(self, e: Admitted, now: float) -> list[Action]:
+        if not (self.state is JobState.QUEUED or self.ready_to_restart(now)):
+            return []
+        # QUEUED -> STARTING: enough free slots for workers.min; ports are being reserved.
+        # RECOVERING (stopped) -> RECOVERING (restarting): the same, for generation g+1; a requeued
+        # job that resumes is recovering too.
+        self.state = JobState.STARTING if self.state is JobState.QUEUED and self.generation == 0 else JobState.RECOVERING
+        self.phase = Phase.RESTARTING if self.state is JobState.RECOVERING else None
+        self.world_size, self.settle_by, self.stop_by = e.world_size, None, None
+        self.up, self.done, self.live, self.deadline = set(), set(), set(), None
+        return []
+
+    def _start_aborted(self, e: StartAborted, now: float) -> list[Action]:
+        if not (self.state is JobState.STARTING or self.phase is Phase.RESTARTING) or self.deadline is not None:
+            return []
+        # STARTING -> QUEUED: nothing was started, so nothing is lost; try again when slots are
+        # free (the node that failed to answer is usually lost by then). A restart being prepared
+        # goes back to "stopped, waiting for admission".
+        if self.state is JobState.STARTING:
+            self.state = JobState.QUEUED
+        else:
+            self.phase = Phase.STOPPED
+        return [Emit("group.aborted", {"reason": e.reason})]
+
+    def _group_launched(self, e: GroupLaunched, now: float) -> list[Action]:
+        if not (self.state is JobState.STARTING or self.phase is Phase.RESTARTING):
+            return []
+        # (preparing) -> (launched): the generation counts from here.
+        self.generation, self.deadline = e.generation, e.deadline
+        self.live, self.high_water, self.from_step = set(range(self.world_size)), self.step, None
+        if self.started_at is None:
+            self.started_at = now
+        return []
+
+    def _rank_up(self, e: RankUp, now: float) -> list[Action]:
+        if e.generation != self.generation or self.deadline is None:
+            return []
+        self.up.add(e.rank)
+        if e.rank == 0 and e.resume_step is not None:
+            self.from_step = e.resume_step
+        if len(self.up) < self.world_size:
+            return []
+        # STARTING|RECOVERING -> RUNNING: every rank joined the group and loaded its checkpoint.
+        # (The first step's deadline is the pool's progress watch.)
+        self.state, self.phase, self.deadline = JobState.RUNNING, None, None
+        return [Emit("group.started", {"generation": e.generation, "world_size": self.world_size})]
+
+    def _step_done(self, e: StepDone, now: float) -> list[Action]:
+        self.step = max(self.step, e.step)
+        if e.generation != self.generation or self.state is not JobState.RUNNING or self.interrupted_at is None:
+            return []
+        # The first step of the new generation: the interruption is over.
+        start = self.from_step if self.from_step is not None else e.step - 1
+        fields = {
+            "from_step": start,
+            "generation": e.generation,
+            "seconds_since_failure": round(now - self.interrupted_at, 3),
+            "steps_recomputed": max(0, self.high_water - start),
+            "cause": str(self.cause),
+        }
+        self.interrupted_at, self.cause = None, None
+        return [Emit("group.resumed", fields)]
+
+    def _rank_exited(self, e: RankExited, now: float) -> list[Action]:
+        if e.generation != self.generation or self.state not in ACTIVE or not self.live:
+            return []  # an old generation's straggler, or a job already decided: no news
+        self.live.discard(e.rank)
+        if e.code == 0:
+            self.done.add(e.rank)
+            if len(self.done) < self.world_size:
+                return []
+            # RUNNING|RECOVERING -> SUCCEEDED: every rank finished the job's steps (a stop request
+            # that came too late to matter changes nothing).
+            return self._finish(JobState.SUCCEEDED, None, now, [Emit("group.stopped", {"generation": self.generation, "reason": "done"})])
+        if e.code == EXIT_STOPPED:
+            if self.state is JobState.RECOVERING and self.phase is not Phase.RESTARTING:
+                return []  # the checkpoint stop we asked for (or a stop that overtook it)
+            # RUNNING -> RECOVERING: the group checkpointed and stopped without being asked here
+            # (its trainer lost its daemon, or asked by a coordinator since restarted). Nothing is
+            # lost, so it is a membership change, not a failure.
+            return self._stop_group(now, StopMode.CHECKPOINT, Cause.MEMBERSHIP, f"rank {e.rank} on {e.node} stopped at a checkpoint", settle=False)
+        said = {"error": e.error} if e.error else {}
+        failed = Emit("worker.failed", {"rank": e.rank, "node": e.node, "reason": "exit", "code": e.code, **said, **({"stopped": True} if e.stopped else {})})
+        if e.code == 2 and not e.stopped:
+            # STARTING|RUNNING|RECOVERING -> FAILED: the trainer refused its input (the job file, a
+            # path missing on that machine, an unusable checkpoint); no restart can help. Also while
+            # recovering: its peers' "connection lost" exits often arrive first and start a restart
+            # that would meet the same refusal.
+            why = f"node {e.node}: rank {e.rank}: {e.error}" if e.error else f"rank {e.rank} on node {e.node} failed: bad job file"
+            stop = self._stop_rest("worker.failed") if self.phase is not Phase.STOPPING else []
+            return self._finish(JobState.FAILED, why, now, [failed, *stop])
+        detail = f"rank {e.rank} on node {e.node} failed: exit code {e.code}" + (f": {e.error}" if e.error else "")
+        if self.phase is Phase.CHECKPOINTING and not e.stopped:
+            # RECOVERING (checkpointing) -> RECOVERING (stopping): a rank died instead of
+            # checkpointing; the group is broken, stop the rest now.
+            return self._fail(now, [failed], [e.node], detail)
+        if self.phase in (Phase.STOPPING, Phase.CHECKPOINTING):
+            return []  # the old group on its way out: peers of the failure, or our SIGTERM
+        if e.stopped:
+            # STARTING|RUNNING|RECOVERING (restarting) -> RECOVERING: its daemon stopped it (dpd
+            # shutting down): the node leaves; a membership change, so no restart is used and no
+            # node blamed.
+            return [failed, *self._stop_group(now, StopMode.NOW, Cause.MEMBERSHIP, f"rank {e.rank} on node {e.node} stopped by its daemon")]
+        # STARTING|RUNNING|RECOVERING (restarting) -> RECOVERING: a rank died; its peers fail
+        # within ~0.1 s. Exit 1 is what a rank whose peer vanished exits with ("connection to a
+        # peer was lost"), and it often arrives first, so it does not count against its node.
+        return self._fail(now, [failed], [e.node] if e.code != 1 else [], detail)
+
+    def _node_lost(self, e: NodeLost, now: float) -> list[Action]:
+        if self.state not in ACTIVE or not self.launched_or_stopping():
+            return []
+        gone = [r for r in e.ranks if r in self.live]
+        self.live.difference_update(e.ranks)
+        if not gone or self.phase in (Phase.STOPPING, Phase.STOPPED):
+            return []  # nothing of this generation there, or stopping anyway: accounted for
+        # STARTING|RUNNING|RECOVERING (checkpointing, restarting) -> RECOVERING: a node with ranks
+        # of this generation stopped heartbeating; their peers will hang or fail.
+        emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": e.node, "reason": "heartbeat"}) for r in gone]
+        return self._fail(now, emits, [e.node], f"node {e.node} (ranks {', '.join(map(str, gone))}) stopped heartbeating")
+
+    def _stalled(self, e: Stalled, now: float) -> list[Action]:
+        if not (self.state is JobState.RUNNING or self.phase is Phase.CHECKPOINTING) or not self.live:
+            return []
+        # RUNNING|RECOVERING (checkpointing) -> RECOVERING: no step completed within the progress
+        # deadline (a frozen rank leaves the others spinning inside all_sum forever).
+        emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": n, "reason": "stalled", "detail": e.detail}) for r, n in e.ranks]
+        return self._fail(now, emits, [n for _, n in e.ranks[:1]], f"group {self.generation} stalled: {e.detail}")
+
+    def _reshape(self, e: Reshape, now: float) -> list[Action]:
+        if self.state is JobState.RUNNING:
+            # RUNNING -> RECOVERING (checkpointing): a node joined or is drained; checkpoint at the
+            # next step boundary and exit, so the next generation starts from exactly that step.
+            stopping = self._stop_group(now, StopMode.CHECKPOINT, Cause.MEMBERSHIP, e.reason, settle=False)
+            self.stop_by = e.stop_by
+            return stopping
+        if self.forming:
+            # STARTING|RECOVERING (launched, not up) -> RECOVERING (stopping): no step was taken
+            # yet, so stopping now loses nothing; a membership change.
+            return self._stop_group(now, StopMode.NOW, Cause.MEMBERSHIP, e.reason)
+        return []
+
+    def _requeue(self, e: Requeue, now: float) -> list[Action]:
+        if not self.ready_to_restart(now):
+            return []
+        # RECOVERING -> QUEUED: fewer than workers.min slots are left; the checkpoints stay, and
+        # the job resumes from them when slots return.
+        self.state, self.phase, self.live, self.settle_by, self.stop_by = JobState.QUEUED, None, set(), None, None
+        return [Emit("job.queued", {"reason": e.reason})]
+
+    def _restored(self, e: Restored, now: float) -> list[Action]:
+        """A restarted coordinator's view: a launched group keeps running if its daemons report it
+        (the pool's reconcile time), a start being prepared is admitted again (nothing of it ran),
+        and a group being stopped is stopped again."""
+        if self.generation or self.state is not JobState.QUEUED:
+            return []  # restored once, before any other event
+        s = e.saved
+        self.state, self.generation, self.restarts, self.step = s.state, s.generation, s.restarts, s.step
+        self.error, self.started_at, self.finished_at = s.error, s.started_at, s.finished_at
+        if s.state not in ACTIVE:
+            return []
+        if e.launched is None:
+            # A start (or restart) being prepared: nothing of it ran; admit it again.
+            if s.state is JobState.STARTING:
+                self.state = JobState.QUEUED
+            else:
+                self.state, self.phase = JobState.RECOVERING, Phase.STOPPED
+            return []
+        self.world_size, self.live = e.launched, set(range(e.launched))
+        if s.state is JobState.STARTING:
+            self.deadline = e.start_deadline
+        elif s.state is JobState.RECOVERING:
+            # It was being stopped (or restarted): finish stopping it (ranks still running are
+            # stopped when their daemons report them), and re-plan once they are gone or by then.
+            self.phase, self.settle_by = Phase.STOPPING, e.settle_by
+        return []
+
+    def _cancel(self, e: CancelRequested, now: float) -> list[Action]:
+        if self.state is JobState.QUEUED:
+            # QUEUED -> CANCELLED: nothing runs; the job leaves the queue.
+            return self._finish(JobState.CANCELLED, None, now, [])
+        if self.state in ACTIVE:
+            # STARTING|RUNNING|RECOVERING -> CANCELLED: the user asked; stop what runs, keep
+            # checkpoints.
+            return self._finish(JobState.CANCELLED, None, now, self._stop_rest("cancelled"))
+        return []
+
+    def _tick(self, e: Tick, now: float) -> list[Action]:
+        if self.deadline is not None and now >= self.deadline and self.state in (JobState.STARTING, JobState.RECOVERING):
+            # STARTING|RECOVERING (launched) -> RECOVERING: the group did not form in time (a peer
+            # that never appears leaves the others waiting in MLX's init forever).
+            missing = sorted(set(range(self.world_size)) - self.up)
+            emits: list[Action] = [Emit("worker.failed", {"rank": r, "reason": "stalled", "detail": "start timeout"}) for r in missing]
+            return self._fail(now, emits, [], f"group {self.generation} did not start in time: ranks {missing} never reported")
+        if self.phase is Phase.CHECKPOINTING and self.stop_by is not None and now >= self.stop_by and self.live:
+            # RECOVERING (checkpointing) -> RECOVERING (stopping): the group did not exit in time
+            # after the stop request; whatever it saved is kept.
+            self.phase, self.settle_by, self.stop_by = Phase.STOPPING, now + SETTLE_S, None
+            return [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "checkpoint stop timed out"})]
+        return []
+
+    # -- shared transitions --------------------------------------------------------------------
+
+    def _stop_rest(self, reason: str) -> list[Action]:
+        """Stop what still runs of the generation."""
+        if not self.live:
+            return []
+        return [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": reason})]
+
+    def _stop_group(self, now: float, mode: StopMode, cause: Cause, reason: str, *, settle: bool = True) -> list[Action]:
+        self.state, self.deadline = JobState.RECOVERING, None
+        self.phase = Phase.STOPPING if mode is StopMode.NOW else Phase.CHECKPOINTING
         self.settle_by = now + SETTLE_S if settle else None
         self.interrupted_at, self.cause = now, cause
-        return [StopGroup(self.generation, mode), Emit("group.stopped", {"generation": self.generation, "reason": reason, "mode": mode})]
+        return [StopGroup(self.generation, mode), Emit("group.stopped", {"generation": self.generation, "reason": reason, "mode": str(mode)})]
 
     def _fail(self, now: float, emits: list[Action], nodes: list[str], error: str) -> list[Action]:
         blames: list[Action] = [Blame(n) for n in nodes]
         if self.restarts >= self.max_restarts:
             # -> FAILED: the restart budget is spent; stop whatever still runs.
             why = f"{error}; the restart budget (recovery.max_restarts = {self.max_restarts}) is used up"
-            stop: list[Action] = [StopGroup(self.generation), Emit("group.stopped", {"generation": self.generation, "reason": "failed"})] if self.live else []
-            return self._finish(JobState.FAILED, why, now, [*emits, *blames, *stop])
+            return self._finish(JobState.FAILED, why, now, [*emits, *blames, *self._stop_rest("failed")])
         self.restarts += 1
-        actions = self._stop_group(now, "now", "failure", error)
-        return [*emits, *blames, *actions]
+        return [*emits, *blames, *self._stop_group(now, StopMode.NOW, Cause.FAILURE, error)]
 
     def _finish(self, state: JobState, error: str | None, now: float, actions: list[Action]) -> list[Action]:
-        self.state, self.error, self.finished_at, self.deadline = state, error, now, None
-        self.stop_mode, self.settle_by, self.stop_by = None, None, None
+        self.state, self.phase, self.error, self.finished_at, self.deadline = state, None, error, now, None
+        self.settle_by, self.stop_by = None, None
         return [*actions, Emit(f"job.{state}", {"error": error} if error else {})]
+
+
+_HANDLERS: dict[type, Callable[[JobMachine, Any, float], list[Action]]] = {
+    Admitted: JobMachine._admitted,
+    StartAborted: JobMachine._start_aborted,
+    GroupLaunched: JobMachine._group_launched,
+    RankUp: JobMachine._rank_up,
+    StepDone: JobMachine._step_done,
+    RankExited: JobMachine._rank_exited,
+    NodeLost: JobMachine._node_lost,
+    Stalled: JobMachine._stalled,
+    Reshape: JobMachine._reshape,
+    Requeue: JobMachine._requeue,
+    Restored: JobMachine._restored,
+    CancelRequested: JobMachine._cancel,
+    Tick: JobMachine._tick,
+}

@@ -7,7 +7,7 @@ a plan is decided once per generation and never edited; a new membership is a ne
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dpool.protocol.shares import apportion
 
@@ -34,16 +34,23 @@ class GroupPlan:
     ranks: tuple[Slot, ...]  # rank r runs on ranks[r]
     shares: tuple[int, ...]  # sequences of each global batch computed by rank r
     hostfile: tuple[tuple[str, ...], ...]  # MLX ring hostfile: one ["ip:port"] per rank
+    _by_node: dict[str, list[tuple[int, Slot]]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_node: dict[str, list[tuple[int, Slot]]] = {}
+        for r, s in enumerate(self.ranks):
+            by_node.setdefault(s.node, []).append((r, s))
+        object.__setattr__(self, "_by_node", dict(sorted(by_node.items())))
 
     @property
     def world_size(self) -> int:
         return len(self.ranks)
 
     def nodes(self) -> list[str]:
-        return sorted({s.node for s in self.ranks})
+        return list(self._by_node)
 
     def ranks_on(self, node: str) -> list[tuple[int, Slot]]:
-        return [(r, s) for r, s in enumerate(self.ranks) if s.node == node]
+        return self._by_node.get(node, [])
 
 
 def choose_slots(free: Sequence[FreeSlot], lo: int, hi: int) -> list[Slot] | None:

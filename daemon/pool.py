@@ -2,8 +2,13 @@
 
 `Pool` holds no socket, no file and no clock: every method takes `now` and returns actions
 (`Send` a message to a node, `Record` an event, `JobChanged`/`NodeChanged` to persist). The
-coordinator's asyncio loop (`daemon/coordinator.py`) feeds it decoded messages and timer ticks and
-carries its actions out. Each job's own life is a `JobMachine` (`daemon/jobstate.py`); the pool adds
+coordinator's asyncio loop (`daemon/coordinator.py`) feeds it decoded messages (`from_node`) and
+timer ticks and carries its actions out. Admission runs once per batch of messages (`schedule`), not
+once per message: a thousand registrations plan once.
+
+Work is proportional to what changed: the loops over jobs visit the live ones only (a finished job
+stays in memory for `RECENT_FINISHED` more, then only in the database), and a plan indexes its ranks
+by node. Each job's own life is a `JobMachine` (`daemon/jobstate.py`); the pool adds
 what needs the whole pool: which slots are free, where ranks go, what each node must be told, the
 progress deadline of each running group (`daemon/watch.py`), drains, and nodes set aside.
 
@@ -19,11 +24,15 @@ checkpoint, so the new generation resumes from it.
 
 from __future__ import annotations
 
+import collections
+from typing import TypeAlias
+
 from dpool.daemon import jobstate as js
-from dpool.daemon.jobstate import JobState
+from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
     Action,
+    Hold,
     Job,
     JobChanged,
     Node,
@@ -35,23 +44,20 @@ from dpool.daemon.records import (
     Send,
 )
 from dpool.daemon.watch import StepWatch
+from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
-from dpool.protocol.payloads import (
-    AliveWorker,
-    ExitedWorker,
-    Holding,
-    MetricRow,
-    NodeInfo,
-    NodeRow,
-    RankSlot,
-    RunningWorker,
-    TrainRow,
-)
+from dpool.protocol.payloads import ExitedWorker, NodeRow, RankSlot, RunningWorker, TrainRow
 
-__all__ = ["Action", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
+__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
 
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
+RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
+
+NodeMessage: TypeAlias = (
+    m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
+    | m.NodeCheckpoint | m.NodeWorkerExited
+)
 
 
 class Pool:
@@ -60,13 +66,15 @@ class Pool:
         self.expiry_s = heartbeat_s * liveness
         self.prepare_timeout_s = prepare_timeout_s if prepare_timeout_s is not None else max(5.0, 2 * self.expiry_s)
         self.nodes: dict[str, Node] = {}
-        self.jobs: dict[str, Job] = {}  # in submission order
-        self.remembered: dict[str, str] = {}  # node -> reason it was drained/set aside (from the store)
+        self.jobs: dict[str, Job] = {}  # in memory: the live jobs and the RECENT_FINISHED newest finished, in submission order
+        self.live: dict[str, Job] = {}  # the jobs not finished, in submission order
+        self._finished: collections.deque[str] = collections.deque()
+        self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
 
     # -- lookups -------------------------------------------------------------------------------
 
     def resolve(self, ref: str) -> Job | None:
-        """A job by id, by name (its newest), or by a unique id prefix."""
+        """A job in memory by id, by name (its newest), or by a unique id prefix."""
         if ref in self.jobs:
             return self.jobs[ref]
         named = [j for j in self.jobs.values() if j.name == ref]
@@ -77,11 +85,13 @@ class Pool:
 
     def node_rows(self, now: float) -> list[NodeRow]:
         """The `dpctl nodes --json` array (INTERFACE.md), by name."""
-        return [self.node_row(n, now) for n in sorted(self.nodes.values(), key=lambda n: n.name)]
+        ranks = self._ranks_by_node()
+        return [self.node_row(n, now, ranks) for n in sorted(self.nodes.values(), key=lambda n: n.name)]
 
-    def node_row(self, n: Node, now: float) -> NodeRow:
+    def node_row(self, n: Node, now: float, ranks: dict[str, list[int]] | None = None) -> NodeRow:
         jobs = sorted({job for job, _ in n.used.values()})
         i = n.info
+        on = (ranks if ranks is not None else self._ranks_by_node(n.name)).get(n.name, [])
         return NodeRow(
             name=n.name,
             address=i.advertise,
@@ -94,10 +104,23 @@ class Pool:
             slots=n.slots,
             busy_slots=len(n.used),
             job=",".join(jobs) if jobs else None,
-            ranks=self._ranks_on(n.name),
+            ranks=sorted(on),
             heartbeat_age_s=round(max(0.0, now - n.last_seen), 3),
             reason=n.reason,
         )
+
+    def _ranks_by_node(self, only: str | None = None) -> dict[str, list[int]]:
+        """node -> the ranks of live groups placed there (of one node, or all)."""
+        out: dict[str, list[int]] = {}
+        for job in self.live.values():
+            if job.plan is None or not job.machine.live:
+                continue
+            if only is not None:
+                out.setdefault(only, []).extend(r for r, _ in job.plan.ranks_on(only))
+                continue
+            for node in job.plan.nodes():
+                out.setdefault(node, []).extend(r for r, _ in job.plan.ranks_on(node))
+        return out
 
     def export_holders(self, job_id: str, step: int | None) -> list[tuple[str, int]]:
         """[(node, newest step it holds of the job)] for the live nodes holding any checkpoint of
@@ -115,63 +138,46 @@ class Pool:
             held.sort(key=lambda h: (h[1] < step, h[1] - step, h[2], h[0]))
         return [(name, newest) for name, newest, _ in held]
 
-    def _ranks_on(self, node: str) -> list[int]:
-        out = []
-        for job in self.jobs.values():
-            if job.plan is not None and job.state in js.ACTIVE and job.machine.live:
-                out += [r for r, _ in job.plan.ranks_on(node)]
-        return sorted(out)
-
     # -- nodes ---------------------------------------------------------------------------------
 
-    def register(
-        self,
-        now: float,
-        name: str,
-        incarnation: str,
-        info: NodeInfo,
-        running: list[RunningWorker],
-        exited: list[ExitedWorker],
-        holdings: list[Holding],
-    ) -> tuple[str | None, list[Action]]:
+    def register(self, now: float, msg: m.NodeRegister) -> tuple[str | None, list[Action]]:
         """A daemon (re)joins. Returns (refusal message or None, actions)."""
-        old = self.nodes.get(name)
-        if old is not None and old.incarnation != incarnation and not old.lost and now - old.last_seen < self.expiry_s:
+        name, old = msg.name, self.nodes.get(msg.name)
+        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.expiry_s:
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
                 [],
             )
         actions: list[Action] = []
-        rejoin = old is not None and old.incarnation == incarnation
+        rejoin = old is not None and old.incarnation == msg.incarnation
         if rejoin:
             assert old is not None
             node = old
-            node.lost, node.last_seen, node.info = False, now, info
-            if not node.draining:
+            node.lost, node.last_seen, node.info = False, now, msg.info
+            if node.hold is None:
                 node.reason = None
         else:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
-            node = Node(name=name, incarnation=incarnation, info=info, joined_at=now, last_seen=now)
-            if old is not None and old.draining:
-                node.draining, node.reason, node.drained_reported = True, old.reason, True  # a drain outlives a dpd restart
+            node = Node(name=name, incarnation=msg.incarnation, info=msg.info, joined_at=now, last_seen=now)
+            if old is not None and old.hold is not None:
+                node.hold, node.reason, node.drained_reported = old.hold, old.reason, True  # a hold outlives a dpd restart
             elif name in self.remembered:
-                node.draining, node.reason, node.drained_reported = True, self.remembered[name], True
+                node.hold, node.reason = self.remembered[name]
+                node.drained_reported = True
             self.nodes[name] = node
-        for h in holdings:
+        for h in msg.holdings:
             node.holdings[(h.job, h.slot)] = h.step
-        for e in exited:
-            actions += self.worker_exited(now, name, e.job, e.generation, e.rank, e.slot, e.code, e.stopped, e.error)
+        for e in msg.exited:
+            actions += self._exited(now, node.name, e)
         if not rejoin:
-            actions += self._ranks_gone_with_old_daemon(now, node, running)
-        for w in running:
+            actions += self._ranks_gone_with_old_daemon(now, node, msg.running)
+        for w in msg.running:
             actions += self._adopt(now, node, w)
         kind = "node.rejoined" if rejoin else "node.joined"
-        actions += [Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
-        actions += self._schedule(now)
-        return None, actions
+        return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
 
     def _ranks_gone_with_old_daemon(self, now: float, node: Node, running: list[RunningWorker]) -> list[Action]:
         """A new dpd process under this name: ranks the plan put here that it does not run died
@@ -179,8 +185,8 @@ class Pool:
         knows them only from its plans, so this is how it learns."""
         reported = {(w.job, w.generation, w.rank) for w in running}
         actions: list[Action] = []
-        for job in self.jobs.values():
-            if job.plan is None or job.state not in js.ACTIVE:
+        for job in list(self.live.values()):
+            if job.plan is None:
                 continue
             gone = tuple(
                 r for r, _ in job.plan.ranks_on(node.name)
@@ -192,7 +198,7 @@ class Pool:
 
     def _adopt(self, now: float, node: Node, w: RunningWorker) -> list[Action]:
         """A worker a (re)registering node runs: keep it if it belongs to a live group, else stop it."""
-        job = self.jobs.get(w.job)
+        job = self.live.get(w.job)
         gen, rank, slot = w.generation, w.rank, w.slot
         plan = job.plan if job else None
         if (
@@ -215,43 +221,62 @@ class Pool:
             node.last_seen = now
         return node
 
-    def heartbeat(self, now: float, name: str, workers: list[AliveWorker]) -> list[Action]:
-        """Free slots whose job is no longer using them and whose worker the node no longer has."""
+    def from_node(self, now: float, name: str, msg: NodeMessage) -> list[Action]:
+        """A registered node's report (it counts as a heartbeat too)."""
         node = self.seen(now, name)
-        if node is None or node.lost:
+        if node is None:
             return []
-        alive = {(w.job, w.generation, w.slot) for w in workers}
+        match msg:
+            case m.NodeHeartbeat():
+                return self._heartbeat(now, node, msg)
+            case m.NodePrepared():
+                return self._prepared(now, node, msg)
+            case m.NodeWorkerStarted() | m.NodeWorkerHello():
+                return self._worker_up(now, msg)
+            case m.NodeProgress():
+                return self._progress(now, msg)
+            case m.NodeMetric():
+                return self._metric(now, msg)
+            case m.NodeCheckpoint():
+                return self._checkpoint(now, node, msg)
+            case m.NodeWorkerExited():
+                return self._exited(now, name, msg)
+        return []
+
+    def _heartbeat(self, now: float, node: Node, msg: m.NodeHeartbeat) -> list[Action]:
+        """Free slots whose job is no longer using them and whose worker the node no longer has."""
+        if node.lost:
+            return []
+        alive = {(w.job, w.generation, w.slot) for w in msg.workers}
         actions: list[Action] = []
         for slot, (job_id, gen) in list(node.used.items()):
             if (job_id, gen, slot) in alive:
                 continue
-            job = self.jobs.get(job_id)
-            current = job is not None and job.state in js.ACTIVE and (
+            job = self.live.get(job_id)
+            current = job is not None and (
                 (job.plan is not None and job.plan.generation == gen and job.machine.live)
                 or (job.pending is not None and job.pending.generation == gen)
             )
             if not current:
                 del node.used[slot]
-                actions.append(NodeChanged(name))
+                actions.append(NodeChanged(node.name))
         if actions:
-            actions += self._drained(now, node) + self._schedule(now)
+            actions += self._drained(now, node)
         return actions
 
     def bye(self, now: float, name: str) -> list[Action]:
         node = self.nodes.get(name)
         if node is None or node.lost:
             return []
-        return self._node_gone(node, now, "dpd stopped") + self._schedule(now)
+        return self._node_gone(node, now, "dpd stopped")
 
     def _node_gone(self, node: Node, now: float, reason: str) -> list[Action]:
         node.lost = True
-        if not node.draining:
+        if node.hold is None:
             node.reason = reason
         actions: list[Action] = [Record(None, "node.lost", now, {"node": node.name, "reason": reason}), NodeChanged(node.name)]
-        for job in self.jobs.values():
-            if job.state not in js.ACTIVE:
-                continue
-            if job.pending is not None and any(s.node == node.name for s in job.pending.slots):
+        for job in list(self.live.values()):
+            if job.pending is not None and node.name in job.pending.nodes:
                 actions += self._abort_start(job, now, f"node {node.name} lost while preparing: {reason}")
             elif job.plan is not None:
                 ranks = tuple(r for r, _ in job.plan.ranks_on(node.name) if r in job.machine.live)
@@ -264,37 +289,35 @@ class Pool:
     def drain(self, now: float, name: str) -> list[Action]:
         """`dpctl drain NODE`: its groups checkpoint and restart elsewhere; it takes no new work."""
         node = self.nodes[name]
-        if node.draining:
+        if node.hold is not None:
             return []
-        node.draining, node.reason, node.drained_reported = True, "drained", False
+        node.hold, node.reason, node.drained_reported = Hold.DRAINED, "drained", False
         actions: list[Action] = [Record(None, "node.draining", now, {"node": name}), NodeChanged(name)]
-        for job in self.jobs.values():
-            if job.state not in js.ACTIVE:
-                continue
-            if job.pending is not None and any(s.node == name for s in job.pending.slots):
+        for job in list(self.live.values()):
+            if job.pending is not None and name in job.pending.nodes:
                 # Being prepared there: start again elsewhere (nothing ran yet).
                 actions += self._abort_start(job, now, f"node {name} is being drained")
-            elif job.plan is not None and job.machine.live and any(True for _ in job.plan.ranks_on(name)):
+            elif job.plan is not None and job.machine.live and job.plan.ranks_on(name):
                 actions += self._reshape(job, now, f"node {name} is being drained")
-        return actions + self._drained(now, node) + self._schedule(now)
+        return actions + self._drained(now, node)
 
     def undrain(self, now: float, name: str) -> list[Action]:
         """`dpctl undrain NODE`: take work again (also what lifts a node set aside)."""
         node = self.nodes[name]
-        was = node.reason if node.draining else None
-        node.draining, node.fail_streak, node.reason, node.drained_reported = False, 0, None, False
+        was = node.reason if node.hold is not None else None
+        node.hold, node.fail_streak, node.reason, node.drained_reported = None, 0, None, False
         self.remembered.pop(name, None)
-        return [Record(None, "node.undrained", now, {"node": name, "was": was}), NodeChanged(name), *self._schedule(now)]
+        return [Record(None, "node.undrained", now, {"node": name, "was": was}), NodeChanged(name)]
 
     def _drained(self, now: float, node: Node) -> list[Action]:
-        if node.draining and not node.used and not node.drained_reported and node.reason == "drained":
+        if node.hold is Hold.DRAINED and not node.used and not node.drained_reported:
             node.drained_reported = True
             return [Record(None, "node.drained", now, {"node": node.name}), NodeChanged(node.name)]
         return []
 
     def _reshape(self, job: Job, now: float, reason: str) -> list[Action]:
         watch = job.watch
-        stop_by = now + (watch.allowance() if watch else float(job.spec["recovery"]["start_timeout_s"])) + 10.0
+        stop_by = now + (watch.allowance() if watch else job.spec.recovery.start_timeout_s) + 10.0
         if watch is not None:
             watch.stopping = True
         return self._feed(job, js.Reshape(reason, stop_by), now)
@@ -304,38 +327,37 @@ class Pool:
         if node is None:
             return []
         node.fail_streak += 1
-        if node.fail_streak < SET_ASIDE_AFTER or node.draining:
+        if node.fail_streak < SET_ASIDE_AFTER or node.hold is not None:
             return []
         # A node whose workers keep failing takes no more work until `dpctl undrain` (a broken
         # GPU, a full disk, a bad Python): restarting there would spend the job's budget.
-        node.draining, node.drained_reported = True, True
+        node.hold, node.drained_reported = Hold.SET_ASIDE, True
         node.reason = f"set aside: its workers failed {node.fail_streak} times in a row; `dpctl undrain {name}` when fixed"
         return [Record(None, "node.set_aside", now, {"node": name, "failures": node.fail_streak}), NodeChanged(name)]
 
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit(self, now: float, job_id: str, spec: JobSpec) -> list[Action]:
-        job = Job(id=job_id, name=spec.name, spec=spec.to_dict(), submitted_at=now)
-        job.machine.max_restarts = spec.recovery.max_restarts
-        self.jobs[job_id] = job
+        job = Job(id=job_id, name=spec.name, spec=spec, submitted_at=now, machine=JobMachine(max_restarts=spec.recovery.max_restarts))
+        self.jobs[job_id] = self.live[job_id] = job
         w = spec.workers
-        return [Record(job_id, "job.submitted", now, {"workers_min": w.min, "workers_max": w.max}), JobChanged(job_id), *self._schedule(now)]
+        return [Record(job_id, "job.submitted", now, {"workers_min": w.min, "workers_max": w.max}), JobChanged(job_id)]
 
     def cancel(self, now: float, job: Job) -> list[Action]:
-        return self._feed(job, js.CancelRequested(), now) + self._schedule(now)
+        return self._feed(job, js.CancelRequested(), now)
 
-    def prepared(self, now: float, node_name: str, job_id: str, generation: int, host: str, ports: list[int], error: str | None) -> list[Action]:
-        job = self.jobs.get(job_id)
+    def _prepared(self, now: float, node: Node, msg: m.NodePrepared) -> list[Action]:
+        job = self.live.get(msg.job)
         pend = job.pending if job else None
-        if job is None or pend is None or pend.generation != generation or node_name in pend.answered:
+        if job is None or pend is None or pend.generation != msg.generation or node.name in pend.answered or node.name not in pend.nodes:
             return []  # a late answer to a start that was already aborted or completed
-        mine = [s for s in pend.slots if s.node == node_name]
-        if error or len(ports) != len(mine):
-            return self._abort_start(job, now, f"node {node_name} could not prepare: {error or 'wrong number of ports'}")
-        pend.answered.add(node_name)
-        for slot, port in zip(mine, ports, strict=True):
-            pend.endpoints[slot] = f"{host}:{port}"
-        if len(pend.answered) < len({s.node for s in pend.slots}):
+        mine = pend.nodes[node.name]
+        if msg.error or len(msg.ports) != len(mine):
+            return self._abort_start(job, now, f"node {node.name} could not prepare: {msg.error or 'wrong number of ports'}")
+        pend.answered.add(node.name)
+        for slot, port in zip(mine, msg.ports, strict=True):
+            pend.endpoints[slot] = f"{msg.host}:{port}"
+        if len(pend.answered) < len(pend.nodes):
             return []
         return self._launch(job, now)
 
@@ -344,7 +366,7 @@ class Pool:
         assert pend is not None
         spec = job.spec
         # Proportional to what the last generation measured per node, when it measured them all.
-        shares = speed_shares(int(spec["train"]["global_batch"]), [job.speeds.get(s.node) for s in pend.slots])
+        shares = speed_shares(spec.train.global_batch, [job.speeds.get(s.node) for s in pend.slots])
         hostfile = ring_hostfile(pend.slots, pend.endpoints)
         plan = GroupPlan(
             job=job.id,
@@ -357,14 +379,15 @@ class Pool:
         previous_shares = job.shares or (previous.shares if previous else None)
         job.plan, job.pending, job.shares = plan, None, None
         job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(plan.ranks)}
-        job.watch = StepWatch.for_job(spec, now, job.watch)
-        deadline = now + float(spec["recovery"]["start_timeout_s"])
+        job.watch = StepWatch.start(spec, now, job.watch)
+        deadline = now + spec.recovery.start_timeout_s
         # Saved (and committed by the coordinator) before any group.start leaves: a restarted
         # coordinator knows this generation was launched and never launches its number again.
         actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline), now), JobChanged(job.id)]
+        doc = job.doc
         for node in plan.nodes():
             ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
-            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=spec, ranks=ranks, shares=list(shares), hostfile=hostfile)))
+            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=list(shares), hostfile=hostfile)))
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
         )
@@ -373,56 +396,47 @@ class Pool:
         return actions
 
     def _abort_start(self, job: Job, now: float, reason: str) -> list[Action]:
-        pend = job.pending
-        if pend is None:
+        if job.pending is None:
             return []
-        for s in pend.slots:
-            node = self.nodes.get(s.node)
-            if node is not None and node.used.get(s.index) == (job.id, pend.generation):
-                del node.used[s.index]
-        job.pending = None
-        return self._feed(job, js.StartAborted(reason), now)
+        return self._release_pending(job) + self._feed(job, js.StartAborted(reason), now)
 
-    def worker_started(self, now: float, node: str, job_id: str, generation: int, rank: int, pid: int) -> list[Action]:
-        run = self._run(job_id, generation, rank)
-        if run is not None:
-            run.pid = pid
-        return []
-
-    def worker_hello(self, now: float, node: str, job_id: str, generation: int, rank: int, pid: int, resume_step: int) -> list[Action]:
-        job = self.jobs.get(job_id)
-        run = self._run(job_id, generation, rank)
+    def _worker_up(self, now: float, msg: m.NodeWorkerStarted | m.NodeWorkerHello) -> list[Action]:
+        job = self.live.get(msg.job)
+        run = self._run(job, msg.generation, msg.rank)
         if job is None or run is None:
             return []
-        run.pid = pid
-        if rank == 0:
-            job.step = resume_step  # where this generation starts
-        return self._feed(job, js.RankUp(generation, rank, resume_step if rank == 0 else None), now)
+        run.pid = msg.pid
+        if isinstance(msg, m.NodeWorkerStarted):
+            return []
+        if msg.rank == 0:
+            job.step = msg.resume_step  # where this generation starts
+        return self._feed(job, js.RankUp(msg.generation, msg.rank, msg.resume_step if msg.rank == 0 else None), now)
 
-    def progress(self, now: float, job_id: str, generation: int, rank: int, step: int, tokens: int, seconds: float) -> list[Action]:
+    def _progress(self, now: float, msg: m.NodeProgress) -> list[Action]:
         """One rank finished one step (the hot path: one call per rank per step)."""
-        job = self.jobs.get(job_id)
-        run = self._run(job_id, generation, rank)
+        job = self.live.get(msg.job)
+        run = self._run(job, msg.generation, msg.rank)
         if job is None or run is None:
             return []
+        step, seconds = msg.step, msg.seconds
         run.step = step
         if seconds > 0:
-            rate = tokens / seconds
+            rate = msg.tokens / seconds
             run.tokens_per_s = rate if run.tokens_per_s == 0 else 0.8 * run.tokens_per_s + 0.2 * rate
-        if rank == 0:
+        if msg.rank == 0:
             job.step = step
         if job.watch is not None:
             job.watch.observe(step, now, seconds)
         actions: list[Action] = []
-        if job.state is JobState.STARTING or (job.state is JobState.RECOVERING and job.machine.deadline is not None):
+        if job.machine.forming:
             # A step done means the rank is up, even if its hello was lost.
-            actions += self._feed(job, js.RankUp(generation, rank), now)
+            actions += self._feed(job, js.RankUp(msg.generation, msg.rank), now)
         if step > job.machine.step or job.machine.interrupted_at is not None:
-            actions += self._feed(job, js.StepDone(generation, step), now)
+            actions += self._feed(job, js.StepDone(msg.generation, step), now)
         return actions
 
-    def metric(self, now: float, job_id: str, generation: int, row: MetricRow) -> list[Action]:
-        job = self.jobs.get(job_id)
+    def _metric(self, now: float, msg: m.NodeMetric) -> list[Action]:
+        job, generation, row = self.jobs.get(msg.job), msg.generation, msg.row
         if job is None or (job.plan is not None and generation < job.plan.generation):
             return []
         actions: list[Action] = []
@@ -456,43 +470,40 @@ class Pool:
         fields = {"generation": plan.generation, "step": row.step, "shares": shares, "previous": list(current), "cause": "speed"}
         return [Record(job.id, "rebalanced", now, fields), JobChanged(job.id)]
 
-    def checkpoint(self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, step: int, seconds: float) -> list[Action]:
-        node = self.nodes.get(node_name)
-        if node is not None:
-            node.holdings[(job_id, slot)] = max(step, node.holdings.get((job_id, slot), 0))
-        job = self.jobs.get(job_id)
-        if job is None or job.plan is None or job.plan.generation != generation:
+    def _checkpoint(self, now: float, node: Node, msg: m.NodeCheckpoint) -> list[Action]:
+        key = (msg.job, msg.slot)
+        node.holdings[key] = max(msg.step, node.holdings.get(key, 0))
+        job = self.live.get(msg.job)
+        if job is None or job.plan is None or job.plan.generation != msg.generation:
             return []
-        got = job.saved.setdefault(step, {})
-        got[rank] = seconds
+        got = job.saved.setdefault(msg.step, {})
+        got[msg.rank] = msg.seconds
         if len(got) < job.plan.world_size:
             return []
         # Every rank holds step `step`: the group can resume from it on any of its nodes.
-        del job.saved[step]
-        job.checkpoint_step = max(step, job.checkpoint_step or 0)
-        return [Record(job.id, "checkpoint.saved", now, {"step": step, "seconds": round(max(got.values()), 4)}), JobChanged(job.id)]
+        del job.saved[msg.step]
+        job.checkpoint_step = max(msg.step, job.checkpoint_step or 0)
+        return [Record(job.id, "checkpoint.saved", now, {"step": msg.step, "seconds": round(max(got.values()), 4)}), JobChanged(job.id)]
 
-    def worker_exited(
-        self, now: float, node_name: str, job_id: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None
-    ) -> list[Action]:
+    def _exited(self, now: float, node_name: str, e: m.NodeWorkerExited | ExitedWorker) -> list[Action]:
         actions: list[Action] = []
         node = self.nodes.get(node_name)
-        if node is not None and node.used.get(slot) == (job_id, generation):
-            del node.used[slot]
+        if node is not None and node.used.get(e.slot) == (e.job, e.generation):
+            del node.used[e.slot]
             actions.append(NodeChanged(node_name))
-        job = self.jobs.get(job_id)
-        run = self._run(job_id, generation, rank)
+        job = self.live.get(e.job)
+        run = self._run(job, e.generation, e.rank)
         if job is not None and run is not None and run.exit_code is None:
-            run.exit_code = code
-            if node is not None and code in (0, js.EXIT_STOPPED):
+            run.exit_code = e.code
+            if node is not None and e.code in (0, js.EXIT_STOPPED):
                 node.fail_streak = 0  # a worker that ended well: the node is fine
-            actions += self._feed(job, js.RankExited(generation, rank, node_name, code, stopped, error), now)
+            actions += self._feed(job, js.RankExited(e.generation, e.rank, node_name, e.code, e.stopped, e.error), now)
         if node is not None:
             actions += self._drained(now, node)
-        return actions + self._schedule(now)
+        return actions
 
-    def _run(self, job_id: str, generation: int, rank: int) -> RankRun | None:
-        job = self.jobs.get(job_id)
+    @staticmethod
+    def _run(job: Job | None, generation: int, rank: int) -> RankRun | None:
         if job is None or job.plan is None or job.plan.generation != generation:
             return None
         return job.ranks.get(rank)
@@ -504,30 +515,31 @@ class Pool:
         for node in self.nodes.values():
             if not node.lost and now - node.last_seen > self.expiry_s:
                 actions += self._node_gone(node, now, f"no heartbeat for {now - node.last_seen:.1f}s")
-        for job in self.jobs.values():
+        for job in list(self.live.values()):
             if job.pending is not None and now >= job.pending.deadline:
-                missing = sorted({s.node for s in job.pending.slots} - job.pending.answered)
+                missing = sorted(set(job.pending.nodes) - job.pending.answered)
                 actions += self._abort_start(job, now, f"no answer to group.prepare from {', '.join(missing)}")
             if job.reconcile_by is not None and now >= job.reconcile_by:
                 actions += self._reconcile(job, now)
-            if job.state in js.ACTIVE:
+            if job.id in self.live:
                 actions += self._feed(job, js.Tick(), now)
+            if job.id in self.live:
                 actions += self._check_progress(job, now)
-        return actions + self._schedule(now)
+        return actions
 
     def _check_progress(self, job: Job, now: float) -> list[Action]:
         """RUNNING (or checkpointing on request): a step must complete before the watch's deadline."""
-        watch, plan, m = job.watch, job.plan, job.machine
-        if watch is None or plan is None or not m.live or job.reconcile_by is not None:
+        watch, plan, jm = job.watch, job.plan, job.machine
+        if watch is None or plan is None or not jm.live or job.reconcile_by is not None:
             return []
-        if not (job.state is JobState.RUNNING or (job.state is JobState.RECOVERING and m.stop_mode == "checkpoint")):
+        if not (job.state is JobState.RUNNING or jm.checkpointing):
             return []
         deadline = watch.deadline()
         if now < deadline:
             return []
         # Name the rank(s) that reported least recently: a frozen rank's last report may never
         # have left it, while its peers reported the step before they blocked.
-        live = sorted(m.live)
+        live = sorted(jm.live)
         low = min(job.ranks[r].step for r in live)
         ranks = tuple((r, plan.ranks[r].node) for r in live if job.ranks[r].step == low)
         waited = now - (watch.last_at if watch.last_step is not None else watch.started_at)
@@ -536,32 +548,33 @@ class Pool:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _schedule(self, now: float) -> list[Action]:
+    def schedule(self, now: float) -> list[Action]:
         """Admit waiting jobs in submission order while their workers.min fits in the free slots.
 
-        Waiting means queued, or recovering with the old group stopped (those were submitted
-        earlier, so they go first). A job that could never fit in the pool as it is (workers.min
-        above every healthy slot) does not hold back the jobs behind it; one that merely waits for
-        busy slots does, so big jobs are not starved by a stream of small ones. Then running jobs
-        below workers.max grow into slots nobody waits for.
+        Run once per batch of messages and per tick (not per message). Waiting means queued, or
+        recovering with the old group stopped (those were submitted earlier, so they go first). A
+        job that could never fit in the pool as it is (workers.min above every healthy slot) does
+        not hold back the jobs behind it; one that merely waits for busy slots does, so big jobs
+        are not starved by a stream of small ones. Then running jobs below workers.max grow into
+        slots nobody waits for.
         """
+        waiting = [j for j in self.live.values() if j.state is JobState.QUEUED or (j.pending is None and j.machine.ready_to_restart(now))]
         actions: list[Action] = []
-        capacity = sum(n.slots for n in self.nodes.values() if not n.lost and not n.draining)
         blocked = False
-        for job in list(self.jobs.values()):
-            recovering = job.machine.ready_to_restart(now) and job.pending is None
-            if job.state is not JobState.QUEUED and not recovering:
-                continue
-            lo, hi = int(job.spec["workers"]["min"]), int(job.spec["workers"]["max"])
-            chosen = None if blocked else choose_slots(self._free_slots(job), lo, min(hi, int(job.spec["train"]["global_batch"])))
-            if chosen is not None:
-                actions += self._admit(job, chosen, now)
-                continue
-            if recovering:
-                # RECOVERING -> QUEUED: fewer than workers.min usable slots are left.
-                actions += self._feed(job, js.Requeue(f"{capacity} usable slot(s) for workers.min = {lo}" if lo > capacity else "waiting for free slots"), now)
-            if lo <= capacity:
-                blocked = True  # it waits for busy slots: nothing behind it jumps the queue
+        if waiting:
+            capacity = sum(n.slots for n in self.nodes.values() if not n.lost and n.hold is None)
+            for job in waiting:
+                recovering = job.state is JobState.RECOVERING
+                lo, hi = job.spec.workers.min, job.spec.workers.max
+                chosen = None if blocked else choose_slots(self._free_slots(job), lo, min(hi, job.spec.train.global_batch))
+                if chosen is not None:
+                    actions += self._admit(job, chosen, now)
+                    continue
+                if recovering:
+                    # RECOVERING -> QUEUED: fewer than workers.min usable slots are left.
+                    actions += self._feed(job, js.Requeue(f"{capacity} usable slot(s) for workers.min = {lo}" if lo > capacity else "waiting for free slots"), now)
+                if lo <= capacity:
+                    blocked = True  # it waits for busy slots: nothing behind it jumps the queue
         if not blocked:
             actions += self._grow(now)
         return actions
@@ -575,29 +588,33 @@ class Pool:
         At most once per generation, and only once the generation has completed a step (a group
         that cannot get going is not made to start over for more workers).
         """
-        actions: list[Action] = []
+        growable = [j for j in self.live.values() if self._may_grow(j)]
+        if not growable:
+            return []
         free = sum(len(n.free()) for n in self.nodes.values())
         if not free:
             return []
-        for job in self.jobs.values():
-            m, plan = job.machine, job.plan
-            if job.state is not JobState.RUNNING or plan is None or job.grown_in == m.generation:
-                continue
-            if m.from_step is None or job.step <= m.from_step or m.interrupted_at is not None:
-                continue  # no step of this generation yet
-            if job.step >= int(job.spec["train"]["steps"]):
-                continue  # finishing: a rank that is done frees its slot, which is no reason to grow
+        for job in growable:
+            plan = job.plan
+            assert plan is not None
             own = {(s.node, s.index) for s in plan.ranks}
             if not any((name, i) not in own for name, n in self.nodes.items() for i in n.free()):
                 continue  # only this job's own slots are free (its ranks are exiting)
-            hi = min(int(job.spec["workers"]["max"]), int(job.spec["train"]["global_batch"]))
-            if plan.world_size >= hi:
-                continue
-            job.grown_in = m.generation
-            actions += [Record(job.id, "group.growing", now, {"generation": m.generation, "world_size": plan.world_size, "free_slots": free})]
-            actions += self._reshape(job, now, f"{free} free slot(s): growing from {plan.world_size} workers")
-            break  # the slots go to one job; the next schedule sees what is left
-        return actions
+            job.grown_in = job.machine.generation
+            actions: list[Action] = [Record(job.id, "group.growing", now, {"generation": job.machine.generation, "world_size": plan.world_size, "free_slots": free})]
+            return actions + self._reshape(job, now, f"{free} free slot(s): growing from {plan.world_size} workers")  # the slots go to one job
+        return []
+
+    @staticmethod
+    def _may_grow(job: Job) -> bool:
+        jm, plan = job.machine, job.plan
+        if job.state is not JobState.RUNNING or plan is None or job.grown_in == jm.generation:
+            return False
+        if jm.from_step is None or job.step <= jm.from_step or jm.interrupted_at is not None:
+            return False  # no step of this generation yet
+        if job.step >= job.spec.train.steps:
+            return False  # finishing: a rank that is done frees its slot, which is no reason to grow
+        return plan.world_size < min(job.spec.workers.max, job.spec.train.global_batch)
 
     def _admit(self, job: Job, chosen: list[Slot], now: float) -> list[Action]:
         generation = job.machine.generation + 1
@@ -605,9 +622,8 @@ class Pool:
         for s in chosen:
             self.nodes[s.node].used[s.index] = (job.id, generation)
         actions = self._feed(job, js.Admitted(len(chosen)), now)
-        for node in sorted({s.node for s in chosen}):
-            slots = [s.index for s in chosen if s.node == node]
-            actions += [Send(node, GroupPrepare(job=job.id, generation=generation, slots=slots)), NodeChanged(node)]
+        for node, slots in job.pending.nodes.items():
+            actions += [Send(node, GroupPrepare(job=job.id, generation=generation, slots=[s.index for s in slots])), NodeChanged(node)]
         return actions
 
     # -- the job machine -----------------------------------------------------------------------
@@ -622,35 +638,46 @@ class Pool:
                 out += self._blame(now, action.node)
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
-        if job.machine.terminal and job.pending is not None:
+        if job.machine.terminal:
             out += self._release_pending(job)
+            self._retire(job)
         if job.state is not before or out:
             out.append(JobChanged(job.id))
         return out
 
+    def _retire(self, job: Job) -> None:
+        """A finished job leaves the live set; the oldest finished ones leave memory (the
+        store keeps them all)."""
+        if self.live.pop(job.id, None) is None:
+            return
+        self._finished.append(job.id)
+        while len(self._finished) > RECENT_FINISHED:
+            self.jobs.pop(self._finished.popleft(), None)
+
     def _release_pending(self, job: Job) -> list[Action]:
         pend, job.pending = job.pending, None
-        assert pend is not None
+        if pend is None:
+            return []
         for s in pend.slots:
             node = self.nodes.get(s.node)
             if node is not None and node.used.get(s.index) == (job.id, pend.generation):
                 del node.used[s.index]
-        return [NodeChanged(n) for n in sorted({s.node for s in pend.slots})]
+        return [NodeChanged(n) for n in pend.nodes]
 
     def _stop(self, job: Job, stop: js.StopGroup) -> list[Action]:
         if job.plan is None or job.plan.generation != stop.generation:
             return []
-        if job.watch is not None and stop.mode == "checkpoint":
+        if job.watch is not None and stop.mode is js.StopMode.CHECKPOINT:
             job.watch.stopping = True
         return [
-            Send(n, GroupStop(job=job.id, generation=stop.generation, mode=stop.mode))
+            Send(n, GroupStop(job=job.id, generation=stop.generation, mode=str(stop.mode)))
             for n in job.plan.nodes()
             if n in self.nodes and not self.nodes[n].lost
         ]
 
     # -- restart -------------------------------------------------------------------------------
 
-    def restore(self, job: Job, now: float) -> None:
+    def restore(self, job: Job, saved: js.Saved, now: float) -> None:
         """A job read back from the store after a coordinator restart.
 
         A start that was being prepared is simply queued again (nothing ran). A launched group
@@ -658,27 +685,20 @@ class Pool:
         that was being stopped is stopped again (its daemons get group.stop when they report it).
         """
         self.jobs[job.id] = job
-        m = job.machine
-        m.max_restarts, m.step = int(job.spec["recovery"]["max_restarts"]), job.step
-        launched = job.plan is not None and job.plan.generation == m.generation
-        if job.state in js.ACTIVE and not launched:
-            # A start (or restart) being prepared: nothing of it ran; admit it again.
-            if job.state is JobState.STARTING:
-                m.state = JobState.QUEUED
-            else:
-                m.stop_mode, m.live = "restored", set()
-        elif job.state in js.ACTIVE and job.plan is not None:
-            m.world_size = job.plan.world_size
-            m.live = set(range(job.plan.world_size))
+        if saved.state in js.TERMINAL:
+            self._finished.append(job.id)
+        else:
+            self.live[job.id] = job
+        reconcile_by = now + 2 * self.expiry_s + 2.0
+        launched = job.plan is not None and job.plan.generation == saved.generation
+        world = job.plan.world_size if launched and job.plan is not None else None
+        job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by), now)  # acts on nothing
+        if job.state in js.ACTIVE and launched and job.plan is not None:
             job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(job.plan.ranks)}
-            job.reconcile_by = now + 2 * self.expiry_s + 2.0
-            job.watch = StepWatch.for_job(job.spec, now)
-            if job.state is JobState.STARTING:
-                m.deadline = now + float(job.spec["recovery"]["start_timeout_s"])
-            elif job.state is JobState.RECOVERING:
-                # It was being stopped: finish that (ranks still running are stopped when their
-                # daemons report them), and re-plan once they are gone or the reconcile time passed.
-                m.stop_mode, m.settle_by = "now", job.reconcile_by
+            job.reconcile_by = reconcile_by
+            job.watch = StepWatch.start(job.spec, now)
+        while len(self._finished) > RECENT_FINISHED:
+            self.jobs.pop(self._finished.popleft(), None)
 
     def _reconcile(self, job: Job, now: float) -> list[Action]:
         job.reconcile_by = None
@@ -695,3 +715,4 @@ class Pool:
             # Nobody reported these ranks since the restart: their node is gone with them.
             actions += self._feed(job, js.NodeLost(node_name, tuple(ranks)), now)
         return actions
+

@@ -12,6 +12,7 @@ from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
 from dpool.daemon.watch import StepWatch
+from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import Message
 from dpool.protocol.payloads import JobStatus, NodeInfo, WorkerStatus
 
@@ -57,6 +58,13 @@ class NodeState(enum.StrEnum):
     LOST = "lost"
 
 
+class Hold(enum.StrEnum):
+    """Why a node takes no new work (until `dpctl undrain`)."""
+
+    DRAINED = "drained"  # `dpctl drain`
+    SET_ASIDE = "set_aside"  # its workers kept failing
+
+
 @dataclass(slots=True)
 class Node:
     name: str
@@ -65,10 +73,10 @@ class Node:
     joined_at: float
     last_seen: float
     lost: bool = False
-    draining: bool = False  # `dpctl drain` (or set aside): takes no new work until `undrain`
+    hold: Hold | None = None  # drained or set aside: takes no new work until `undrain`
     drained_reported: bool = False  # node.drained was recorded for the current drain
     fail_streak: int = 0  # workers failed here in a row (reset by one that ends well)
-    reason: str | None = None
+    reason: str | None = None  # shown in `dpctl nodes`: why it is lost, drained or set aside
     used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
     holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step
 
@@ -80,12 +88,12 @@ class Node:
     def state(self) -> NodeState:
         if self.lost:
             return NodeState.LOST
-        if self.draining and self.used:
+        if self.hold is not None and self.used:
             return NodeState.DRAINING  # its workers are checkpointing and leaving
         return NodeState.BUSY if self.used else NodeState.IDLE  # drained: idle, `reason` says why
 
     def free(self) -> list[int]:
-        if self.lost or self.draining:
+        if self.lost or self.hold is not None:
             return []
         return [i for i in range(self.slots) if i not in self.used]
 
@@ -111,13 +119,30 @@ class Pending:
     deadline: float
     endpoints: dict[Slot, str] = field(default_factory=dict)
     answered: set[str] = field(default_factory=set)
+    nodes: dict[str, list[Slot]] = field(init=False)  # node -> its slots, in rank order
+
+    def __post_init__(self) -> None:
+        self.nodes = {}
+        for s in self.slots:
+            self.nodes.setdefault(s.node, []).append(s)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """What a query about a job needs (the job may be finished and in the store only)."""
+
+    id: str
+    name: str
+    state: JobState
+    submitted_at: float
+    finished_at: float | None
 
 
 @dataclass(slots=True)
 class Job:
     id: str
     name: str
-    spec: dict[str, Any]
+    spec: JobSpec
     submitted_at: float
     machine: JobMachine = field(default_factory=JobMachine)
     plan: GroupPlan | None = None
@@ -133,6 +158,14 @@ class Job:
     grown_in: int = 0  # the generation a growth was asked of (at most once per generation)
     shares: tuple[int, ...] | None = None  # the split in force, when the trainer rebalanced the plan's
     speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
+    _doc: dict[str, Any] | None = None
+
+    @property
+    def doc(self) -> dict[str, Any]:
+        """The spec as plain data, for group.start and the store (made once)."""
+        if self._doc is None:
+            self._doc = self.spec.to_dict()
+        return self._doc
 
     @property
     def state(self) -> JobState:
@@ -140,7 +173,11 @@ class Job:
 
     @property
     def steps(self) -> int:
-        return int(self.spec["train"]["steps"])
+        return self.spec.train.steps
+
+    def ref(self) -> JobRef:
+        m = self.machine
+        return JobRef(id=self.id, name=self.name, state=m.state, submitted_at=self.submitted_at, finished_at=m.finished_at)
 
     def status(self) -> JobStatus:
         """The `dpctl status JOB --json` object (INTERFACE.md)."""

@@ -15,10 +15,12 @@ from typing import Any
 
 import orjson
 
-from dpool.daemon.jobstate import JobMachine, JobState
+from dpool.daemon.jobstate import JobMachine, JobState, Saved
 from dpool.daemon.plan import GroupPlan, Slot
-from dpool.daemon.records import Job
-from dpool.protocol.payloads import EventRow, LogLine, MetricRow, NodeRow, SampleRow
+from dpool.daemon.records import Hold, Job, JobRef
+from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.logs import get_logger
+from dpool.protocol.payloads import EventRow, JobStatus, LogLine, MetricRow, NodeRow, SampleRow
 from dpool.protocol.schema import Invalid, compile_type
 
 SCHEMA = """
@@ -44,6 +46,7 @@ CREATE TABLE IF NOT EXISTS events (
     fields TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job, seq);
+CREATE INDEX IF NOT EXISTS jobs_name ON jobs (name, submitted_at);
 CREATE TABLE IF NOT EXISTS logs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, t REAL NOT NULL, rank INTEGER NOT NULL,
     generation INTEGER NOT NULL, text TEXT NOT NULL
@@ -78,6 +81,11 @@ class Store:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
         if "restarts" not in columns:  # a database written before recovery existed
             self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
+        if "hold" not in columns:  # written when a hold was only its reason's text
+            self.db.execute("ALTER TABLE nodes ADD COLUMN hold TEXT")
+            self.db.execute("UPDATE nodes SET hold = ? WHERE reason = 'drained'", (Hold.DRAINED.value,))
+            self.db.execute("UPDATE nodes SET hold = ? WHERE reason LIKE 'set aside:%'", (Hold.SET_ASIDE.value,))
         self.db.commit()
         self._unit = self._saved = False
 
@@ -116,11 +124,11 @@ class Store:
 
     # -- nodes and jobs ------------------------------------------------------------------------
 
-    def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float) -> None:
+    def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float, hold: Hold | None) -> None:
         self._write()
         self.db.execute(
-            "INSERT OR REPLACE INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason),
+            "INSERT OR REPLACE INTO nodes (name, incarnation, info, joined_at, last_seen, state, reason, hold) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason, hold.value if hold else None),
         )
 
     def save_job(self, job: Job) -> None:
@@ -135,17 +143,24 @@ class Store:
         self.db.execute(
             "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.name, job.submitted_at, str(m.state), _json(job.spec), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts),
+            (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts),
         )
 
-    def load_jobs(self) -> list[Job]:
+    def load_jobs(self) -> list[tuple[Job, Saved]]:
+        """Every stored job with what its machine was, oldest first; one whose stored job file this
+        version refuses is left in the database and out of the pool, with a warning."""
         jobs = []
         rows = self.db.execute(
             "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts FROM jobs ORDER BY submitted_at"
         )
         for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts) in rows:
-            machine = JobMachine(state=JobState(state), generation=gen, error=error, started_at=started, finished_at=finished, restarts=restarts)
-            job = Job(id=jid, name=name, spec=orjson.loads(spec), submitted_at=submitted, machine=machine, step=step, loss=loss, val_loss=val_loss, checkpoint_step=ckpt)
+            try:
+                parsed = parse_job(orjson.loads(spec), source=f"stored job {jid}")
+            except (JobFileError, orjson.JSONDecodeError) as e:
+                get_logger(component="store").warning("store.job_unreadable", job=jid, error=str(e)[:300])
+                continue
+            job = Job(id=jid, name=name, spec=parsed, submitted_at=submitted, machine=JobMachine(max_restarts=parsed.recovery.max_restarts),
+                      step=step, loss=loss, val_loss=val_loss, checkpoint_step=ckpt)
             if plan:
                 p = orjson.loads(plan)
                 job.plan = GroupPlan(
@@ -155,13 +170,54 @@ class Store:
                     shares=tuple(p["shares"]),
                     hostfile=tuple(tuple(h) for h in p["hostfile"]),
                 )
-            jobs.append(job)
+            jobs.append((job, Saved(JobState(state), gen, restarts, step, error, started, finished)))
         return jobs
 
-    def set_aside_nodes(self) -> dict[str, str]:
-        """Nodes drained or set aside (name -> reason): a restarted coordinator keeps them so."""
-        rows = self.db.execute("SELECT name, reason FROM nodes WHERE reason = 'drained' OR reason LIKE 'set aside:%'")
-        return {name: reason for name, reason in rows}
+    def find_job(self, ref: str) -> JobRef | None:
+        """A stored job by id, by name (its newest), or by a unique id prefix."""
+        query = "SELECT id, name, state, submitted_at, finished_at FROM jobs WHERE "
+        found = self.db.execute(query + "id = ?", (ref,)).fetchall()
+        found = found or self.db.execute(query + "name = ? ORDER BY submitted_at DESC LIMIT 1", (ref,)).fetchall()
+        if not found:
+            found = self.db.execute(query + "substr(id, 1, ?) = ? LIMIT 2", (len(ref), ref)).fetchall()
+            if len(found) != 1:
+                return None
+        jid, name, state, submitted, finished = found[0]
+        return JobRef(id=jid, name=name, state=JobState(state), submitted_at=submitted, finished_at=finished)
+
+    def has_job(self, job_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None
+
+    def statuses(self, limit: int, *, skip: frozenset[str] | set[str] = frozenset(), only: str | None = None) -> list[JobStatus]:
+        """The newest `limit` stored jobs' status objects (newest first), but those in `skip`; or
+        the one job `only`. (A job in the coordinator's memory has a fresher one: `Job.status`.)"""
+        query = (
+            "SELECT id, name, state, step, json_extract(spec, '$.train.steps'), generation, "
+            "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error FROM jobs "
+        )
+        if only is not None:
+            rows = self.db.execute(query + "WHERE id = ?", (only,))
+        else:
+            rows = self.db.execute(query + "ORDER BY submitted_at DESC LIMIT ?", (limit + len(skip),))
+        out = []
+        for jid, name, state, step, steps, gen, world, ckpt, loss, val_loss, error in rows:
+            if jid in skip:
+                continue
+            with contextlib.suppress(Invalid):  # a row an older version wrote in another shape
+                out.append(JobStatus.from_wire({
+                    "id": jid, "name": name, "state": state, "step": step, "steps": steps, "generation": gen,
+                    "world_size": world, "workers": [], "checkpoint_step": ckpt, "loss": loss, "val_loss": val_loss, "error": error,
+                }))
+        return out[:limit]
+
+    def held_nodes(self) -> dict[str, tuple[Hold, str]]:
+        """Nodes drained or set aside (name -> (hold, reason)): a restarted coordinator keeps them so."""
+        rows = self.db.execute("SELECT name, hold, reason FROM nodes WHERE hold IS NOT NULL")
+        out = {}
+        for name, hold, reason in rows:
+            with contextlib.suppress(ValueError):
+                out[name] = (Hold(hold), reason or str(hold))
+        return out
 
     # -- metrics, samples, events, logs --------------------------------------------------------
 
@@ -203,9 +259,9 @@ class Store:
         self._write()
         self.db.execute("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
 
-    def events(self, job: Job, after: int, limit: int) -> tuple[list[EventRow], int]:
+    def events(self, job: JobRef, after: int, limit: int) -> tuple[list[EventRow], int]:
         """The job's events and the pool's events during its life (node.joined, node.lost)."""
-        end = job.machine.finished_at if job.machine.finished_at is not None else float("inf")
+        end = job.finished_at if job.finished_at is not None else float("inf")
         rows = self.db.execute(
             "SELECT seq, job, t, kind, fields FROM events WHERE seq > ? AND "
             "(job = ? OR (job IS NULL AND t >= ? AND t <= ?)) ORDER BY seq LIMIT ?",

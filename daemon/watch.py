@@ -31,7 +31,8 @@ from __future__ import annotations
 import collections
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+
+from dpool.protocol.jobspec import JobSpec
 
 RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
@@ -53,17 +54,17 @@ class StepWatch:
     stopping: bool = False  # asked to checkpoint and stop
 
     @classmethod
-    def for_job(cls, spec: dict[str, Any], now: float, previous: StepWatch | None = None) -> StepWatch:
+    def start(cls, spec: JobSpec, now: float, previous: StepWatch | None = None) -> StepWatch:
         """The watch of a newly launched generation; the previous generation's measurements carry
         over (the same model and batch: step times change with the world size, not by 8x)."""
-        rec, ev = spec["recovery"], spec["eval"]
+        rec, ev = spec.recovery, spec.eval
         watch = cls(
-            steps=int(spec["train"]["steps"]),
-            eval_every=int(ev["every_steps"]),
-            sample_every=int(ev["sample_every_steps"]),
-            floor_s=float(rec["step_timeout_floor_s"]),
-            factor=float(rec.get("step_timeout_factor", 8.0)),
-            start_s=float(rec["start_timeout_s"]),
+            steps=spec.train.steps,
+            eval_every=ev.every_steps,
+            sample_every=ev.sample_every_steps,
+            floor_s=rec.step_timeout_floor_s,
+            factor=rec.step_timeout_factor,
+            start_s=rec.start_timeout_s,
             started_at=now,
         )
         if previous is not None:

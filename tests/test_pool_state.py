@@ -55,7 +55,7 @@ def test_a_failed_rank_restarts_the_group_using_one_restart() -> None:
     jm.handle(js.RankUp(1, 0, 0), 2.0)
     jm.handle(js.RankUp(1, 1), 2.0)
     out = jm.handle(js.RankExited(1, 1, "b", -9, False), 3.0)
-    assert jm.state is JobState.RECOVERING and jm.restarts == 1 and jm.stop_mode == "now"
+    assert jm.state is JobState.RECOVERING and jm.restarts == 1 and jm.phase is js.Phase.STOPPING
     assert js.StopGroup(1) in out and js.Blame("b") in out
     assert js.Emit("worker.failed", {"rank": 1, "node": "b", "reason": "exit", "code": -9}) in out
     assert not jm.ready_to_restart(3.5)  # rank 0 may still run
@@ -140,6 +140,63 @@ def test_rank_0_goes_where_the_newest_checkpoint_is_and_the_rest_in_stable_order
 # -- the pool ----------------------------------------------------------------------------------
 
 
+class Driven(Pool):
+    """The pool as the coordinator drives it: each report a real message from a registered node,
+    then admission (the coordinator runs it once per batch of messages; here once per call)."""
+
+    def _then_schedule(self, now: float, actions: list[Any]) -> list[Any]:
+        return actions + self.schedule(now)
+
+    def _rank_node(self, job: str, rank: int) -> str:
+        plan = self.jobs[job].plan if job in self.jobs else None
+        return plan.ranks[rank].node if plan is not None and rank < plan.world_size else next(iter(self.nodes), "?")
+
+    def registered(self, now: float, name: str, inc: str, info: NodeInfo, running: list[Any], exited: list[Any], holdings: list[Any]) -> tuple[str | None, list[Any]]:
+        refusal, actions = self.register(now, m.NodeRegister(name=name, incarnation=inc, info=info, running=running, exited=exited, holdings=holdings))
+        return refusal, self._then_schedule(now, actions)
+
+    def submit(self, now: float, job_id: str, spec: Any) -> list[Any]:
+        return self._then_schedule(now, super().submit(now, job_id, spec))
+
+    def cancel(self, now: float, job: Any) -> list[Any]:
+        return self._then_schedule(now, super().cancel(now, job))
+
+    def tick(self, now: float) -> list[Any]:
+        return self._then_schedule(now, super().tick(now))
+
+    def bye(self, now: float, name: str) -> list[Any]:
+        return self._then_schedule(now, super().bye(now, name))
+
+    def drain(self, now: float, name: str) -> list[Any]:
+        return self._then_schedule(now, super().drain(now, name))
+
+    def undrain(self, now: float, name: str) -> list[Any]:
+        return self._then_schedule(now, super().undrain(now, name))
+
+    def heartbeat(self, now: float, name: str, workers: list[AliveWorker]) -> list[Any]:
+        return self._then_schedule(now, self.from_node(now, name, m.NodeHeartbeat(workers=workers)))
+
+    def prepared(self, now: float, node: str, job: str, gen: int, host: str, ports: list[int], error: str | None) -> list[Any]:
+        return self._then_schedule(now, self.from_node(now, node, m.NodePrepared(job=job, generation=gen, host=host, ports=ports, error=error)))
+
+    def worker_hello(self, now: float, node: str, job: str, gen: int, rank: int, pid: int, resume: int) -> list[Any]:
+        return self.from_node(now, node, m.NodeWorkerHello(job=job, generation=gen, rank=rank, pid=pid, resume_step=resume))
+
+    def progress(self, now: float, job: str, gen: int, rank: int, step: int, tokens: int, seconds: float) -> list[Any]:
+        msg = m.NodeProgress(job=job, generation=gen, rank=rank, step=step, loss=None, tokens=tokens, seconds=seconds)
+        return self.from_node(now, self._rank_node(job, rank), msg)
+
+    def metric(self, now: float, job: str, gen: int, row: Any) -> list[Any]:
+        return self.from_node(now, self._rank_node(job, 0), m.NodeMetric(job=job, generation=gen, row=row))
+
+    def checkpoint(self, now: float, node: str, job: str, gen: int, rank: int, slot: int, step: int, seconds: float) -> list[Any]:
+        return self.from_node(now, node, m.NodeCheckpoint(job=job, generation=gen, rank=rank, slot=slot, step=step, seconds=seconds))
+
+    def worker_exited(self, now: float, node: str, job: str, gen: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None) -> list[Any]:
+        msg = m.NodeWorkerExited(job=job, generation=gen, rank=rank, slot=slot, code=code, stopped=stopped, error=error)
+        return self._then_schedule(now, self.from_node(now, node, msg))
+
+
 def spec(name: str = "j", lo: int = 1, hi: int = 4, start_timeout: float = 30.0) -> Any:
     return parse_job(
         {
@@ -156,13 +213,13 @@ def sends(actions: list[Any], kind: type[m.Message]) -> list[Send]:
     return [a for a in actions if isinstance(a, Send) and isinstance(a.msg, kind)]
 
 
-def join(pool: Pool, name: str, slots: int, now: float = 0.0) -> list[Any]:
-    refusal, actions = pool.register(now, name, f"inc-{name}", NodeInfo(slots=slots, advertise="127.0.0.1"), [], [], [])
+def join(pool: Driven, name: str, slots: int, now: float = 0.0) -> list[Any]:
+    refusal, actions = pool.registered(now, name, f"inc-{name}", NodeInfo(slots=slots, advertise="127.0.0.1"), [], [], [])
     assert refusal is None
     return actions
 
 
-def prepare_all(pool: Pool, actions: list[Any], now: float = 1.0) -> list[Any]:
+def prepare_all(pool: Driven, actions: list[Any], now: float = 1.0) -> list[Any]:
     out: list[Any] = []
     for i, s in enumerate(sends(actions, m.GroupPrepare)):
         msg = s.msg
@@ -172,14 +229,14 @@ def prepare_all(pool: Pool, actions: list[Any], now: float = 1.0) -> list[Any]:
 
 
 def test_admission_two_phase_start_and_success_free_the_slots() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     join(pool, "b", 2)
     actions = pool.submit(0.5, "j-1", spec(hi=2))
     prepares = sends(actions, m.GroupPrepare)
     assert [(s.node, s.msg.slots) for s in prepares] == [("a", [0]), ("b", [0])]  # type: ignore[attr-defined]
     assert pool.jobs["j-1"].state is JobState.STARTING
-    assert [n["busy_slots"] for n in pool.node_rows(0.5)] == [1, 1]
+    assert [n.busy_slots for n in pool.node_rows(0.5)] == [1, 1]
 
     starts = sends(prepare_all(pool, actions), m.GroupStart)
     assert sorted(s.node for s in starts) == ["a", "b"]
@@ -192,16 +249,16 @@ def test_admission_two_phase_start_and_success_free_the_slots() -> None:
         pool.worker_hello(2.0, node, "j-1", 1, rank, 100 + rank, 0)
     assert pool.jobs["j-1"].state is JobState.RUNNING
     pool.progress(2.5, "j-1", 1, 0, 7, 192, 0.1)
-    assert pool.jobs["j-1"].status()["step"] == 7
+    assert pool.jobs["j-1"].status().step == 7
     pool.worker_exited(3.0, "a", "j-1", 1, 0, 0, 0, False)
     out = pool.worker_exited(3.0, "b", "j-1", 1, 1, 0, 0, False)
     assert pool.jobs["j-1"].state is JobState.SUCCEEDED
     assert any(isinstance(a, Record) and a.kind == "job.succeeded" for a in out) and JobChanged("j-1") in out
-    assert [(n["state"], n["busy_slots"]) for n in pool.node_rows(3.0)] == [("idle", 0), ("idle", 0)]
+    assert [(n.state, n.busy_slots) for n in pool.node_rows(3.0)] == [("idle", 0), ("idle", 0)]
 
 
 def test_a_second_job_waits_for_room_then_starts() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     first = pool.submit(0.0, "first", spec("first"))
     assert sends(pool.submit(0.0, "second", spec("second")), m.GroupPrepare) == []
@@ -212,7 +269,7 @@ def test_a_second_job_waits_for_room_then_starts() -> None:
 
 
 def test_a_job_too_big_for_the_pool_does_not_block_the_queue() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     pool.submit(0.0, "big", spec("big", lo=2, hi=2))
     out = pool.submit(0.0, "small", spec("small"))
@@ -221,7 +278,7 @@ def test_a_job_too_big_for_the_pool_does_not_block_the_queue() -> None:
 
 
 def test_cancel_stops_the_group_and_slots_free_when_workers_exit() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     pool.worker_hello(0, "a", "x", 1, 0, 1, 0)  # unknown job: ignored
     prepare_all(pool, pool.submit(0.0, "j", spec()))
@@ -229,33 +286,33 @@ def test_cancel_stops_the_group_and_slots_free_when_workers_exit() -> None:
     out = pool.cancel(2.0, pool.jobs["j"])
     assert pool.jobs["j"].state is JobState.CANCELLED
     assert [(s.node, s.msg) for s in sends(out, m.GroupStop)] == [("a", m.GroupStop(job="j", generation=1))]
-    assert pool.node_rows(2.0)[0]["busy_slots"] == 1  # until the worker is really gone
+    assert pool.node_rows(2.0)[0].busy_slots == 1  # until the worker is really gone
     pool.worker_exited(3.0, "a", "j", 1, 0, 0, -15, True)
-    assert pool.node_rows(3.0)[0]["busy_slots"] == 0 and pool.jobs["j"].state is JobState.CANCELLED
+    assert pool.node_rows(3.0)[0].busy_slots == 0 and pool.jobs["j"].state is JobState.CANCELLED
 
 
 def test_duplicate_names_are_refused_while_the_first_is_alive() -> None:
-    pool = Pool(heartbeat_s=0.5, liveness=6)
+    pool = Driven(heartbeat_s=0.5, liveness=6)
     join(pool, "a", 1, now=0.0)
-    refusal, _ = pool.register(1.0, "a", "another", NodeInfo(slots=1), [], [], [])
+    refusal, _ = pool.registered(1.0, "a", "another", NodeInfo(slots=1), [], [], [])
     assert refusal is not None and "'a' is already in the pool" in refusal
-    refusal, _ = pool.register(1.0, "a", "inc-a", NodeInfo(slots=1), [], [], [])  # the same daemon again
+    refusal, _ = pool.registered(1.0, "a", "inc-a", NodeInfo(slots=1), [], [], [])  # the same daemon again
     assert refusal is None
     pool.tick(5.0)  # silent for more than 0.5 s x 6
-    assert pool.node_rows(5.0)[0]["state"] == "lost"
-    refusal, _ = pool.register(5.5, "a", "another", NodeInfo(slots=1), [], [], [])
-    assert refusal is None and pool.node_rows(5.5)[0]["state"] == "idle"
+    assert pool.node_rows(5.0)[0].state == "lost"
+    refusal, _ = pool.registered(5.5, "a", "another", NodeInfo(slots=1), [], [], [])
+    assert refusal is None and pool.node_rows(5.5)[0].state == "idle"
 
 
 def test_a_lost_node_restarts_its_job_without_it() -> None:
-    pool = Pool(heartbeat_s=0.5, liveness=6)
+    pool = Driven(heartbeat_s=0.5, liveness=6)
     join(pool, "a", 1)
     join(pool, "b", 1)
     prepare_all(pool, pool.submit(0.0, "j", spec(hi=2)))
     for r, node in ((0, "a"), (1, "b")):
         pool.worker_hello(1.0, node, "j", 1, r, r, 0)
-    pool.seen(3.5, "a")
-    out = pool.tick(3.6)  # b last heard at 0.0
+    pool.seen(4.0, "a")
+    out = pool.tick(4.1)  # b last heard at 1.0 (its hello)
     job = pool.jobs["j"]
     assert job.state is JobState.RECOVERING and job.machine.restarts == 1
     assert [s.node for s in sends(out, m.GroupStop)] == ["a"]
@@ -265,7 +322,7 @@ def test_a_lost_node_restarts_its_job_without_it() -> None:
 
 
 def test_an_unanswered_prepare_requeues_and_frees_the_slots() -> None:
-    pool = Pool(prepare_timeout_s=5.0)
+    pool = Driven(prepare_timeout_s=5.0)
     join(pool, "a", 1)
     pool.submit(0.0, "j", spec())
     pool.seen(4.0, "a")
@@ -279,33 +336,33 @@ def test_an_unanswered_prepare_requeues_and_frees_the_slots() -> None:
 
 
 def test_heartbeats_free_slots_of_finished_jobs_whose_workers_are_gone() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     prepare_all(pool, pool.submit(0.0, "j", spec()))
     pool.cancel(1.0, pool.jobs["j"])
     pool.heartbeat(1.5, "a", [AliveWorker(job="j", generation=1, slot=0)])
-    assert pool.node_rows(1.5)[0]["busy_slots"] == 1  # still running there
+    assert pool.node_rows(1.5)[0].busy_slots == 1  # still running there
     pool.heartbeat(2.0, "a", [])
-    assert pool.node_rows(2.0)[0]["busy_slots"] == 0
+    assert pool.node_rows(2.0)[0].busy_slots == 0
 
 
 def test_a_rejoining_node_keeps_its_group_and_orphans_are_stopped() -> None:
-    pool = Pool(heartbeat_s=0.5, liveness=6)
+    pool = Driven(heartbeat_s=0.5, liveness=6)
     join(pool, "a", 2)
     prepare_all(pool, pool.submit(0.0, "j", spec(hi=1)))
     pool.worker_hello(1.0, "a", "j", 1, 0, 42, 0)
     running = [RunningWorker(job="j", generation=1, rank=0, slot=0, pid=42), RunningWorker(job="old", generation=3, rank=0, slot=1, pid=7)]
-    refusal, out = pool.register(2.0, "a", "inc-a", NodeInfo(slots=2), running, [], [])
+    refusal, out = pool.registered(2.0, "a", "inc-a", NodeInfo(slots=2), running, [], [])
     assert refusal is None and pool.jobs["j"].state is JobState.RUNNING
     assert [s.msg for s in sends(out, m.GroupStop)] == [m.GroupStop(job="old", generation=3)]
     # Exits that happened while the link was down arrive with the registration.
     exited = [ExitedWorker(job="j", generation=1, rank=0, slot=0, code=0, stopped=False)]
-    pool.register(3.0, "a", "inc-a", NodeInfo(slots=2), [], exited, [])
+    pool.registered(3.0, "a", "inc-a", NodeInfo(slots=2), [], exited, [])
     assert pool.jobs["j"].state is JobState.SUCCEEDED
 
 
 def test_checkpoint_step_counts_once_every_rank_saved_it() -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 2)
     prepare_all(pool, pool.submit(0.0, "j", spec(hi=2)))
     assert pool.checkpoint(1.0, "a", "j", 1, 0, 0, 5, 0.1) == []
@@ -333,17 +390,17 @@ def test_store_keeps_the_newest_generations_metric_rows(tmp_path: Path) -> None:
 
 
 def test_store_round_trips_jobs_for_a_restarted_coordinator(tmp_path: Path) -> None:
-    pool = Pool()
+    pool = Driven()
     join(pool, "a", 1)
     prepare_all(pool, pool.submit(0.0, "j", spec()))
     store = Store(tmp_path / "c.sqlite3")
     store.save_job(pool.jobs["j"])
     store.close()
-    (job,) = Store(tmp_path / "c.sqlite3").load_jobs()
-    assert job.id == "j" and job.state is JobState.STARTING and job.plan == pool.jobs["j"].plan
-    restarted = Pool()
-    restarted.restore(job, 100.0)
-    refusal, _ = restarted.register(101.0, "a", "inc-a", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=0, slot=0, pid=9)], [], [])
+    ((job, saved),) = Store(tmp_path / "c.sqlite3").load_jobs()
+    assert job.id == "j" and saved.state is JobState.STARTING and job.plan == pool.jobs["j"].plan
+    restarted = Driven()
+    restarted.restore(job, saved, 100.0)
+    refusal, _ = restarted.registered(101.0, "a", "inc-a", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=0, slot=0, pid=9)], [], [])
     assert refusal is None
     restarted.worker_hello(101.5, "a", "j", 1, 0, 9, 0)
     restarted.progress(199.0, "j", 1, 0, 3, 192, 0.1)
@@ -355,9 +412,9 @@ def test_store_round_trips_jobs_for_a_restarted_coordinator(tmp_path: Path) -> N
 # -- recovery ----------------------------------------------------------------------------------
 
 
-def running_pool(nodes: tuple[str, ...] = ("a", "b", "c"), **kw: Any) -> Pool:
+def running_pool(nodes: tuple[str, ...] = ("a", "b", "c"), **kw: Any) -> Driven:
     """A pool of one-slot nodes running job "j" (generation 1, one rank per node), steps 1-7 done."""
-    pool = Pool(heartbeat_s=0.5, liveness=6)
+    pool = Driven(heartbeat_s=0.5, liveness=6)
     for n in nodes:
         join(pool, n, 1)
     prepare_all(pool, pool.submit(0.0, "j", spec(**{"hi": len(nodes), **kw})))
@@ -377,7 +434,7 @@ def records(actions: list[Any], kind: str) -> list[dict[str, Any]]:
     return [a.fields for a in actions if isinstance(a, Record) and a.kind == kind]
 
 
-def restart(pool: Pool, actions: list[Any], now: float, resume: int, *, gen: int = 2) -> list[Any]:
+def restart(pool: Driven, actions: list[Any], now: float, resume: int, *, gen: int = 2) -> list[Any]:
     """Prepare, hello (rank 0 resumes from `resume`) and one step of the next generation."""
     out = prepare_all(pool, actions, now)
     start = sends(out, m.GroupStart)
@@ -407,7 +464,7 @@ def test_a_killed_trainer_restarts_the_group_from_the_checkpoint() -> None:
     out = restart(pool, out, 3.0, resume=5)
     (resumed,) = records(out, "group.resumed")
     assert resumed == {"from_step": 5, "generation": 2, "seconds_since_failure": 3.0, "steps_recomputed": 2, "cause": "failure"}
-    assert job.machine.restarts == 1 and job.status()["generation"] == 2
+    assert job.machine.restarts == 1 and job.status().generation == 2
 
 
 def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_time() -> None:
@@ -494,7 +551,7 @@ def test_the_trainers_own_rebalancing_is_recorded_and_seeds_the_next_plan() -> N
     row = TrainRow(kind="train", step=8, loss=3.0, lr=1e-3, tokens=6, tokens_per_s=3000.0, world_size=2, shares=[4, 2], rank_tokens_per_s=[2000.0, 1000.0])
     out = pool.metric(2.0, "j", 1, row)
     assert records(out, "rebalanced") == [{"generation": 1, "step": 8, "shares": [4, 2], "previous": [3, 3], "cause": "speed"}]
-    assert [w["share"] for w in pool.jobs["j"].status()["workers"]] == [4, 2]
+    assert [w.share for w in pool.jobs["j"].status().workers] == [4, 2]
     assert records(pool.metric(2.1, "j", 1, dataclasses.replace(row, step=9)), "rebalanced") == [], "only changes are events"
     # A crash: the next generation starts from the measured split instead of an equal one.
     pool.worker_exited(3.0, "b", "j", 1, 1, 0, -9, False)
@@ -508,14 +565,14 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     pool = running_pool()
     out = pool.drain(2.0, "c")
     assert all(s.msg.mode == "checkpoint" for s in sends(out, m.GroupStop))  # type: ignore[attr-defined]
-    assert pool.node_rows(2.0)[2]["state"] == "draining"
+    assert pool.node_rows(2.0)[2].state == "draining"
     pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
     pool.worker_exited(2.2, "b", "j", 1, 1, 0, 75, False)
     out = pool.worker_exited(2.2, "c", "j", 1, 2, 0, 75, False)
     assert records(out, "node.drained") == [{"node": "c"}]
     assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
     row = pool.node_rows(2.2)[2]
-    assert (row["state"], row["reason"]) == ("idle", "drained")
+    assert (row.state, row.reason) == ("idle", "drained")
     out = restart(pool, out, 3.0, resume=8)
     assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
     out = pool.undrain(6.0, "c")
@@ -532,8 +589,8 @@ def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns(
     out = pool.worker_exited(4.1, "a", "j", 1, 0, 0, 1, False)
     job = pool.jobs["j"]
     assert job.state is JobState.QUEUED and records(out, "job.queued")
-    assert job.status()["checkpoint_step"] == 5
-    _, out = pool.register(5.0, "b", "inc-b2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
+    assert job.status().checkpoint_step == 5
+    _, out = pool.registered(5.0, "b", "inc-b2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
     assert job.state is JobState.RECOVERING  # admitted again: resuming, not a fresh start
     out = restart(pool, out, 6.0, resume=5)
     assert job.machine.generation == 2 and records(out, "group.resumed")
@@ -549,11 +606,11 @@ def test_a_node_whose_workers_fail_three_times_in_a_row_is_set_aside() -> None:
             for r, n in enumerate(("a", "b")):
                 pool.worker_hello(2.6 + gen, n, "j", gen + 1, r, 1, 5)
     row = pool.node_rows(6.0)[1]
-    assert row["name"] == "b" and row["reason"] is not None and row["reason"].startswith("set aside")
+    assert row.name == "b" and row.reason is not None and row.reason.startswith("set aside")
     assert [s.node for s in sends(out, m.GroupPrepare)] == ["a"]  # the job goes on without b
     assert pool.jobs["j"].machine.restarts == 3
     pool.undrain(7.0, "b")
-    assert pool.node_rows(7.0)[1]["reason"] is None and pool.nodes["b"].free() == [0]
+    assert pool.node_rows(7.0)[1].reason is None and pool.nodes["b"].free() == [0]
 
 
 def test_an_unrequested_checkpoint_stop_is_a_membership_change() -> None:
@@ -564,15 +621,101 @@ def test_an_unrequested_checkpoint_stop_is_a_membership_change() -> None:
     assert all(s.msg.mode == "checkpoint" for s in sends(out, m.GroupStop))  # type: ignore[attr-defined]
 
 
-def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone() -> None:
+def reloaded(pool: Driven, tmp_path: Path, now: float) -> Driven:
+    """A new coordinator's pool, reading the jobs back from a store as the old one saved them."""
+    store = Store(tmp_path / "restart.sqlite3")
+    for job in pool.jobs.values():
+        store.save_job(job)
+    restarted = Driven(heartbeat_s=pool.heartbeat_s, liveness=pool.liveness)
+    for job, saved in store.load_jobs():
+        restarted.restore(job, saved, now)
+    store.close()
+    return restarted
+
+
+def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_path: Path) -> None:
     pool = running_pool(("a", "b"))
     # The serving dpd (a) was SIGKILLed with its trainer and started again: a new coordinator
     # reloads the job, b reconnects still running rank 1, a comes back running nothing.
-    restarted = Pool(heartbeat_s=0.5, liveness=6)
-    restarted.restore(pool.jobs["j"], 10.0)
-    refusal, _ = restarted.register(10.5, "b", "inc-b", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=1, slot=0, pid=101)], [], [])
+    restarted = reloaded(pool, tmp_path, 10.0)
+    refusal, _ = restarted.registered(10.5, "b", "inc-b", NodeInfo(slots=1), [RunningWorker(job="j", generation=1, rank=1, slot=0, pid=101)], [], [])
     assert refusal is None and restarted.jobs["j"].state is JobState.RUNNING
-    refusal, out = restarted.register(11.0, "a", "inc-a2", NodeInfo(slots=1), [], [], [Holding(job="j", slot=0, step=5)])
+    refusal, out = restarted.registered(11.0, "a", "inc-a2", NodeInfo(slots=1), [], [], [Holding(job="j", slot=0, step=5)])
     assert refusal is None and restarted.jobs["j"].state is JobState.RECOVERING
     assert records(out, "worker.failed") == [{"rank": 0, "node": "a", "reason": "heartbeat"}]
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
+
+
+# -- who writes what ---------------------------------------------------------------------------
+
+
+def test_finished_jobs_leave_memory_and_stay_in_the_store(tmp_path: Path) -> None:
+    from dpool.daemon.pool import RECENT_FINISHED
+
+    pool, store = Driven(), Store(tmp_path / "c.sqlite3")
+    n = RECENT_FINISHED + 10
+    for i in range(n):
+        pool.submit(float(i), f"j-{i}", spec(f"job{i}"))
+        pool.cancel(float(i) + 0.5, pool.jobs[f"j-{i}"])
+        store.save_job(pool.jobs[f"j-{i}"])
+    assert len(pool.jobs) == RECENT_FINISHED and not pool.live and "j-0" not in pool.jobs
+    found = store.find_job("job0")
+    assert found is not None and found.id == "j-0" and found.state is JobState.CANCELLED
+    assert store.find_job("j-1") is not None and store.find_job("j-") is None  # a prefix of many
+    rows = store.statuses(1000)
+    assert len(rows) == n and rows[0].id == f"j-{n - 1}" and rows[-1].steps == 20
+    assert [r.id for r in store.statuses(2, skip={f"j-{n - 1}"})] == [f"j-{n - 2}", f"j-{n - 3}"]
+
+
+def test_a_hold_written_as_reason_text_by_an_older_version_is_read_as_a_hold(tmp_path: Path) -> None:
+    import sqlite3
+
+    from dpool.daemon.records import Hold
+
+    db = sqlite3.connect(tmp_path / "c.sqlite3")
+    db.execute(
+        "CREATE TABLE nodes (name TEXT PRIMARY KEY, incarnation TEXT NOT NULL, info TEXT NOT NULL, "
+        "joined_at REAL NOT NULL, last_seen REAL NOT NULL, state TEXT NOT NULL, reason TEXT)"
+    )
+    for name, reason in (("a", "drained"), ("b", "set aside: its workers failed 3 times in a row"), ("c", "dpd stopped")):
+        db.execute("INSERT INTO nodes VALUES (?, 'i', '{}', 0, 0, 'idle', ?)", (name, reason))
+    db.commit()
+    db.close()
+    held = Store(tmp_path / "c.sqlite3").held_nodes()
+    assert held == {"a": (Hold.DRAINED, "drained"), "b": (Hold.SET_ASIDE, "set aside: its workers failed 3 times in a row")}
+
+
+def test_only_the_job_machine_writes_its_fields() -> None:
+    """The pool, the store and the coordinator read a JobMachine; its own methods write it."""
+    import ast
+
+    daemon = Path(js.__file__).parent
+    fields = set(JobMachine.__dataclass_fields__)
+
+    def pairs(node: ast.Assign) -> list[tuple[ast.expr, ast.expr]]:
+        out = []
+        for t in node.targets:
+            if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                out += list(zip(t.elts, node.value.elts, strict=False))
+            else:
+                out.append((t, node.value))
+        return out
+
+    writes = []
+    for path in sorted(daemon.glob("*.py")):
+        if path.name == "jobstate.py":
+            continue
+        tree = ast.parse(path.read_text())
+        assigns = [n for n in ast.walk(tree) if isinstance(n, ast.Assign)]
+        # Names bound to a machine (`jm = job.machine`, `plan, jm = job.plan, job.machine`).
+        aliases = {t.id for n in assigns for t, v in pairs(n) if isinstance(t, ast.Name) and ast.unparse(v).endswith("machine")}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+            for t in targets:
+                for leaf in ast.walk(t):
+                    if not isinstance(leaf, ast.Attribute) or leaf.attr not in fields:
+                        continue
+                    base = ast.unparse(leaf.value)
+                    if base.endswith("machine") or base in aliases:
+                        writes.append(f"{path.name}:{leaf.lineno}: {ast.unparse(leaf)}")
+    assert writes == []
