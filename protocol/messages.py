@@ -17,7 +17,9 @@ fields are refused, and no pickle or other code-carrying format is ever used.
 
 from __future__ import annotations
 
+import collections
 import enum
+import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, TypeAlias, TypeVar
@@ -204,14 +206,18 @@ class Message:
     TYPE: ClassVar[MsgType]
     FIELDS: ClassVar[tuple[Field, ...]] = ()
     MAX_OBJECTS: ClassVar[int] = MAX_OBJECTS
+    # Fields whose value many messages of one burst share (group.start's job file and hostfile, to
+    # every node of a group): packed once, by identity. Such a value is never changed once sent.
+    SHARED: ClassVar[frozenset[str]] = frozenset()
 
     def to_body(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name, *_ in self.FIELDS}
 
     def to_frames(self, msg_id: int = 0) -> list[bytes]:
         """The two frames of this message; `msg_id` pairs a reply with its request."""
-        header = msgpack.packb([PROTOCOL, VERSION, str(self.TYPE), msg_id])
-        body = msgpack.packb(self.to_body(), use_bin_type=True, default=_packable)
+        packer = _packer()
+        header = packer.pack([PROTOCOL, VERSION, str(self.TYPE), msg_id])
+        body = self._packed_body(packer) if self.SHARED else packer.pack(self.to_body())
         if len(body) > MAX_BODY_BYTES:
             raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.TYPE} body is {len(body)} bytes, cap {MAX_BODY_BYTES}")
         return [header, body]
@@ -225,11 +231,55 @@ class Message:
             raise ProtocolError(code, f"{cls.TYPE} {e}", msg_id) from None
 
 
+    def _packed_body(self, packer: msgpack.Packer) -> bytes:
+        """The body as `pack(to_body())` writes it (a map is its header, then key and value after
+        key and value), the shared fields' values from the cache."""
+        parts = [packer.pack_map_header(len(self.FIELDS))]
+        for name, *_ in self.FIELDS:
+            value = getattr(self, name)
+            parts.append(packer.pack(name))
+            parts.append(_shared.pack(value, packer) if name in self.SHARED else packer.pack(value))
+        return b"".join(parts)
+
+
 def _packable(value: Any) -> Any:
     if isinstance(value, Record):
         return value.to_wire()
     raise TypeError(f"cannot send {type(value).__name__}")
 
+
+class _PackCache:
+    """The packed bytes of the few newest shared values, by identity. The value is held with its
+    bytes, so its id cannot be reused by another object while it is cached."""
+
+    def __init__(self, size: int = 8) -> None:
+        self.size, self.lock = size, threading.Lock()
+        self.entries: collections.OrderedDict[int, tuple[Any, bytes]] = collections.OrderedDict()
+
+    def pack(self, value: Any, packer: msgpack.Packer) -> bytes:
+        with self.lock:
+            hit = self.entries.get(id(value))
+            if hit is not None and hit[0] is value:
+                self.entries.move_to_end(id(value))
+                return hit[1]
+        packed: bytes = packer.pack(value)
+        with self.lock:
+            self.entries[id(value)] = (value, packed)
+            if len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+        return packed
+
+
+_shared = _PackCache()
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """This thread's packer (making one per message costs more than packing a small one)."""
+    packer = getattr(_local, "packer", None)
+    if packer is None:
+        packer = _local.packer = msgpack.Packer(use_bin_type=True, default=_packable)
+    return packer
 
 M = TypeVar("M", bound=type[Message])
 
@@ -773,6 +823,7 @@ class GroupStart(Message):
     rank)."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_START
+    SHARED: ClassVar[frozenset[str]] = frozenset({"spec", "hostfile"})
     job: JobId
     generation: Generation
     spec: JobDoc

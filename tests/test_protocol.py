@@ -14,7 +14,7 @@ from wire_samples import sample
 
 from dpool.protocol import messages as m
 from dpool.protocol.messages import ErrorCode, ProtocolError
-from dpool.protocol.payloads import NodeInfo, SampleRow, TrainRow
+from dpool.protocol.payloads import NodeInfo, RankSlot, SampleRow, TrainRow
 from dpool.protocol.worker_link import WorkerLink
 
 TRAIN_ROW = {"kind": "train", "step": 11, "loss": 2.5, "lr": 3e-4, "tokens": 192, "tokens_per_s": 3840.0, "world_size": 3, "generation": 2}
@@ -160,3 +160,22 @@ def test_worker_link_never_blocks_without_a_daemon(tmp_path: Any) -> None:
         assert link.stop_requested() is False
     finally:
         link.close()
+
+
+def test_group_start_packs_its_shared_fields_once_and_as_a_plain_map() -> None:
+    """group.start to each node of a group shares the job file and the hostfile: packed once, the
+    body is byte for byte what packing the whole map writes, and decodes to the same message."""
+    hostfile = [[f"10.0.0.{i}:5000"] for i in range(50)]
+    spec = {"name": "j", "train": {"steps": 3}}
+    starts = [
+        m.GroupStart(job="j-1", generation=1, spec=spec, ranks=[RankSlot(slot=0, rank=r)], shares=[1] * 50, hostfile=hostfile)
+        for r in range(3)
+    ]
+    for msg in starts:
+        header, body = msg.to_frames(7)
+        assert body == msgpack.packb(msg.to_body(), use_bin_type=True, default=lambda v: v.to_wire())
+        assert m.decode([header, body], {m.MsgType.GROUP_START}) == (msg, 7)
+    # A new hostfile (a new launch) is packed anew, not taken from the cache.
+    other = [[f"10.0.1.{i}:6000"] for i in range(50)]
+    moved = m.GroupStart(job="j-1", generation=2, spec=spec, ranks=[RankSlot(slot=0, rank=0)], shares=[1] * 50, hostfile=other)
+    assert m.decode(moved.to_frames(), {m.MsgType.GROUP_START})[0].hostfile == other
