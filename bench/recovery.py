@@ -36,13 +36,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from dpool.client.localpool import LocalPool, wait_for
 from dpool.client.rpc import pages
 from dpool.protocol import messages as m
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobSpec, parse_job
+from dpool.protocol.payloads import EventRow
 
 
 def bench_job(name: str, steps: int, every: int) -> JobSpec:
@@ -68,22 +68,22 @@ ANCHORS = {
 }
 
 
-def events(pool: LocalPool, job: str) -> list[dict[str, Any]]:
+def events(pool: LocalPool, job: str) -> list[EventRow]:
     return [e for page in pages(lambda after: pool.call(m.Events(job=job, after=after), m.EventsReply)) for e in page.events]
 
 
 def nodes(pool: LocalPool) -> dict[str, str]:
-    return {n["name"]: n["state"] for n in pool.nodes()}
+    return {n.name: n.state for n in pool.nodes()}
 
 
-def event_after(pool: LocalPool, job: str, kind: str, t0: float, timeout: float = 120.0, where: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any]:
-    return wait_for(f"{kind} after the fault", lambda: next((e for e in events(pool, job) if e["kind"] == kind and e["t"] >= t0 - 0.01 and where(e)), None), timeout, every=0.1)
+def event_after(pool: LocalPool, job: str, kind: str, t0: float, timeout: float = 120.0, where: Callable[[EventRow], bool] = lambda e: True) -> EventRow:
+    return wait_for(f"{kind} after the fault", lambda: next((e for e in events(pool, job) if e.kind == kind and e.t >= t0 - 0.01 and where(e)), None), timeout, every=0.1)
 
 
 def training(pool: LocalPool, job: str, world: int, steps: int = 5) -> None:
     """Running with `world` workers, `steps` steps past the current generation's start."""
-    start = wait_for("the group running", lambda: (s := pool.status(job)) and s["state"] == "running" and s["world_size"] == world and s, 180, every=0.05)
-    wait_for(f"{steps} steps", lambda: (s := pool.status(job)) and s["step"] >= start["step"] + steps, 120, every=0.05)
+    start = wait_for("the group running", lambda: (s := pool.status(job)) and s.state == "running" and s.world_size == world and s, 180, every=0.05)
+    wait_for(f"{steps} steps", lambda: (s := pool.status(job)) and s.step >= start.step + steps, 120, every=0.05)
 
 
 def one_cycle(pool: LocalPool, job: str, fig: dict[str, list[float]], recomputed: list[int]) -> None:
@@ -92,33 +92,33 @@ def one_cycle(pool: LocalPool, job: str, fig: dict[str, list[float]], recomputed
     (pid,) = pool.trainer_pids("n1", job)
     t0 = time.time()
     os.kill(pid, signal.SIGKILL)
-    fig["kill_trainer"].append(event_after(pool, job, "group.resumed", t0)["t"] - t0)
+    fig["kill_trainer"].append(event_after(pool, job, "group.resumed", t0).t - t0)
 
     # 2. a frozen trainer
     training(pool, job, 3)
     (pid,) = pool.trainer_pids("n1", job)
     t0 = time.time()
     os.kill(pid, signal.SIGSTOP)
-    fig["stop_detected"].append(event_after(pool, job, "worker.failed", t0)["t"] - t0)
-    fig["stop_resumed"].append(event_after(pool, job, "group.resumed", t0)["t"] - t0)
+    fig["stop_detected"].append(event_after(pool, job, "worker.failed", t0).t - t0)
+    fig["stop_resumed"].append(event_after(pool, job, "group.resumed", t0).t - t0)
 
     # 3. a lost node (its dpd killed; its trainer dies with it)
     training(pool, job, 3)
     t0 = time.time()
     pool.daemons["n2"].proc.send_signal(signal.SIGKILL)
     pool.daemons["n2"].proc.wait()
-    fig["kill_dpd"].append(event_after(pool, job, "group.resumed", t0)["t"] - t0)
+    fig["kill_dpd"].append(event_after(pool, job, "group.resumed", t0).t - t0)
 
     # 4. the node joins again: the group grows at a checkpoint boundary
     training(pool, job, 2, steps=3)
     wait_for("n2 lost", lambda: nodes(pool).get("n2") == "lost", 30)
     t0 = time.time()
     pool.start_daemon("n2")
-    joined = event_after(pool, job, "node.joined", t0, where=lambda e: e.get("node") == "n2")
-    resumed = event_after(pool, job, "group.resumed", t0, where=lambda e: e.get("cause") == "membership")
-    fig["join"].append(resumed["t"] - joined["t"])
-    fig["join_from_start"].append(resumed["t"] - t0)
-    recomputed.append(int(resumed["steps_recomputed"]))
+    joined = event_after(pool, job, "node.joined", t0, where=lambda e: e.fields.get("node") == "n2")
+    resumed = event_after(pool, job, "group.resumed", t0, where=lambda e: e.fields.get("cause") == "membership")
+    fig["join"].append(resumed.t - joined.t)
+    fig["join_from_start"].append(resumed.t - t0)
+    recomputed.append(int(resumed.fields["steps_recomputed"]))
 
 
 def checkpoint_cost(root: Path, steps: int) -> tuple[float, float]:
@@ -153,7 +153,7 @@ def main() -> int:
         with contextlib.suppress(Exception):
             pool.call(m.Cancel(job=job), m.CancelReply)
         seen = events(pool, job)
-    failure_recomputed = [e["steps_recomputed"] for e in seen if e["kind"] == "group.resumed" and e.get("cause") == "failure"]
+    failure_recomputed = [e.fields["steps_recomputed"] for e in seen if e.kind == "group.resumed" and e.fields.get("cause") == "failure"]
     with_ckpt, without = checkpoint_cost(root, 60)
 
     med = {k: statistics.median(v) for k, v in fig.items()}

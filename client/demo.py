@@ -35,10 +35,11 @@ from typing import Any, TextIO
 
 from dpool.client.demo_lm import PROMPT, AssetsFailed, export_and_generate, lm_spec, make_assets
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError
-from dpool.client.plot import fetch_job, plot
+from dpool.client.plot import JobRecord, fetch_job, plot
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, JobSpec, parse_job
+from dpool.protocol.payloads import EventRow, JobStatus, WorkerStatus
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_WORKERS = 2  # two cores are enough for two workers; the demo's point is the restart, not scale
@@ -92,17 +93,17 @@ class Screen:
         self._clear()
         print(text, file=self.out, flush=True)
 
-    def progress(self, s: dict[str, Any], every: int) -> None:
-        step, steps = s["step"], s["steps"]
-        tps = sum(w.get("tokens_per_s", 0.0) for w in s.get("workers", []))
+    def progress(self, s: JobStatus, every: int) -> None:
+        step, steps = s.step, s.steps
+        tps = sum(w.tokens_per_s for w in s.workers)
         parts = [
             f"step {step:>{len(str(steps))}}/{steps}",
-            f"loss {s['loss']:.3f}" if s.get("loss") is not None else "loss   -  ",
-            f"val {s['val_loss']:.3f}" if s.get("val_loss") is not None else "val   -  ",
+            f"loss {s.loss:.3f}" if s.loss is not None else "loss   -  ",
+            f"val {s.val_loss:.3f}" if s.val_loss is not None else "val   -  ",
             f"{tps:>6.0f} tok/s",
-            f"{s['world_size']} worker{'s' if s['world_size'] != 1 else ''}",
-            f"gen {s['generation']}",
-            s["state"],
+            f"{s.world_size} worker{'s' if s.world_size != 1 else ''}",
+            f"gen {s.generation}",
+            s.state,
         ]
         line = "  ".join(parts)
         if self.tty:
@@ -127,34 +128,34 @@ class Screen:
             self.live = False
 
 
-def describe_event(e: dict[str, Any], killed_at: float | None) -> str | None:
+def describe_event(e: EventRow, killed_at: float | None) -> str | None:
     """A sentence for the events the demo is about (None: not worth a line)."""
-    kind = e.get("kind")
+    kind, f = e.kind, e.fields
     if kind == "node.joined":
-        return f"node.joined      {e.get('node')} ({e.get('slots', 1)} slot)"
+        return f"node.joined      {f.get('node')} ({f.get('slots', 1)} slot)"
     if kind == "group.started":
-        return f"group.started    generation {e.get('generation')}, {e.get('world_size')} workers"
+        return f"group.started    generation {f.get('generation')}, {f.get('world_size')} workers"
     if kind == "worker.failed":
-        code = e.get("code")
-        how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}" if code is not None else e.get("detail", "")
-        after = f", detected {e['t'] - killed_at:.2f}s after the kill" if killed_at is not None and isinstance(e.get("t"), int | float) else ""
-        return f"worker.failed    rank {e.get('rank')} on {e.get('node', '?')}: {e.get('reason')} ({how}){after}"
+        code = f.get("code")
+        how = f"killed by signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}" if code is not None else f.get("detail", "")
+        after = f", detected {e.t - killed_at:.2f}s after the kill" if killed_at is not None else ""
+        return f"worker.failed    rank {f.get('rank')} on {f.get('node', '?')}: {f.get('reason')} ({how}){after}"
     if kind == "group.stopped":
-        return f"group.stopped    generation {e.get('generation')} ({e.get('reason')})"
+        return f"group.stopped    generation {f.get('generation')} ({f.get('reason')})"
     if kind == "group.resumed":
         return (
-            f"group.resumed    generation {e.get('generation')} resumed from step {e.get('from_step')}"
-            f"{'' if e.get('cause', 'failure') == 'failure' else ' after a ' + str(e.get('cause')) + ' change'}: "
-            f"{e.get('seconds_since_failure')}s after the failure, {e.get('steps_recomputed')} steps recomputed"
+            f"group.resumed    generation {f.get('generation')} resumed from step {f.get('from_step')}"
+            f"{'' if f.get('cause', 'failure') == 'failure' else ' after a ' + str(f.get('cause')) + ' change'}: "
+            f"{f.get('seconds_since_failure')}s after the failure, {f.get('steps_recomputed')} steps recomputed"
         )
     if kind == "group.growing":
-        return f"group.growing    generation {e.get('generation')}: {e.get('free_slots')} free slot(s), checkpoint and restart wider"
+        return f"group.growing    generation {f.get('generation')}: {f.get('free_slots')} free slot(s), checkpoint and restart wider"
     if kind == "node.drained":
-        return f"node.drained     {e.get('node')}"
-    if kind == "job.queued" and e.get("reason"):
-        return f"job.queued       {e.get('reason')}"
+        return f"node.drained     {f.get('node')}"
+    if kind == "job.queued" and f.get("reason"):
+        return f"job.queued       {f.get('reason')}"
     if kind in ("job.succeeded", "job.failed", "job.cancelled"):
-        return f"{kind:<16} {e.get('error') or ''}".rstrip()
+        return f"{kind:<16} {f.get('error') or ''}".rstrip()
     return None
 
 
@@ -166,12 +167,12 @@ class Run:
     """What the demo has seen of its job so far."""
 
     job_id: str = ""
-    status: dict[str, Any] = field(default_factory=dict)
+    status: JobStatus | None = None
     events_after: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[EventRow] = field(default_factory=list)
     killed_at: float | None = None
     killed: str = ""
-    resumed: dict[str, Any] | None = None
+    resumed: EventRow | None = None
     news_at: float = field(default_factory=time.monotonic)
 
 
@@ -252,26 +253,26 @@ class Demo:
         s.say(f"pool: {', '.join(d.name for d in daemons)} (dpd pids {', '.join(str(d.pid) for d in daemons)}); control plane {self.pool.addr}; state in {self.root}")
         with Client(self.pool.addr, 5.0) as c:
             nodes = self.pool.wait_registered(a.workers, check=self._check)
-            s.say(f"{len(nodes)} nodes registered: {', '.join(x['name'] + ' (' + x['platform'] + ', mlx ' + x['mlx_version'] + ')' for x in nodes)}")
+            s.say(f"{len(nodes)} nodes registered: {', '.join(f'{x.name} ({x.platform}, mlx {x.mlx_version})' for x in nodes)}")
             reply = c.call(m.Submit(job=spec.to_dict(), source="demo-lm.toml" if a.lm else "demo.toml"), m.Submitted)
             self.run.job_id = reply.job_id
             s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, checkpoint every {spec.checkpoint.every_steps} steps)")
-            self._follow(c, kill_at, every=max(1, steps // 20))
-            st = self.run.status
-            if st["state"] != "succeeded":
-                raise DemoFailed(f"job {self.run.job_id} {st['state']}: {st.get('error') or 'no reason given'}; the workers' output is in {self.root}/state-node-*/jobs/{self.run.job_id}/slot-*/worker.log")
+            st = self._follow(c, kill_at, every=max(1, steps // 20))
+            if st.state != "succeeded":
+                raise DemoFailed(f"job {self.run.job_id} {st.state}: {st.error or 'no reason given'}; the workers' output is in {self.root}/state-node-*/jobs/{self.run.job_id}/slot-*/worker.log")
             if self.run.resumed is None:
                 raise DemoFailed(f"job {self.run.job_id} succeeded, but no automatic resume was seen ({self.run.killed or 'no worker was killed'})")
             rec = fetch_job(c, self.run.job_id, samples=True)
         self._finish(rec)
         return EXIT_OK
 
-    def _follow(self, c: Client, kill_at: int, every: int) -> None:
+    def _follow(self, c: Client, kill_at: int, every: int) -> JobStatus:
+        """Show the job until it ends; its final status."""
         run, s = self.run, self.screen
         while True:
             self._check()
             try:
-                st = c.call(m.Status(job=run.job_id), m.StatusReply).jobs[0]
+                st: JobStatus | None = c.call(m.Status(job=run.job_id), m.StatusReply).jobs[0]
                 self._events(c)
             except Unreachable:
                 st = run.status  # a busy machine can delay an answer; the stall deadline still holds
@@ -279,16 +280,16 @@ class Demo:
                 run.news_at = time.monotonic()
             run.status = st
             if time.monotonic() - run.news_at > STALL_TIMEOUT_S:
-                raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st.get('state', 'unknown')}, step {st.get('step', '?')})")
-            if not st:
+                raise DemoFailed(f"job {run.job_id} made no progress for {STALL_TIMEOUT_S:.0f}s (state {st.state if st else 'unknown'}, step {st.step if st else '?'})")
+            if st is None:
                 continue
-            if st["state"] in TERMINAL:
+            if st.state in TERMINAL:
                 s.progress(st, every)
                 s.done()
-                return
-            if st["state"] == "running" and st["step"] > 0 and any(w.get("tokens_per_s") for w in st["workers"]):
+                return st
+            if st.state == "running" and st.step > 0 and any(w.tokens_per_s for w in st.workers):
                 s.progress(st, every)
-            if run.killed_at is None and st["state"] == "running" and st["step"] >= kill_at:
+            if run.killed_at is None and st.state == "running" and st.step >= kill_at:
                 self._kill(st)
             time.sleep(POLL_S)
 
@@ -300,69 +301,69 @@ class Demo:
             for e in reply.events:
                 run.events.append(e)
                 run.news_at = time.monotonic()
-                after_kill = run.killed_at is not None and float(e.get("t", 0)) >= run.killed_at - 1.0
-                if e.get("kind") == "group.resumed" and run.resumed is None and after_kill and e.get("cause", "failure") == "failure":
+                after_kill = run.killed_at is not None and e.t >= run.killed_at - 1.0
+                if e.kind == "group.resumed" and run.resumed is None and after_kill and e.fields.get("cause", "failure") == "failure":
                     run.resumed = e  # the resume that the kill caused (not a growth or drain)
                 text = describe_event(e, run.killed_at)
                 if text:
-                    self.screen.say(text, e.get("t"))
+                    self.screen.say(text, e.t)
             if not reply.more:
                 return
 
-    def _kill(self, st: dict[str, Any]) -> None:
+    def _kill(self, st: JobStatus) -> None:
         """SIGKILL one trainer: the highest rank, preferring a node that does not serve the control
         plane (the serving node can die too, but that is a different demo)."""
         serving = {d.name for d in self.pool.daemons.values() if d.serving}
-        workers = sorted(st["workers"], key=lambda w: (w["node"] in serving, -w["rank"]))
+        workers = sorted(st.workers, key=lambda w: (w.node in serving, -w.rank))
         if not workers:
             return
         victim = workers[0]
-        pid = self._trainer_pid(victim, st["generation"])
+        pid = self._trainer_pid(victim, st.generation)
         if pid is None:
             return  # its trainer is not up yet: try again at the next poll
         self.run.killed_at = time.time()
-        self.run.killed = f"rank {victim['rank']} on {victim['node']}, pid {pid}, at step {st['step']}"
-        self.screen.say(f"SIGKILL -> trainer of rank {victim['rank']} on {victim['node']} (pid {pid}) at step {st['step']}", self.run.killed_at)
+        self.run.killed = f"rank {victim.rank} on {victim.node}, pid {pid}, at step {st.step}"
+        self.screen.say(f"SIGKILL -> trainer of rank {victim.rank} on {victim.node} (pid {pid}) at step {st.step}", self.run.killed_at)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 
-    def _trainer_pid(self, worker: dict[str, Any], generation: int) -> int | None:
+    def _trainer_pid(self, worker: WorkerStatus, generation: int) -> int | None:
         """The pid of a rank's trainer: as the control plane reports it in the job's status when it
         does, else that node's trainer of this generation (one slot per dpd in the demo)."""
-        pid = worker.get("pid")
-        if isinstance(pid, int) and pid > 0:
+        pid = worker.pid
+        if pid is not None and pid > 0:
             return pid
-        if worker["node"] not in self.pool.daemons:
+        if worker.node not in self.pool.daemons:
             return None
-        return next(iter(self.pool.trainer_pids(worker["node"], self.run.job_id, generation)), None)
+        return next(iter(self.pool.trainer_pids(worker.node, self.run.job_id, generation)), None)
 
-    def _finish(self, rec: Any) -> None:
+    def _finish(self, rec: JobRecord) -> None:
         s, run = self.screen, self.run
         st = rec.status
-        r = run.resumed or {}
+        r = run.resumed.fields if run.resumed is not None else {}
         evals = rec.evals
         s.plain()
-        s.say(f"job {st['id']} succeeded: {st['steps']} steps in {time.time() - self.started:.0f}s, {st['generation']} generations")
+        s.say(f"job {st.id} succeeded: {st.steps} steps in {time.time() - self.started:.0f}s, {st.generation} generations")
         s.plain(
             f"  recovery:        {run.killed} was killed; generation {r.get('generation')} resumed from step {r.get('from_step')}, "
             f"{r.get('seconds_since_failure')}s after the failure, {r.get('steps_recomputed')} steps recomputed"
         )
         if evals:
             first = evals[0]
-            s.plain(f"  validation loss: {evals[-1]['val_loss']:.4f} at step {evals[-1]['step']} (from {first['val_loss']:.4f} at step {first['step']})")
+            s.plain(f"  validation loss: {evals[-1].val_loss:.4f} at step {evals[-1].step} (from {first.val_loss:.4f} at step {first.step})")
         else:
             s.plain("  validation loss: none was logged")
         if rec.samples:
             last = rec.samples[-1]
-            s.plain(f"  sample at step {last['step']}:")
-            text = "".join(ch if ch.isprintable() or ch == "\n" else " " for ch in str(last.get("text", "")).replace("\t", "    "))
+            s.plain(f"  sample at step {last.step}:")
+            text = "".join(ch if ch.isprintable() or ch == "\n" else " " for ch in last.text.replace("\t", "    "))
             for line in [ln.rstrip() for ln in text.splitlines() if ln.strip()][:12]:
                 s.plain(f"    | {line}")
         path = plot(rec, Path.cwd() / PLOT_FILE)
         s.plain(f"  loss curve:      {path}")
         if self.args.lm:
             out = self.root / "adapters"
-            said, text = export_and_generate(self.pool.addr, st["id"], self.lm_model, out)
+            said, text = export_and_generate(self.pool.addr, st.id, self.lm_model, out)
             s.plain(f"  export:          {said}")
             s.plain(f"  mlx_lm generate --model {self.lm_model} --adapter-path {out} --prompt {PROMPT!r}:")
             for line in [ln.rstrip() for ln in text.splitlines() if ln.strip()][:6] or [f"(whitespace only: {text!r})"]:

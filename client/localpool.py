@@ -26,16 +26,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self, TypeVar
 
 from dpool.client.rpc import Client
 from dpool.protocol import messages as m
+from dpool.protocol.payloads import JobStatus, NodeRow
 
 STOP_GRACE_S = 5.0  # each daemon's SIGTERM -> SIGKILL grace for its trainers (dpd --stop-grace)
 STOP_TIMEOUT_S = STOP_GRACE_S + 10.0  # SIGTERM -> SIGKILL for a daemon: its trainers' grace, then its own exit
 REGISTER_TIMEOUT_S = 60.0  # daemons up and registered (Python + MLX import on a slow, busy machine)
 POLL_S = 0.2
 CLIENT_TIMEOUT_S = 5.0
+T = TypeVar("T", bound=m.Message)
 
 
 class LocalPoolError(Exception):
@@ -241,7 +243,7 @@ class LocalPool:
             self.daemons[name] = d
         return d
 
-    def start(self, *slots: int, timeout: float = REGISTER_TIMEOUT_S) -> LocalPool:
+    def start(self, *slots: int, timeout: float = REGISTER_TIMEOUT_S) -> Self:
         """A serving daemon `n0` and one joining daemon `n1`, `n2`, ... per further entry, with
         these slots; returns once all of them are registered."""
         for i, n in enumerate(slots):
@@ -249,16 +251,16 @@ class LocalPool:
         self.wait_registered(len(slots), timeout)
         return self
 
-    def wait_registered(self, n: int, timeout: float = REGISTER_TIMEOUT_S, *, check: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    def wait_registered(self, n: int, timeout: float = REGISTER_TIMEOUT_S, *, check: Callable[[], None] | None = None) -> list[NodeRow]:
         """The pool's live nodes once there are `n` of them. Raises LocalPoolError as soon as a
         daemon exits, or after `timeout` seconds; `check` runs at every poll (it may raise too)."""
         deadline = time.monotonic() + timeout
-        live: list[dict[str, Any]] = []
+        live: list[NodeRow] = []
         while time.monotonic() < deadline:
             if check is not None:
                 check()
             self.check_alive()
-            live = [x for x in self.nodes() if x["state"] != "lost"]
+            live = [x for x in self.nodes() if x.state != "lost"]
             if len(live) >= n:
                 return live
             time.sleep(POLL_S)
@@ -272,19 +274,19 @@ class LocalPool:
             if code is not None:
                 raise LocalPoolError(f"dpd {d.name} (pid {d.pid}) exited with code {code}; the end of its log ({d.log}):\n{tail(d.log)}")
 
-    def call(self, msg: m.Message, expect: type[Any], timeout_s: float = CLIENT_TIMEOUT_S) -> Any:
+    def call(self, msg: m.Message, expect: type[T], timeout_s: float = CLIENT_TIMEOUT_S) -> T:
         """One request to the coordinator, the way dpctl makes it."""
         with Client(self.addr, timeout_s) as c:
             return c.call(msg, expect)
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeRow]:
         """The pool's node rows; [] while the coordinator does not answer (it is starting)."""
         try:
             return self.call(m.Nodes(), m.NodesReply).nodes
         except Exception:
             return []
 
-    def status(self, job: str) -> dict[str, Any] | None:
+    def status(self, job: str) -> JobStatus | None:
         """The job's status row, or None while the coordinator does not answer."""
         try:
             return self.call(m.Status(job=job), m.StatusReply).jobs[0]

@@ -61,12 +61,13 @@ def restarts(rec: JobRecord) -> list[dict[str, Any]]:
     coordinator) still shows, without timings."""
     out: dict[int, dict[str, Any]] = {}
     for e in rec.resumes:
-        g = int(e.get("generation", 0))
+        f = e.fields
+        g = int(f.get("generation", 0))
         out[g] = {
             "generation": g,
-            "from_step": int(e.get("from_step", 0)),
-            "steps_recomputed": int(e.get("steps_recomputed", 0) or 0),
-            "seconds": e.get("seconds_since_failure"),
+            "from_step": int(f.get("from_step", 0)),
+            "steps_recomputed": int(f.get("steps_recomputed", 0) or 0),
+            "seconds": f.get("seconds_since_failure"),
         }
     prev: int | None = None
     for r in rec.train:
@@ -164,15 +165,15 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
     ax_tps.set_xlabel("step")
 
     # -- restarts --------------------------------------------------------------------------
-    for i, r in enumerate(restarts(rec)):
-        at, redo = r["from_step"], r["steps_recomputed"]
+    for i, rs in enumerate(restarts(rec)):
+        at, redo = rs["from_step"], rs["steps_recomputed"]
         for ax in (ax_loss, ax_tps):
             if redo > 0:
                 ax.axvspan(at, at + redo, color="#fdae6b", alpha=0.25, linewidth=0, label="recomputed after a failure" if (ax is ax_loss and i == 0) else None)
             ax.axvline(at, color="#a50f15", linestyle=":", linewidth=1.4, label="restart" if (ax is ax_loss and i == 0) else None)
-        words = [f"generation {r['generation']}", f"resumed from step {at}"]
-        if r["seconds"] is not None:
-            words.append(f"{r['seconds']:.1f} s after the failure")
+        words = [f"generation {rs['generation']}", f"resumed from step {at}"]
+        if rs["seconds"] is not None:
+            words.append(f"{rs['seconds']:.1f} s after the failure")
         if redo:
             words.append(f"{redo} step{'s' if redo != 1 else ''} recomputed")
         ax_loss.annotate(

@@ -300,14 +300,3 @@ class EventRow(Record):
 
     def to_wire(self) -> dict[str, Any]:
         return {"t": self.t, "kind": self.kind, **self.fields}
-
-    def __getitem__(self, key: str) -> Any:
-        if key in ("t", "kind"):
-            return getattr(self, key)
-        return self.fields[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            return default

@@ -113,9 +113,7 @@ OMIT_NONE = {"omit_none": True}  # field metadata: left out of the wire form (an
 class Record:
     """A typed map nested in a message body. Subclasses are frozen dataclasses registered with
     `@record`; `from_wire` validates a decoded map into one, `to_wire` gives the map back.
-
-    `record["field"]` and `record.get("field")` read a field as a map would: what readers written
-    for the plain maps of earlier versions still use."""
+    Readers use the fields as attributes: there is no map-style access."""
 
     FIELDS: ClassVar[tuple[Field, ...]] = ()
     _NAMES: ClassVar[tuple[str, ...]] = ()
@@ -139,27 +137,6 @@ class Record:
             elif not plain:
                 out[name] = to_wire(v)
         return out
-
-    def __getitem__(self, key: str) -> Any:
-        if any(name == key for name, *_ in self.FIELDS):
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        try:
-            value = self[key]
-        except KeyError:
-            return default
-        return default if value is None and self._omits(key) else value
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self.get(key, _NONE) is not _NONE
-
-    def _omits(self, key: str) -> bool:
-        return any(name == key and omit for name, _, _, omit, _ in self.FIELDS)
-
-
-_NONE: Any = object()
 
 
 def record(cls: type[Record]) -> type[Record]:

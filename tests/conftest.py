@@ -14,6 +14,7 @@ import pytest
 
 from dpool.client import localpool
 from dpool.client.localpool import Processes, free_port, pids_with, wait_for
+from dpool.protocol.payloads import JobStatus
 
 __all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "wait_for"]
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -44,13 +45,13 @@ class LocalPool(localpool.LocalPool):
     def __init__(self, procs: Processes, root: Path, **kw: Any) -> None:
         super().__init__(root, procs=procs, **kw)
 
-    def wait_status(self, job: str, what: str, check: Callable[[dict[str, Any]], Any], timeout: float = 120, every: float = 0.1) -> dict[str, Any]:
+    def wait_status(self, job: str, what: str, check: Callable[[JobStatus], Any], timeout: float = 120, every: float = 0.1) -> JobStatus:
         """The job's status once `check` holds for it; fail naming `what` after `timeout` seconds."""
         return wait_for(what, lambda: (s := self.status(job)) is not None and check(s) and s, timeout, every)
 
-    def wait_end(self, job: str, timeout: float = 120, every: float = 0.1) -> dict[str, Any]:
+    def wait_end(self, job: str, timeout: float = 120, every: float = 0.1) -> JobStatus:
         """The job's status once it has ended (succeeded, failed or cancelled)."""
-        return self.wait_status(job, f"job {job} to end", lambda s: s["state"] in TERMINAL, timeout, every)
+        return self.wait_status(job, f"job {job} to end", lambda s: s.state in TERMINAL, timeout, every)
 
     def dpctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args]

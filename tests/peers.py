@@ -9,7 +9,7 @@ import itertools
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import zmq
@@ -19,9 +19,10 @@ from dpool.client.localpool import LocalPool
 from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
-from dpool.protocol.payloads import NodeInfo
+from dpool.protocol.payloads import JobStatus, NodeInfo
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+T = TypeVar("T", bound=m.Message)
 
 
 def raw(msg_type: str, body: Any, msg_id: int = 1) -> list[bytes]:
@@ -106,7 +107,7 @@ class Served:
         self.addr, self.proc, self.log = pool.addr, daemon.proc, daemon.log
         wait_for(f"{name} registered", lambda: self.node_state() == "idle", 60, every=0.2)
 
-    def call(self, msg: m.Message, expect: type[Any], timeout: float = 10.0) -> Any:
+    def call(self, msg: m.Message, expect: type[T], timeout: float = 10.0) -> T:
         with Client(self.addr, timeout) as c:
             return c.call(msg, expect)
 
@@ -140,8 +141,8 @@ class Served:
         }
         return str(self.call(m.Submit(job=parse_job(doc).to_dict(), source="test"), m.Submitted).job_id)
 
-    def wait_end(self, job: str, timeout: float = 120.0) -> Any:
-        def ended() -> Any:
+    def wait_end(self, job: str, timeout: float = 120.0) -> JobStatus:
+        def ended() -> JobStatus | None:
             try:
                 s = self.call(m.Status(job=job), m.StatusReply, 2.0).jobs[0]
             except (Unreachable, RemoteError):

@@ -61,7 +61,7 @@ def trained(pool: HomesPool) -> tuple[str, Path]:
     path = write_job(pool.root, "tiny", **JOB)
     job_id = pool.submit(path)
     final = pool.wait_end(job_id, JOB_TIMEOUT, every=0.25)
-    assert final["state"] == "succeeded", (final, pool.dpctl("logs", job_id).stdout[-3000:])
+    assert final.state == "succeeded", (final, pool.dpctl("logs", job_id).stdout[-3000:])
     return job_id, path
 
 
@@ -160,7 +160,7 @@ def test_hostile_export_requests_get_errors_and_the_pool_keeps_working(pool: Hom
     try:
         ready = _ask(a, m.Export(job=job_id).to_frames(1), 1, timeout_s=180)
         assert isinstance(ready, m.ExportReply) and ready.step == 6, ready
-        eid, name, size = ready.export_id, ready.files[0]["name"], ready.files[0]["bytes"]
+        eid, name, size = ready.export_id, ready.files[0].name, ready.files[0].bytes
         cases: list[tuple[zmq.Socket[Any], list[bytes], str]] = [
             (a, m.ExportRead(export_id="0" * 32, name=name, offset=0).to_frames(10), "not_found"),
             (b, m.ExportRead(export_id=eid, name=name, offset=0).to_frames(11), "not_found"),  # not b's export

@@ -81,12 +81,12 @@ def test_lora_on_three_workers_survives_a_killed_worker_and_exports(pool: HomePo
         pool.give(name, assets)
     pool.start(1, 1, 1)
     job = pool.submit(write_job(tmp_path, "lora", base=LORA))
-    pool.wait_status(job, "the job mid-run on 3 workers", lambda s: s["state"] == "running" and s["step"] >= 5 and s["world_size"] == 3, 180, every=0.05)
+    pool.wait_status(job, "the job mid-run on 3 workers", lambda s: s.state == "running" and s.step >= 5 and s.world_size == 3, 180, every=0.05)
     (victim,) = pool.trainer_pids("n1", job)
     os.kill(victim, signal.SIGKILL)
     final = pool.wait_end(job, timeout=300)
     events = pool.dpctl_json("events", job)
-    assert final["state"] == "succeeded", (final, events)
+    assert final.state == "succeeded", (final, events)
     assert any(e["kind"] == "group.resumed" and e["cause"] == "failure" for e in events), events
     rows = [r for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -111,8 +111,8 @@ def test_a_worker_without_the_model_fails_the_job_naming_the_node(pool: HomePool
     pool.start(1, 1)
     job = pool.submit(write_job(tmp_path, "missing", base=LORA, workers={"min": 2}))
     final = pool.wait_end(job, timeout=120)
-    assert final["state"] == "failed", final
-    assert "n1" in final["error"] and "model.path" in final["error"] and "on this machine" in final["error"], final
+    assert final.state == "failed" and final.error is not None, final
+    assert "n1" in final.error and "model.path" in final.error and "on this machine" in final.error, final
     events = pool.dpctl_json("events", job)
     assert not [e for e in events if e["kind"] == "group.resumed"], events  # no restart can fix a missing path
     assert [e["node"] for e in events if e["kind"] == "worker.failed"] == ["n1"], events

@@ -84,7 +84,7 @@ class NetnsPool(Pool):
 
 def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
     pool = NetnsPool(processes, tmp_path, hosts).start(3)
-    assert {n["name"]: n["address"] for n in pool.nodes()} == {n: hosts[n] for n in ("n0", "n1", "n2")}
+    assert {n.name: n.address for n in pool.nodes()} == {n: hosts[n] for n in ("n0", "n1", "n2")}
     job = pool.submit(job_file(tmp_path, "netns"))
     mid_run(pool, job)
     _ip("link", "set", hosts["n2.link"], "down")  # nothing is killed: packets just stop
@@ -92,7 +92,8 @@ def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processe
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] in ("heartbeat", "stalled"), failed
     assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
-    assert pool.status(job)["step"] == STEPS  # type: ignore[index]
+    final = pool.status(job)
+    assert final is not None and final.step == STEPS
     # Every daemon stops on SIGTERM, the cut host's too; its trainer, which nothing reached, is
     # ended as a leftover.
     assert pool.stop(timeout=30) == []

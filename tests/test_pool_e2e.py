@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import conftest
 import msgpack
@@ -24,6 +23,7 @@ from conftest import Processes, free_port, pids_with, wait_for
 from jobs import write_job
 
 from dpool.protocol import messages as m
+from dpool.protocol.payloads import JobStatus
 
 JOB_TIMEOUT = 120.0
 
@@ -33,13 +33,13 @@ def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = 20)
 
 
 class LocalPool(conftest.LocalPool):
-    def status(self, job: str) -> dict[str, Any]:
+    def status(self, job: str) -> JobStatus:
         st = super().status(job)
         assert st is not None, f"the coordinator at {self.addr} did not answer"
         return st
 
-    def wait_state(self, job: str, *states: str, timeout: float = JOB_TIMEOUT) -> dict[str, Any]:
-        return self.wait_status(job, f"job {job} in {states}", lambda s: s["state"] in states, timeout, every=0.25)
+    def wait_state(self, job: str, *states: str, timeout: float = JOB_TIMEOUT) -> JobStatus:
+        return self.wait_status(job, f"job {job} in {states}", lambda s: s.state in states, timeout, every=0.25)
 
 
 @pytest.fixture
@@ -56,9 +56,9 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
     alone = processes.start([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(alone_dir)], tmp_path / "alone.log")
 
     final = pool.wait_state(job_id, "succeeded", "failed", "cancelled")
-    assert final["state"] == "succeeded", (final, pool.dpctl("logs", job_id).stdout[-3000:])
-    assert final["step"] == 20 and final["generation"] == 1 and final["world_size"] == 3
-    assert final["checkpoint_step"] == 20
+    assert final.state == "succeeded", (final, pool.dpctl("logs", job_id).stdout[-3000:])
+    assert final.step == 20 and final.generation == 1 and final.world_size == 3
+    assert final.checkpoint_step == 20
 
     rows = pool.dpctl_json("metrics", job_id)
     train = [r for r in rows if r["kind"] == "train"]
@@ -89,11 +89,11 @@ def test_jobs_queue_for_room_and_cancel_frees_slots(local_pool: LocalPool, tmp_p
     second = pool.submit(job_file(tmp_path, "second", lo=2, hi=2, steps=100000))
 
     pool.wait_state(first, "running", timeout=60)
-    assert pool.status(second)["state"] == "queued"  # no room while the first one runs
+    assert pool.status(second).state == "queued"  # no room while the first one runs
     done = pool.wait_state(first, "succeeded", "failed")
-    assert done["state"] == "succeeded"
+    assert done.state == "succeeded"
     running = pool.wait_state(second, "running", timeout=60)
-    assert running["world_size"] == 2
+    assert running.world_size == 2
 
     nodes = pool.dpctl_json("nodes")
     assert [(n["name"], n["state"], n["busy_slots"], n["job"]) for n in nodes] == [("n0", "busy", 1, second), ("n1", "busy", 1, second)]
@@ -103,8 +103,8 @@ def test_jobs_queue_for_room_and_cancel_frees_slots(local_pool: LocalPool, tmp_p
 
     r = pool.dpctl("cancel", second)
     assert r.returncode == 0, r.stderr
-    assert pool.status(second)["state"] == "cancelled"
-    wait_for("slots idle", lambda: [(n["state"], n["busy_slots"]) for n in pool.nodes()] == [("idle", 0), ("idle", 0)], 30)
+    assert pool.status(second).state == "cancelled"
+    wait_for("slots idle", lambda: [(n.state, n.busy_slots) for n in pool.nodes()] == [("idle", 0), ("idle", 0)], 30)
     wait_for("trainers gone", lambda: not pids_with(f"jobs/{second}/"), 10)
     kinds = [e["kind"] for e in pool.dpctl_json("events", second)]
     assert "job.cancelled" in kinds
@@ -180,7 +180,7 @@ def test_coordinator_survives_garbage_and_still_runs_jobs(local_pool: LocalPool,
         ctx.term()
     assert pool.daemons["n0"].proc.poll() is None
     job_id = pool.submit(job_file(tmp_path, "after-fuzz", hi=1))
-    assert pool.wait_state(job_id, "succeeded", "failed", "cancelled")["state"] == "succeeded"
+    assert pool.wait_state(job_id, "succeeded", "failed", "cancelled").state == "succeeded"
 
 
 def test_status_without_a_coordinator_exits_3_within_its_timeout() -> None:
@@ -199,7 +199,7 @@ def test_duplicate_name_and_insecure_bind_are_refused(local_pool: LocalPool, tmp
     assert dup.proc.wait(timeout=30) == 1
     assert "node name 'n0' is already in the pool" in dup.log.read_text()
     assert pool.daemons["n0"].proc.poll() is None
-    assert [(n["name"], n["state"]) for n in pool.nodes()] == [("n0", "idle")]
+    assert [(n.name, n.state) for n in pool.nodes()] == [("n0", "idle")]
     r = subprocess.run(
         [sys.executable, "-m", "dpool.daemon.cli", "run", "--serve", f"tcp://0.0.0.0:{free_port()}", "--state-dir", str(tmp_path / "x")],
         capture_output=True,

@@ -22,6 +22,8 @@ import pytest
 from conftest import LocalPool, Processes, alive, wait_for
 from jobs import write_job
 
+from dpool.protocol.payloads import JobStatus
+
 pytestmark = pytest.mark.slow
 
 STEPS = 60
@@ -71,8 +73,8 @@ class Pool(LocalPool):
         """Wait for the end; assert success and the reference curve; return the job's events."""
         final = self.wait_end(job, JOB_TIMEOUT, every=0.05)
         events = self.dpctl_json("events", job)
-        assert final["state"] == "succeeded", (final, events, self.dpctl("logs", job).stdout[-3000:])
-        assert final["step"] == STEPS
+        assert final.state == "succeeded", (final, events, self.dpctl("logs", job).stdout[-3000:])
+        assert final.step == STEPS
         rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         ref = reference()
@@ -85,8 +87,8 @@ def kinds(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["kind"] == kind]
 
 
-def mid_run(pool: Pool, job: str, step: int = 6) -> dict[str, Any]:
-    return pool.wait_status(job, f"job {job} at step {step}", lambda s: s["state"] == "running" and s["step"] >= step, timeout=120, every=0.05)
+def mid_run(pool: Pool, job: str, step: int = 6) -> JobStatus:
+    return pool.wait_status(job, f"job {job} at step {step}", lambda s: s.state == "running" and s.step >= step, timeout=120, every=0.05)
 
 
 @pytest.fixture
@@ -119,7 +121,7 @@ def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool
     wait_for("n2's trainer gone", lambda: not pool.trainer_pids("n2", job), 10)
     events = pool.finish(job, reference)
     assert kinds(events, "worker.failed") and kinds(events, "group.resumed")
-    assert any(n["name"] == "n2" and n["state"] == "lost" for n in pool.nodes())
+    assert any(n.name == "n2" and n.state == "lost" for n in pool.nodes())
 
 
 def test_sigstop_of_a_trainer_is_caught_by_the_progress_deadline(pool: Pool, tmp_path: Path, reference: Any) -> None:
@@ -146,7 +148,7 @@ def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool,
     pool.start_daemon("n0", serve=True)  # same name, same state dir: the coordinator reloads its SQLite
     events = pool.finish(job, reference)
     assert kinds(events, "group.resumed")
-    names = {n["name"]: n["state"] for n in pool.nodes()}
+    names = {n.name: n.state for n in pool.nodes()}
     assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
 
 
@@ -174,11 +176,11 @@ def test_drain_moves_work_off_a_node_without_recomputing(pool: Pool, tmp_path: P
     assert resumed and resumed[0]["steps_recomputed"] == 0 and resumed[0]["cause"] == "membership"
     assert kinds(events, "node.drained") and kinds(events, "worker.failed") == []
     assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
-    n2 = next(n for n in pool.nodes() if n["name"] == "n2")
-    assert (n2["state"], n2["reason"]) == ("idle", "drained")
+    n2 = next(n for n in pool.nodes() if n.name == "n2")
+    assert (n2.state, n2.reason) == ("idle", "drained")
     assert pool.dpctl("undrain", "n2").returncode == 0
-    n2 = next(n for n in pool.nodes() if n["name"] == "n2")
-    assert n2["reason"] is None
+    n2 = next(n for n in pool.nodes() if n.name == "n2")
+    assert n2.reason is None
     assert pool.dpctl("drain", "no-such-node").returncode == 2
 
 
@@ -188,12 +190,12 @@ def test_below_workers_min_the_job_waits_queued_then_finishes(pool: Pool, tmp_pa
     mid_run(pool, job)
     # A checkpoint reached the coordinator (written off the step path, it can trail the steps on
     # a busy machine): the job must go back to the queue with it.
-    pool.wait_status(job, "a checkpoint reported", lambda s: s["checkpoint_step"] is not None, timeout=60, every=0.05)
+    pool.wait_status(job, "a checkpoint reported", lambda s: s.checkpoint_step is not None, timeout=60, every=0.05)
     pool.daemons["n1"].proc.send_signal(signal.SIGKILL)
     pool.daemons["n1"].proc.wait()
-    queued = pool.wait_status(job, "the job back in the queue", lambda s: s["state"] == "queued", timeout=60, every=0.05)
-    assert queued["checkpoint_step"] is not None
-    wait_for("n1 lost", lambda: any(n["name"] == "n1" and n["state"] == "lost" for n in pool.nodes()), 30)
+    queued = pool.wait_status(job, "the job back in the queue", lambda s: s.state == "queued", timeout=60, every=0.05)
+    assert queued.checkpoint_step is not None
+    wait_for("n1 lost", lambda: any(n.name == "n1" and n.state == "lost" for n in pool.nodes()), 30)
     pool.start_daemon("n1")  # the node comes back (same state dir, so it still holds its checkpoints)
     events = pool.finish(job, reference)
     assert kinds(events, "job.queued") and kinds(events, "group.resumed")
