@@ -194,30 +194,43 @@ def settings(args: argparse.Namespace) -> Settings:
     )
 
 
+COORDINATOR_STOP_S = 10.0  # after the agent has stopped: the coordinator's batch in hand, then its exit
+
+
 async def serve_and_run(s: Settings) -> int:
+    """The node's agent, and with --serve the coordinator on a thread of its own (its own loop):
+    a coordinator busy for seconds never holds up the agent's heartbeats."""
     from dpool.daemon import sdnotify
     from dpool.daemon.agent import Agent
     from dpool.daemon.coordinator import Coordinator
+    from dpool.daemon.coordthread import CoordinatorThread
 
     log = get_logger(node=s.name)
     ctx = zmq.asyncio.Context()
-    stopping, coord_stopping = asyncio.Event(), asyncio.Event()
+    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)  # handlers only record; the loops act on it
-    coord_task = notify_task = None
+    coord: CoordinatorThread | None = None
+    coord_ended: asyncio.Future[None] | None = None  # the coordinator thread's end, on this loop
+    crash_said = False
+    notify_task = None
     join = s.join
     try:
         if s.serve:
-            coord = Coordinator(ctx, s.serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys)
+            serve = s.serve
+            coord = CoordinatorThread(
+                lambda: Coordinator(ctx, serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys)
+            )
+            coord.start()
             try:
-                endpoint = coord.bind()
+                endpoint = await asyncio.wrap_future(coord.bound)
             except zmq.ZMQError as e:
                 log.error("coordinator.bind_failed", address=s.serve, error=str(e))
                 print(f"dpd: cannot serve on {s.serve}: {e}", file=sys.stderr)
                 return 1
             join = join or endpoint
-            coord_task = asyncio.create_task(coord.run(coord_stopping))
+            coord_ended = asyncio.wrap_future(coord.ended)
         assert join is not None
         agent = Agent(
             ctx,
@@ -233,22 +246,32 @@ async def serve_and_run(s: Settings) -> int:
         )
         agent_task = asyncio.create_task(agent.run(stopping))
         notify_task = asyncio.create_task(sdnotify.announce(agent, stopping))  # systemd Type=notify
-        waits: set[asyncio.Task[Any]] = {agent_task} | ({coord_task} if coord_task else set())
+        waits: set[asyncio.Future[Any]] = {agent_task} | ({coord_ended} if coord_ended else set())
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        if coord_task in done and not agent_task.done():
-            log.error("coordinator.crashed", error=repr(coord_task.exception()))
+        if coord_ended in done and not agent_task.done():
+            assert coord_ended is not None
+            log.error("coordinator.crashed", error=repr(coord_ended.exception()))
+            crash_said = True
             stopping.set()
             await agent_task
             return 1
-        code = agent_task.result()
-        return code
+        return agent_task.result()
     finally:
         if notify_task is not None:
             notify_task.cancel()
-        coord_stopping.set()
-        if coord_task is not None and not coord_task.done():
-            await coord_task
-        ctx.destroy(linger=0)
+        stuck = False
+        if coord is not None:
+            coord.stop()  # after the agent: its node.bye still reaches the coordinator
+            stuck = not await asyncio.to_thread(coord.join, COORDINATOR_STOP_S)
+            if stuck:
+                log.error("coordinator.stuck", waited_s=COORDINATOR_STOP_S)
+        if coord_ended is not None:
+            if not coord_ended.done():
+                coord_ended.cancel()
+            elif not coord_ended.cancelled() and coord_ended.exception() is not None and not crash_said:
+                log.error("coordinator.crashed", error=repr(coord_ended.exception()))  # while stopping
+        if not stuck:  # else its sockets are in use on its thread: they go with the process
+            ctx.destroy(linger=0)
 
 
 def main(argv: list[str] | None = None) -> int:
