@@ -42,9 +42,21 @@ from dpool.protocol.payloads import TrainRow
 from dpool.protocol.security import CurveServer, ServerKeys
 from dpool.protocol.sockets import HWM, pending
 
-BATCH = 500  # frames handled between commits and ticks
+BATCH = 500  # frames handled between commits and ticks, at most
+BATCH_S = 0.05  # and for at most this long: a flood of registrations cannot hold back the ticks
 BAD_FRAME_LOGS_PER_S = 5
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
+
+
+def steady_clock() -> Callable[[], float]:
+    """Wall time as of now, advanced by the monotonic clock from here on.
+
+    Liveness and every deadline are differences of this clock, so a step of the system clock (NTP
+    correcting it, a user setting the date, a laptop waking) can neither mark every node lost at
+    once nor stop the ticks. Records (events, job times) read like wall time; they drift from it only
+    by a step the system clock took after the coordinator started."""
+    wall, mono = time.time(), time.monotonic()
+    return lambda: wall + (time.monotonic() - mono)
 
 
 class Coordinator:
@@ -56,10 +68,10 @@ class Coordinator:
         *,
         heartbeat_s: float = 0.5,
         liveness: int = 6,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         keys: ServerKeys | None = None,
     ) -> None:
-        self.ctx, self.addr, self.clock = ctx, addr, clock
+        self.ctx, self.addr, self.clock = ctx, addr, clock or steady_clock()
         self.keys = keys  # CURVE with an allow-list when given
         self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
@@ -112,8 +124,11 @@ class Coordinator:
             while not stopping.is_set():
                 timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
+                    until = time.monotonic() + BATCH_S
                     for frames in pending(raw, BATCH, frames=m.MAX_FRAMES + 1):
                         self._handle_frames(frames)
+                        if time.monotonic() > until:
+                            break  # the rest waits for the next round, after the tick and the commit
                 now = self.clock()
                 if now >= next_tick:
                     self._unit("tick", functools.partial(self._tick, now))

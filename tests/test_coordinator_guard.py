@@ -140,3 +140,25 @@ def _next(peer: Peer, kind: type[m.Message]) -> m.Message | None:
         if isinstance(msg, kind):
             return msg
     return None
+
+
+@pytest.mark.parametrize("jump", [3600.0, -3600.0])
+def test_a_step_of_the_system_clock_loses_no_node_and_stops_no_tick(coordinator: Running, monkeypatch: pytest.MonkeyPatch, jump: float) -> None:
+    """An hour forward or back (NTP, a user's `date`): the node stays, and the coordinator's ticks
+    (its heartbeats to the node) go on."""
+    node = Peer(coordinator.addr)
+    try:
+        assert isinstance(node.register("a", slots=1, advertise="127.0.0.1"), m.NodeRegistered)
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + jump)
+        beats, t_end = 0, time.monotonic() + 1.5  # 15 ticks and 3 expiries at 0.1 s x 6... at liveness 6
+        while time.monotonic() < t_end:
+            node.send(m.NodeHeartbeat().to_frames())
+            while node.sock.poll(50):
+                msg, _ = m.decode(node.sock.recv_multipart())
+                beats += isinstance(msg, m.CoordHeartbeat)
+        (row,) = coordinator.call(m.Nodes(), m.NodesReply).nodes
+    finally:
+        node.close()
+    assert row.state != "lost" and not coordinator.events("node.lost")
+    assert beats >= 5
