@@ -45,6 +45,7 @@ from dpool.protocol.sockets import HWM, pending
 BATCH = 500  # frames handled between commits and ticks, at most
 BATCH_S = 0.05  # and for at most this long: a flood of registrations cannot hold back the ticks
 BAD_FRAME_LOGS_PER_S = 5
+SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (rate-limited), with what it was
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
 
 
@@ -89,6 +90,7 @@ class Coordinator:
         self.stats = {"frames": 0, "rejected": 0, "progress": 0, "failed": 0}
         self._rejected_log = Throttle(lines=BAD_FRAME_LOGS_PER_S, every=1.0)
         self._failed_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
+        self._slow_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -166,11 +168,12 @@ class Coordinator:
     def _unit(self, what: str, work: Callable[[], None]) -> Exception | None:
         """Do one unit of work whole or not at all: what it raised (after undoing it), or None.
         A ProtocolError is an answer (not_found, ...); anything else a bug, logged."""
-        sent = len(self._outbox)
+        sent, started = len(self._outbox), time.perf_counter()
         try:
             self.store.begin_unit()
             work()
             self.store.end_unit()
+            self._timed(what, time.perf_counter() - started)
         except Exception as e:
             del self._outbox[sent:]
             with contextlib.suppress(sqlite3.Error):  # a database that cannot even roll back: said below
@@ -179,6 +182,10 @@ class Coordinator:
                 self._failed(what, e)
             return e
         return None
+
+    def _timed(self, what: str, seconds: float) -> None:
+        if seconds > SLOW_UNIT_S and (held := self._slow_log.allow(what, time.monotonic())) is not None:
+            self.log.warning("unit.slow", what=what, seconds=round(seconds, 3), repeated=held)
 
     def _failed(self, what: str, e: Exception) -> None:
         """A bug (or a failing disk) met while serving: one traceback per kind a minute."""

@@ -384,10 +384,10 @@ class Pool:
         # Saved (and committed by the coordinator) before any group.start leaves: a restarted
         # coordinator knows this generation was launched and never launches its number again.
         actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline), now), JobChanged(job.id)]
-        doc = job.doc
+        doc = job.doc  # one job file, split and hostfile for every node's group.start: packed once
         for node in plan.nodes():
             ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
-            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=list(shares), hostfile=hostfile)))
+            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=shares, hostfile=hostfile)))
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
         )

@@ -233,12 +233,13 @@ class Message:
 
     def _packed_body(self, packer: msgpack.Packer) -> bytes:
         """The body as `pack(to_body())` writes it (a map is its header, then key and value after
-        key and value), the shared fields' values from the cache."""
-        parts = [packer.pack_map_header(len(self.FIELDS))]
-        for name, *_ in self.FIELDS:
+        key and value): the header and keys packed once per class, the shared fields' values from
+        the cache."""
+        head, keys = _shared.keys(type(self), packer)
+        parts = [head]
+        for key, (name, *_) in zip(keys, self.FIELDS, strict=True):
             value = getattr(self, name)
-            parts.append(packer.pack(name))
-            parts.append(_shared.pack(value, packer) if name in self.SHARED else packer.pack(value))
+            parts += (key, _shared.pack(value, packer) if name in self.SHARED else packer.pack(value))
         return b"".join(parts)
 
 
@@ -254,6 +255,7 @@ class _PackCache:
 
     def __init__(self, size: int = 8) -> None:
         self.size, self.lock = size, threading.Lock()
+        self.heads: dict[type[Message], tuple[bytes, list[bytes]]] = {}
         self.entries: collections.OrderedDict[int, tuple[Any, bytes]] = collections.OrderedDict()
 
     def pack(self, value: Any, packer: msgpack.Packer) -> bytes:
@@ -268,6 +270,14 @@ class _PackCache:
             if len(self.entries) > self.size:
                 self.entries.popitem(last=False)
         return packed
+
+
+    def keys(self, cls: type[Message], packer: msgpack.Packer) -> tuple[bytes, list[bytes]]:
+        """A message class's map header and packed field names."""
+        got = self.heads.get(cls)
+        if got is None:
+            got = self.heads[cls] = (packer.pack_map_header(len(cls.FIELDS)), [packer.pack(name) for name, *_ in cls.FIELDS])
+        return got
 
 
 _shared = _PackCache()
@@ -823,7 +833,7 @@ class GroupStart(Message):
     rank)."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_START
-    SHARED: ClassVar[frozenset[str]] = frozenset({"spec", "hostfile"})
+    SHARED: ClassVar[frozenset[str]] = frozenset({"spec", "shares", "hostfile"})
     job: JobId
     generation: Generation
     spec: JobDoc
