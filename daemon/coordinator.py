@@ -288,7 +288,7 @@ class Coordinator:
                 return self._submit(msg, now)
             case m.Status(job=None):
                 live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
-                stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live})
+                stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live}) if self.pool.forgotten else []
                 return m.StatusReply(jobs=[j.status() for j in live] + stored), []
             case m.Status(job=ref):
                 ref_ = self._job(ref)

@@ -69,6 +69,7 @@ class Pool:
         self.jobs: dict[str, Job] = {}  # in memory: the live jobs and the RECENT_FINISHED newest finished, in submission order
         self.live: dict[str, Job] = {}  # the jobs not finished, in submission order
         self._finished: collections.deque[str] = collections.deque()
+        self.forgotten = 0  # jobs that left memory (the store alone has them)
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
 
     # -- lookups -------------------------------------------------------------------------------
@@ -651,8 +652,12 @@ class Pool:
         if self.live.pop(job.id, None) is None:
             return
         self._finished.append(job.id)
+        self._forget()
+
+    def _forget(self) -> None:
         while len(self._finished) > RECENT_FINISHED:
             self.jobs.pop(self._finished.popleft(), None)
+            self.forgotten += 1
 
     def _release_pending(self, job: Job) -> list[Action]:
         pend, job.pending = job.pending, None
@@ -697,8 +702,7 @@ class Pool:
             job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(job.plan.ranks)}
             job.reconcile_by = reconcile_by
             job.watch = StepWatch.start(job.spec, now)
-        while len(self._finished) > RECENT_FINISHED:
-            self.jobs.pop(self._finished.popleft(), None)
+        self._forget()
 
     def _reconcile(self, job: Job, now: float) -> list[Action]:
         job.reconcile_by = None

@@ -658,7 +658,7 @@ def test_finished_jobs_leave_memory_and_stay_in_the_store(tmp_path: Path) -> Non
         pool.submit(float(i), f"j-{i}", spec(f"job{i}"))
         pool.cancel(float(i) + 0.5, pool.jobs[f"j-{i}"])
         store.save_job(pool.jobs[f"j-{i}"])
-    assert len(pool.jobs) == RECENT_FINISHED and not pool.live and "j-0" not in pool.jobs
+    assert len(pool.jobs) == RECENT_FINISHED and not pool.live and "j-0" not in pool.jobs and pool.forgotten == 10
     found = store.find_job("job0")
     assert found is not None and found.id == "j-0" and found.state is JobState.CANCELLED
     assert store.find_job("j-1") is not None and store.find_job("j-") is None  # a prefix of many
