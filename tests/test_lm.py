@@ -356,7 +356,7 @@ def test_pack_groups_by_length_and_pads_as_mlx_lm():
 def test_global_batches_cover_each_epoch_once_and_group_similar_lengths():
     import numpy as np
 
-    from dpool.trainer.lm_data import ExampleOrder
+    from dpool.trainer.data import ExampleOrder
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(10, 500, size=200)

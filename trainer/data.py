@@ -143,40 +143,74 @@ def load_corpus(spec: JobSpec, cache_dir: str | os.PathLike[str]) -> Corpus:
     return Corpus(train=train, val=val, key=key, fingerprint=int(meta["fingerprint"]))
 
 
+class ExampleOrder:
+    """Which examples make global batch s: a function of (seed, s) alone, whatever the split.
+
+    Each epoch is a seeded permutation of the examples (every example once per epoch), cut into
+    pools of BUCKET_BATCHES global batches; within a pool the examples are sorted by length and the
+    batches they form are shuffled. Batches hold examples of similar lengths, so micro batches pad
+    little (as mlx-lm's length-sorted batching does), while the order stays random from epoch to
+    epoch. Global batch s is examples [(s-1)*B, s*B) of that stream."""
+
+    BUCKET_BATCHES = 16
+
+    def __init__(self, count: int, global_batch: int, seed: int, lengths: np.ndarray | None = None):
+        self.count, self.global_batch, self.seed = count, global_batch, seed
+        self.lengths = lengths
+        self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            perm = rng.permutation(self.count)
+            if self.lengths is not None:
+                pool = self.global_batch * self.BUCKET_BATCHES
+                parts = []
+                for first in range(0, self.count, pool):
+                    chunk = perm[first : first + pool]
+                    chunk = chunk[np.argsort(self.lengths[chunk], kind="stable")]
+                    batches = [chunk[i : i + self.global_batch] for i in range(0, len(chunk), self.global_batch)]
+                    parts += [batches[i] for i in rng.permutation(len(batches))]
+                perm = np.concatenate(parts)
+            self._order, self._epoch = perm, epoch
+        return self._order
+
+    def indices(self, step: int, start: int, count: int) -> list[int]:
+        """Examples [start, start + count) of global batch `step` (1-based)."""
+        first = (step - 1) * self.global_batch + start
+        out = []
+        for i in range(first, first + count):
+            epoch, pos = divmod(i, self.count)
+            out.append(int(self._epoch_order(epoch)[pos]))
+        return out
+
+    def position(self, step: int) -> dict[str, int]:
+        """Where global batch `step` starts: recorded in checkpoints for the reader."""
+        index = (step - 1) * self.global_batch
+        return {"epoch": index // self.count, "index": index % self.count}
+
+
 class BatchSampler:
-    """Windows of `context + 1` tokens; global batch s is fixed by (seed, s)."""
+    """Windows of `context + 1` tokens; global batch s is fixed by (seed, s): the windows are the
+    examples of an `ExampleOrder` (a seeded permutation per epoch)."""
 
     def __init__(self, tokens: np.ndarray, context: int, global_batch: int, seed: int, what: str = "train"):
-        self.tokens, self.context, self.global_batch, self.seed = tokens, context, global_batch, seed
-        self.windows = (len(tokens) - 1) // context
-        if self.windows < 1:
+        self.tokens, self.context = tokens, context
+        windows = (len(tokens) - 1) // context
+        if windows < 1:
             raise DataError(
                 f"the {what} split has {len(tokens)} tokens, fewer than one sequence of context + 1 = {context + 1}; "
                 "add data, lower model.context, or change data.val_fraction"
             )
-        self._perm_epoch = -1
-        self._perm = np.zeros(0, dtype=np.int64)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
-            self._perm_epoch = epoch
-        return self._perm
+        self.order = ExampleOrder(windows, global_batch, seed)
 
     def position(self, step: int) -> dict[str, int]:
-        """Where global batch `step` (1-based) starts: recorded in checkpoints for the reader."""
-        index = (step - 1) * self.global_batch
-        return {"epoch": index // self.windows, "index": index % self.windows}
+        return self.order.position(step)
 
     def sequences(self, step: int, start: int, count: int) -> np.ndarray:
         """Sequences [start, start + count) of global batch `step` (1-based), shape (count, context + 1)."""
-        first = (step - 1) * self.global_batch + start
-        rows = np.empty((count, self.context + 1), dtype=np.int32)
-        for i in range(count):
-            epoch, pos = divmod(first + i, self.windows)
-            w = int(self._permutation(epoch)[pos])
-            rows[i] = self.tokens[w * self.context : w * self.context + self.context + 1]
-        return rows
+        c = self.context
+        return np.stack([self.tokens[w * c : w * c + c + 1] for w in self.order.indices(step, start, count)]).astype(np.int32, copy=False)
 
 
 def eval_windows(tokens: np.ndarray, context: int, count: int, seed: int) -> np.ndarray:

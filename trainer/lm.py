@@ -22,7 +22,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, model_location
-from dpool.trainer.lm_data import ExampleOrder, load_lm_data
+from dpool.trainer.data import ExampleOrder
+from dpool.trainer.lm_data import load_lm_data
 from dpool.trainer.task import Example
 
 DEFAULT_PROMPT = "Hello"
