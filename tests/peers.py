@@ -1,10 +1,13 @@
 """Peers that speak the control plane the way an attacker or a broken daemon would: raw frames on a
-real socket to a real coordinator (a `dpd run --serve` process), and what its process costs.
+real socket to a real coordinator (a `dpd run --serve` process, or a `Coordinator` on a thread of
+the test's own process), and what its process costs.
 
-Used by test_hostile.py (one attack per test) and test_fuzz.py (ten thousand frames)."""
+Used by test_hostile.py (one attack per test), test_fuzz.py (ten thousand frames),
+test_coordinator_guard.py and test_roles.py."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -12,14 +15,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
+import structlog
 import zmq
+import zmq.asyncio
 from conftest import Processes, wait_for
 
 from dpool.client.localpool import LocalPool
 from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.daemon.coordinator import Coordinator
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.payloads import JobStatus, NodeInfo
+from dpool.protocol.security import ClientKeys, ServerKeys, curve_client
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 T = TypeVar("T", bound=m.Message)
@@ -62,11 +69,13 @@ class PeakRss(threading.Thread):
 class Peer:
     """A DEALER on the coordinator's socket that sends whatever it is given."""
 
-    def __init__(self, addr: str, *, rcvhwm: int = 1000) -> None:
+    def __init__(self, addr: str, *, rcvhwm: int = 1000, keys: ClientKeys | None = None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
+        if keys is not None:  # a CURVE client with this key pair
+            curve_client(self.sock, keys)
         self.sock.connect(addr)
         self.ids = itertools.count(1000)
 
@@ -89,12 +98,63 @@ class Peer:
     def message(self, msg: m.Message) -> m.Message:
         return self.ask(msg.to_frames(next(self.ids)))
 
-    def register(self, name: str, **info: Any) -> m.Message:
-        return self.message(m.NodeRegister(name=name, incarnation=f"inc-{name}", info=NodeInfo(**info)))
+    def register(self, name: str, incarnation: str = "", **info: Any) -> m.Message:
+        return self.message(m.NodeRegister(name=name, incarnation=incarnation or f"inc-{name}", info=NodeInfo(**info)))
+
+    def next(self, kind: type[T], timeout: float = 10.0) -> T:
+        """The next message of type `kind` the coordinator sends (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000) + 1):
+            msg, _ = m.decode(self.sock.recv_multipart())
+            if isinstance(msg, kind):
+                return msg
+        raise AssertionError(f"no {kind.TYPE} within {timeout}s")
 
     def close(self) -> None:
         self.sock.close(linger=0)
         self.ctx.term()
+
+
+class Running:
+    """A Coordinator on loopback, its loop in a thread; `logs` holds what it logged."""
+
+    def __init__(self, state: Path, *, keys: ServerKeys | None = None, client: ClientKeys | None = None) -> None:
+        """`keys`: CURVE with this pair and allow-list; `client`: the keys `call` uses."""
+        self.keys, self.client = keys, client
+        self.logs: list[Any] = []  # structlog's captured events
+        self.stopping = threading.Event()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._main, args=(state,), daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    def _main(self, state: Path) -> None:
+        async def main() -> None:
+            ctx = zmq.asyncio.Context()
+            stop = asyncio.Event()
+            with structlog.testing.capture_logs() as self.logs:
+                self.coord = Coordinator(ctx, "tcp://127.0.0.1:*", state, heartbeat_s=0.1, keys=self.keys)
+                self.addr = self.coord.bind()
+                task = asyncio.create_task(self.coord.run(stop))
+                self.ready.set()
+                while not self.stopping.is_set():
+                    await asyncio.sleep(0.02)
+                stop.set()
+                await task
+            ctx.destroy(linger=0)
+
+        asyncio.run(main())
+
+    def call(self, msg: m.Message, expect: type[Any]) -> Any:
+        with Client(self.addr, 5.0, self.client) as c:
+            return c.call(msg, expect)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in list(self.logs) if e["event"] == name]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
 
 
 class Served:

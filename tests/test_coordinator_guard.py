@@ -1,70 +1,24 @@
 """The coordinator cannot be stopped by a request: a failing tick or request is undone whole and
 logged (a traceback at most once a minute per kind), and nothing it sends leaves before the state it
-follows from is committed. A real Coordinator on a real socket, in a thread of this process, so a
-fault can be put into it."""
+follows from is committed. A real Coordinator on a real socket, in a thread of this process
+(`peers.Running`), so a fault can be put into it."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
-import zmq.asyncio
-from conftest import wait_for
-from peers import Peer
+from peers import Peer, Running
 
-from dpool.client.rpc import Client, RemoteError
-from dpool.daemon.coordinator import Coordinator
+from dpool.client.rpc import RemoteError
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 
 JOB = parse_job({"name": "g", "workers": {"min": 1, "max": 1}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
-
-
-class Running:
-    """A Coordinator on loopback, its loop in a thread; `logs` holds what it logged."""
-
-    def __init__(self, state: Path) -> None:
-        self.logs: list[dict[str, Any]] = []
-        self.stopping = threading.Event()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._main, args=(state,), daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    def _main(self, state: Path) -> None:
-        async def main() -> None:
-            ctx = zmq.asyncio.Context()
-            stop = asyncio.Event()
-            with structlog.testing.capture_logs() as self.logs:
-                self.coord = Coordinator(ctx, "tcp://127.0.0.1:*", state, heartbeat_s=0.1)
-                self.addr = self.coord.bind()
-                task = asyncio.create_task(self.coord.run(stop))
-                self.ready.set()
-                while not self.stopping.is_set():
-                    await asyncio.sleep(0.02)
-                stop.set()
-                await task
-            ctx.destroy(linger=0)
-
-        asyncio.run(main())
-
-    def call(self, msg: m.Message, expect: type[Any]) -> Any:
-        with Client(self.addr, 5.0) as c:
-            return c.call(msg, expect)
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        return [e for e in list(self.logs) if e["event"] == name]
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(10)
 
 
 @pytest.fixture
@@ -126,20 +80,12 @@ def test_group_start_leaves_only_once_its_generation_is_committed(coordinator: R
     try:
         assert isinstance(node.register("a", slots=1, advertise="127.0.0.1"), m.NodeRegistered)
         coordinator.call(m.Submit(job=JOB, source="g.toml"), m.Submitted)
-        prepare = wait_for("group.prepare", lambda: _next(node, m.GroupPrepare), 10)
+        prepare = node.next(m.GroupPrepare)
         node.send(m.NodePrepared(job=prepare.job, generation=prepare.generation, host="127.0.0.1", ports=[40001]).to_frames())
-        start = wait_for("group.start", lambda: _next(node, m.GroupStart), 10)
+        start = node.next(m.GroupStart)
     finally:
         node.close()
     assert start.generation == 1 and seen == [(1, True)]
-
-
-def _next(peer: Peer, kind: type[m.Message]) -> m.Message | None:
-    while peer.sock.poll(100):
-        msg, _ = m.decode(peer.sock.recv_multipart())
-        if isinstance(msg, kind):
-            return msg
-    return None
 
 
 @pytest.mark.parametrize("jump", [3600.0, -3600.0])
