@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Self, TypeVar
 
+import psutil
+
 from dpool.client.rpc import Client
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import JobStatus, NodeRow
@@ -84,28 +86,11 @@ class ProcessInfo(NamedTuple):
 
 
 def processes() -> list[ProcessInfo]:
-    """Every process on this machine: from /proc on Linux, else from `ps` (macOS)."""
+    """Every process on this machine that can be read (psutil: /proc on Linux, sysctl on macOS)."""
     out: list[ProcessInfo] = []
-    proc = Path("/proc")
-    if (proc / "self" / "stat").exists():
-        for entry in proc.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            out.append(ProcessInfo(int(entry.name), ppid, args))
-        return out
-    try:
-        text = subprocess.run(["ps", "-A", "-ww", "-o", "pid=,ppid=,args="], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return out
-    for line in text.splitlines():
-        parts = line.split(None, 2)
-        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
-            out.append(ProcessInfo(int(parts[0]), int(parts[1]), parts[2]))
+    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        info = p.info  # a process that is gone or not ours to read has None where it could not be read
+        out.append(ProcessInfo(info["pid"], info["ppid"] or 0, " ".join(info["cmdline"] or ())))
     return out
 
 

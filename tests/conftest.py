@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from dpool.client import localpool
@@ -23,10 +24,9 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie, exited but not yet reaped, does not)."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"
 
 
 @pytest.fixture
