@@ -41,6 +41,7 @@ from dpool.daemon.records import (
     Pending,
     RankRun,
     Record,
+    Refused,
     Send,
 )
 from dpool.daemon.watch import StepWatch
@@ -49,15 +50,18 @@ from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
 from dpool.protocol.payloads import ExitedWorker, NodeRow, RankSlot, RunningWorker, TrainRow
 
-__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Send"]
+__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Refused", "Send"]
 
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
+PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
     | m.NodeCheckpoint | m.NodeWorkerExited
 )
+
+RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited)  # each names its rank
 
 
 class Pool:
@@ -141,10 +145,15 @@ class Pool:
 
     # -- nodes ---------------------------------------------------------------------------------
 
-    def register(self, now: float, msg: m.NodeRegister) -> tuple[str | None, list[Action]]:
-        """A daemon (re)joins. Returns (refusal message or None, actions)."""
+    def register(self, now: float, msg: m.NodeRegister, *, bound: bool = False) -> tuple[str | None, list[Action]]:
+        """A daemon (re)joins. Returns (refusal message or None, actions).
+
+        A new daemon process under the name of a live one is refused as a duplicate, unless
+        `bound`: it holds that name's own key (CURVE, protocol/security.py), so it is that node's
+        restarted dpd, and it replaces the old process at once (a refusal would be a restart loop
+        under systemd or launchd)."""
         name, old = msg.name, self.nodes.get(msg.name)
-        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.expiry_s:
+        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.expiry_s and not bound:
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
@@ -172,7 +181,8 @@ class Pool:
         for h in msg.holdings:
             node.holdings[(h.job, h.slot)] = h.step
         for e in msg.exited:
-            actions += self._exited(now, node.name, e)
+            refused = self.report_refused(name, "node.register exited", e.job, e.generation, e.rank)
+            actions += [refused] if refused is not None else self._exited(now, node.name, e)
         if not rejoin:
             actions += self._ranks_gone_with_old_daemon(now, node, msg.running)
         for w in msg.running:
@@ -222,11 +232,43 @@ class Pool:
             node.last_seen = now
         return node
 
+    def report_refused(self, name: str, kind: str, job_id: str, generation: int, rank: int | None, *, stored: bool = False) -> Refused | None:
+        """Whether node `name` may not report about `rank` of generation `generation` of a job: only
+        the node the plan gave that rank may. Rank None: the job's rows (metrics, samples), which
+        rank 0 sends. A report about a job or a generation the pool does not know changes nothing
+        here, and is not refused, unless it is `stored` whatever its generation (rows): then the
+        pool must know who ran that generation (the current one, or one of the PLACED_KEPT before)."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return None  # not in memory: ignored wherever it goes
+        r = 0 if rank is None else rank
+        plan = job.plan
+        if plan is not None and plan.generation == generation:
+            world, owner = plan.world_size, plan.ranks[r].node if r < plan.world_size else None
+        elif (placed := job.placed.get(generation)) is not None:
+            world, owner = len(placed), placed[r] if r < len(placed) else None
+        elif stored:
+            return Refused(name, kind, f"job {job_id} generation {generation}: not a generation this coordinator placed, or one it no longer remembers")
+        else:
+            return None
+        if owner == name:
+            return None
+        where = f"runs on node {owner}" if owner is not None else f"does not exist (world size {world})"
+        return Refused(name, kind, f"rank {r} of job {job_id} generation {generation} {where}")
+
     def from_node(self, now: float, name: str, msg: NodeMessage) -> list[Action]:
-        """A registered node's report (it counts as a heartbeat too)."""
+        """A registered node's report (it counts as a heartbeat too). One about a rank the plan gave
+        another node is `Refused`."""
         node = self.seen(now, name)
         if node is None:
             return []
+        refused = None
+        if isinstance(msg, RANK_REPORTS):
+            refused = self.report_refused(name, msg.TYPE.value, msg.job, msg.generation, msg.rank)
+        elif isinstance(msg, m.NodeMetric):
+            refused = self.report_refused(name, msg.TYPE.value, msg.job, msg.generation, None, stored=True)
+        if refused is not None:
+            return [refused]
         match msg:
             case m.NodeHeartbeat():
                 return self._heartbeat(now, node, msg)
@@ -350,8 +392,10 @@ class Pool:
     def _prepared(self, now: float, node: Node, msg: m.NodePrepared) -> list[Action]:
         job = self.live.get(msg.job)
         pend = job.pending if job else None
-        if job is None or pend is None or pend.generation != msg.generation or node.name in pend.answered or node.name not in pend.nodes:
+        if job is None or pend is None or pend.generation != msg.generation or node.name in pend.answered:
             return []  # a late answer to a start that was already aborted or completed
+        if node.name not in pend.nodes:
+            return [Refused(node.name, msg.TYPE.value, f"job {job.id} generation {msg.generation} is being prepared on {', '.join(pend.nodes)}, not on node {node.name}")]
         mine = pend.nodes[node.name]
         if msg.error or len(msg.ports) != len(mine):
             return self._abort_start(job, now, f"node {node.name} could not prepare: {msg.error or 'wrong number of ports'}")
@@ -379,6 +423,9 @@ class Pool:
         previous = job.plan
         previous_shares = job.shares or (previous.shares if previous else None)
         job.plan, job.pending, job.shares = plan, None, None
+        job.placed[plan.generation] = tuple(s.node for s in plan.ranks)
+        while len(job.placed) > PLACED_KEPT:
+            del job.placed[min(job.placed)]
         job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(plan.ranks)}
         job.watch = StepWatch.start(spec, now, job.watch)
         deadline = now + spec.recovery.start_timeout_s

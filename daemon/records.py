@@ -45,7 +45,17 @@ class NodeChanged:
     node: str
 
 
-Action = Send | Record | JobChanged | NodeChanged
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A node's report the pool did not take: about a rank (or a job's generation) the plan put on
+    another node. The coordinator logs it (rate-limited); nothing else happens."""
+
+    node: str
+    kind: str  # the message type
+    reason: str
+
+
+Action = Send | Record | JobChanged | NodeChanged | Refused
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -158,6 +168,7 @@ class Job:
     grown_in: int = 0  # the generation a growth was asked of (at most once per generation)
     shares: tuple[int, ...] | None = None  # the split in force, when the trainer rebalanced the plan's
     speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
+    placed: dict[int, tuple[str, ...]] = field(default_factory=dict)  # generation -> the node of each rank (the newest few)
     _doc: dict[str, Any] | None = None
 
     @property

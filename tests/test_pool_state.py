@@ -12,7 +12,7 @@ import pytest
 from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, Slot, choose_slots, equal_shares
-from dpool.daemon.pool import JobChanged, Pool, Record, Send
+from dpool.daemon.pool import JobChanged, Pool, Record, Refused, Send
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
@@ -719,3 +719,100 @@ def test_only_the_job_machine_writes_its_fields() -> None:
                     if base.endswith("machine") or base in aliases:
                         writes.append(f"{path.name}:{leaf.lineno}: {ast.unparse(leaf)}")
     assert writes == []
+
+
+# -- who may report what (issue 9: a node key reports its own ranks only) ------------------------
+
+
+def placed_pair(pool: Driven, job: str = "j-1") -> dict[int, str]:
+    """Nodes a and b, one slot each, and a two-rank job launched on them: rank -> its node."""
+    join(pool, "a", 1)
+    join(pool, "b", 1)
+    prepare_all(pool, pool.submit(0.5, job, spec(lo=2, hi=2)))
+    plan = pool.jobs[job].plan
+    assert plan is not None and pool.jobs[job].state is JobState.STARTING
+    return {r: s.node for r, s in enumerate(plan.ranks)}
+
+
+def test_a_node_cannot_report_a_rank_the_plan_gave_another_node() -> None:
+    pool = Driven()
+    owner = placed_pair(pool)
+    theirs = next(r for r, n in owner.items() if n == "b")  # node a forges node b's rank
+    forged: list[Any] = [
+        m.NodeWorkerStarted(job="j-1", generation=1, rank=theirs, slot=0, pid=666),
+        m.NodeWorkerHello(job="j-1", generation=1, rank=theirs, pid=666, resume_step=0),
+        m.NodeProgress(job="j-1", generation=1, rank=theirs, step=5, loss=None, tokens=10, seconds=0.1),
+        m.NodeCheckpoint(job="j-1", generation=1, rank=theirs, slot=0, step=5, seconds=0.1),
+        m.NodeWorkerExited(job="j-1", generation=1, rank=theirs, slot=0, code=1, stopped=False),
+    ]
+    for msg in forged:
+        assert pool.from_node(1.0, "a", msg) == [Refused("a", msg.TYPE.value, f"rank {theirs} of job j-1 generation 1 runs on node b")]
+    beyond = m.NodeWorkerExited(job="j-1", generation=1, rank=7, slot=0, code=1, stopped=False)
+    assert pool.from_node(1.0, "a", beyond) == [Refused("a", "node.worker_exited", "rank 7 of job j-1 generation 1 does not exist (world size 2)")]
+    job = pool.jobs["j-1"]
+    assert job.state is JobState.STARTING and job.machine.restarts == 0 and job.step == 0 and not job.saved
+    assert job.ranks[theirs].pid is None and ("j-1", 0) not in pool.nodes["a"].holdings  # nothing of it was taken
+
+    # Metrics and samples are rank 0's: only its node's are taken.
+    not_rank0 = "b" if owner[0] == "a" else "a"
+    row = TrainRow(kind="train", step=1, loss=9.0, lr=1e-3, tokens=8, tokens_per_s=100.0, world_size=2)
+    out = pool.from_node(1.0, not_rank0, m.NodeMetric(job="j-1", generation=1, row=row))
+    assert out == [Refused(not_rank0, "node.metric", f"rank 0 of job j-1 generation 1 runs on node {owner[0]}")] and job.loss is None
+
+    # The node the plan gave the rank is heard.
+    pool.worker_exited(1.5, "b", "j-1", 1, theirs, 0, 1, False)
+    assert job.state is JobState.RECOVERING and job.machine.restarts == 1
+
+
+def test_exits_a_registering_node_lists_are_taken_for_its_own_ranks_only() -> None:
+    pool = Driven()
+    owner = placed_pair(pool)
+    theirs = next(r for r, n in owner.items() if n == "b")
+    lie = ExitedWorker(job="j-1", generation=1, rank=theirs, slot=0, code=1)
+    refusal, actions = pool.registered(2.0, "a", "inc-a", NodeInfo(slots=1), [], [lie], [])
+    assert refusal is None
+    assert Refused("a", "node.register exited", f"rank {theirs} of job j-1 generation 1 runs on node b") in actions
+    assert pool.jobs["j-1"].state is JobState.STARTING and pool.jobs["j-1"].machine.restarts == 0
+
+
+def test_a_prepare_answer_from_a_node_not_asked_is_refused() -> None:
+    pool = Driven()
+    join(pool, "a", 1)
+    join(pool, "c", 1)
+    pool.submit(0.5, "j-1", spec(lo=1, hi=1))  # one slot: on a (stable order)
+    assert pool.jobs["j-1"].pending is not None and "c" not in pool.jobs["j-1"].pending.nodes
+    out = pool.prepared(1.0, "c", "j-1", 1, "6.6.6.6", [666], None)
+    assert out == [Refused("c", "node.prepared", "job j-1 generation 1 is being prepared on a, not on node c")]
+    assert pool.jobs["j-1"].plan is None  # no group.start with c's address
+
+
+def test_rows_are_taken_from_the_nodes_of_their_generation_while_it_is_remembered() -> None:
+    pool = Driven()
+    owner = placed_pair(pool)
+    assert pool.report_refused(owner[0], "node.metric", "j-1", 1, None, stored=True) is None
+    # A generation the pool never placed: its rows are refused (they would be stored as its).
+    refused = pool.report_refused(owner[0], "node.metric", "j-1", 9, None, stored=True)
+    assert refused is not None and "not a generation this coordinator placed" in refused.reason
+    # The next generation moves the ranks; late rows of generation 1 are checked against it.
+    job = pool.jobs["j-1"]
+    job.placed[1] = ("b", "a")  # as if generation 1 had put rank 0 on b
+    job.plan = dataclasses.replace(job.plan, generation=2)  # type: ignore[type-var]
+    assert pool.report_refused("b", "node.logs", "j-1", 1, 0, stored=True) is None
+    assert pool.report_refused("a", "node.logs", "j-1", 1, 0, stored=True) == Refused("a", "node.logs", "rank 0 of job j-1 generation 1 runs on node b")
+    # A report about a job this pool does not hold changes nothing: ignored, not refused.
+    assert pool.report_refused("a", "node.progress", "other-000000", 1, 0) is None
+
+
+def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> None:
+    pool = Driven()
+    owner = placed_pair(pool)
+    mine = tuple(r for r, n in owner.items() if n == "a")
+    again = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1))
+    refusal, _ = pool.register(1.2, again)  # without keys: a duplicate until the old one is lost
+    assert refusal is not None and "already in the pool" in refusal and pool.nodes["a"].incarnation == "inc-a"
+
+    refusal, actions = pool.register(1.2, again, bound=True)  # its own name-bound key: it is a's new dpd
+    assert refusal is None and pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
+    assert Record(None, "node.lost", 1.2, {"node": "a", "reason": "replaced by a new dpd process"}) in actions
+    job = pool.jobs["j-1"]
+    assert job.state is JobState.RECOVERING and not set(mine) & job.machine.live  # its ranks died with the old dpd
