@@ -33,6 +33,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TextIO
 
+from rich.console import Console
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
 from dpool.client.demo_lm import PROMPT, AssetsFailed, export_and_generate, lm_spec, make_assets
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError
 from dpool.client.plot import JobRecord, fetch_job, plot
@@ -40,6 +46,7 @@ from dpool.client.rpc import Client, RemoteError, Unreachable
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, JobSpec, parse_job
 from dpool.protocol.payloads import EventRow, JobStatus, WorkerStatus
+from dpool.trainer import blas
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_WORKERS = 2  # two cores are enough for two workers; the demo's point is the restart, not scale
@@ -47,6 +54,10 @@ PLOT_FILE = "demo-loss.png"
 POLL_S = 0.2  # how often the demo asks the control plane for news
 STALL_TIMEOUT_S = 240.0  # no news at all from the job for this long: something is wrong
 TERMINAL = {"succeeded", "failed", "cancelled"}
+SAY_STYLE = (
+    ("SIGKILL", "bold red"), ("worker.failed", "red"), ("group.resumed", "green"), ("job.succeeded", "bold green"),
+    ("job.failed", "bold red"), ("demo failed", "bold red"), ("note:", "yellow"),
+)
 
 
 class DemoFailed(Exception):
@@ -62,6 +73,21 @@ def demo_job_text() -> str:
     return resources.files("dpool.client").joinpath("demo.toml").read_text(encoding="utf-8")
 
 
+def blas_note() -> str | None:
+    """What to do when this machine's trainers will run on the reference BLAS that the Linux
+    `mlx[cpu]` wheel bundles (trainer/blas.py preloads OpenBLAS when it finds one): the demo
+    then takes about 2.5 minutes on two cores instead of about one."""
+    choice = os.environ.get("DPOOL_BLAS", "")
+    if sys.platform != "linux" or choice == "reference" or not blas.mlx_uses_reference_blas() or blas.find_openblas() is not None:
+        return None
+    why = f"DPOOL_BLAS={choice} is no file" if choice and choice not in ("auto", "openblas") else "no OpenBLAS is installed"
+    return (
+        f"note: {why}, so the workers use the reference BLAS that mlx[cpu] bundles and run several times slower\n"
+        "      (about 2.5 minutes for this demo on two cores instead of one). Install OpenBLAS and the trainer preloads it:\n"
+        "      sudo apt-get install libopenblas0-pthread    (Debian, Ubuntu; elsewhere set DPOOL_BLAS=/path/to/libopenblas.so)"
+    )
+
+
 def demo_spec(steps: int | None) -> JobSpec:
     data = tomllib.loads(demo_job_text())
     if steps is not None:
@@ -73,25 +99,33 @@ def demo_spec(steps: int | None) -> JobSpec:
 
 
 class Screen:
-    """Progress on one line rewritten in place on a terminal; a line every few steps otherwise.
-    Everything else (events, messages) is printed above the progress line."""
+    """Progress on a live line at the bottom of a terminal (rich: a bar, colors unless NO_COLOR,
+    redrawn at the terminal's width); a line every few steps otherwise. Everything else (events,
+    messages) is printed above the progress line."""
 
-    def __init__(self, out: TextIO, started: float) -> None:
+    def __init__(self, out: TextIO, started: float, *, tty: bool | None = None) -> None:
         self.out, self.started = out, started
-        self.tty = out.isatty()
-        self.live = False
+        self.tty = out.isatty() if tty is None else tty
+        self.console = Console(file=out, force_terminal=True, highlight=False) if self.tty else None
+        self.live: Live | None = None
         self.last_step_printed = -1
 
     def clock(self, t: float | None = None) -> str:
         return f"[{(t if t is not None else time.time()) - self.started:6.1f}s]"
 
     def say(self, text: str, t: float | None = None) -> None:
-        self._clear()
-        print(f"{self.clock(t)} {text}", file=self.out, flush=True)
+        line = f"{self.clock(t)} {text}"
+        if self.console is None:
+            print(line, file=self.out, flush=True)
+            return
+        style = next((style for start, style in SAY_STYLE if text.startswith(start)), "")
+        self.console.print(Text(line, style=style), soft_wrap=True)  # above the live line
 
     def plain(self, text: str = "") -> None:
-        self._clear()
-        print(text, file=self.out, flush=True)
+        if self.console is None:
+            print(text, file=self.out, flush=True)
+        else:
+            self.console.print(Text(text), soft_wrap=True)
 
     def progress(self, s: JobStatus, every: int) -> None:
         step, steps = s.step, s.steps
@@ -106,26 +140,26 @@ class Screen:
             s.state,
         ]
         line = "  ".join(parts)
-        if self.tty:
-            bar_w = 24
-            done = int(bar_w * step / max(steps, 1))
-            self.out.write(f"\r\x1b[2K{self.clock()} [{'#' * done}{'.' * (bar_w - done)}] {line}")
-            self.out.flush()
-            self.live = True
+        if self.console is not None:
+            row = Table.grid(padding=(0, 1))
+            row.add_column(no_wrap=True)
+            row.add_column(no_wrap=True)
+            row.add_column(no_wrap=True, overflow="ellipsis")
+            row.add_row(self.clock(), ProgressBar(total=max(steps, 1), completed=min(step, steps), width=24), line)
+            if self.live is None:
+                self.live = Live(row, console=self.console, auto_refresh=True, refresh_per_second=4, redirect_stdout=False, redirect_stderr=False)
+                self.live.start()
+            else:
+                self.live.update(row, refresh=True)
         elif step // every != self.last_step_printed // every or (step == steps and step != self.last_step_printed):
             print(f"{self.clock()} {line}", file=self.out, flush=True)
             self.last_step_printed = step
 
-    def _clear(self) -> None:
-        if self.live:
-            self.out.write("\r\x1b[2K")
-            self.live = False
-
     def done(self) -> None:
-        if self.live:
-            self.out.write("\n")
-            self.out.flush()
-            self.live = False
+        """The progress line stays as it was last drawn; what follows is printed below it."""
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
 
 
 def describe_event(e: EventRow, killed_at: float | None) -> str | None:
@@ -203,16 +237,20 @@ class Demo:
             code = self._demo()
             kept = False
         except Interrupted:
+            self.screen.done()
             self.screen.plain()
             self.screen.say("interrupted: stopping the pool")
             code = EXIT_INTERRUPTED
         except (DemoFailed, AssetsFailed, LocalPoolError) as e:
+            self.screen.done()
             self.screen.plain()
             self.screen.say(f"demo failed: {e}")
         except (Unreachable, RemoteError) as e:
+            self.screen.done()
             self.screen.plain()
             self.screen.say(f"demo failed: the control plane: {getattr(e, 'message', e)}")
         except OSError as e:
+            self.screen.done()
             self.screen.plain()
             self.screen.say(f"demo failed: {e}")  # e.g. demo-loss.png cannot be written here
         finally:
@@ -246,6 +284,9 @@ class Demo:
             s.plain(f"dpool demo: {a.workers} local workers train a {model} on Python's standard library, {steps} steps;")
             s.plain(f"one worker is killed at step {kill_at}, and the pool resumes from its newest checkpoint on its own.")
             s.plain()
+        note = blas_note()
+        if note:
+            s.say(note)
 
         for i in range(a.workers):
             self.pool.start_daemon(f"node-{i}", serve=i == 0)
