@@ -7,6 +7,11 @@ registered node. Then it lets the pool admit waiting jobs (once per batch, not p
 and only then sends what the batch produced: a `group.start` never leaves before the generation it
 starts is on disk, so a restarted coordinator cannot start that generation number again.
 
+With CURVE keys every connection has a role, named by the ZAP handler (protocol/security.py): a
+node key may send `node.*` and register only under its own name, a client key dpctl's requests, a
+viewer key only the read-only ones; anything else is answered `forbidden` and logged. A node's
+report about a rank the plan gave another node is refused by the pool (`Refused`) and logged.
+
 Nothing a peer sends stops the loop. Each request and each tick is one unit of work: its database
 writes are a savepoint and its messages wait in the outbox, so a unit that raises is undone whole
 (its writes rolled back, its messages dropped; a request gets `internal`), logged with a traceback
@@ -31,16 +36,16 @@ import zmq.asyncio
 
 from dpool.daemon import export_relay as xr
 from dpool.daemon.export_relay import ExportRelay
-from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Send
+from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
 from dpool.daemon.records import JobRef
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import Throttle, get_logger
-from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import TrainRow
-from dpool.protocol.security import CurveServer, ServerKeys
-from dpool.protocol.sockets import HWM, pending
+from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, role_of
+from dpool.protocol.sockets import HWM, pending_with_users
 
 BATCH = 500  # frames handled between commits and ticks, at most
 BATCH_S = 0.05  # and for at most this long: a flood of registrations cannot hold back the ticks
@@ -90,6 +95,7 @@ class Coordinator:
         self.stats = {"frames": 0, "rejected": 0, "progress": 0, "failed": 0}
         self._rejected_log = Throttle(lines=BAD_FRAME_LOGS_PER_S, every=1.0)
         self._failed_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
+        self._refused_log = Throttle(lines=1, every=REFUSAL_LOG_S)  # forbidden messages, refused reports: per key and kind
         self._slow_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -127,8 +133,8 @@ class Coordinator:
                 timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
                     until = time.monotonic() + BATCH_S
-                    for frames in pending(raw, BATCH, frames=m.MAX_FRAMES + 1):
-                        self._handle_frames(frames)
+                    for frames, user in pending_with_users(raw, BATCH, frames=m.MAX_FRAMES + 1, users=self.curve is not None):
+                        self._handle_frames(frames, user)
                         if time.monotonic() > until:
                             break  # the rest waits for the next round, after the tick and the commit
                 now = self.clock()
@@ -196,26 +202,37 @@ class Coordinator:
 
     # -- frames --------------------------------------------------------------------------------
 
-    def _handle_frames(self, frames: list[bytes]) -> None:
+    def _handle_frames(self, frames: list[bytes], user: str | None = None) -> None:
+        """One message; `user`: its connection's User-Id with CURVE ("node:mac1"), else None (no roles)."""
         self.stats["frames"] += 1
         if len(frames) < 2:
             return  # not even a routing id and a frame: nothing to answer to
         peer, body = frames[0], frames[1:]
+        role, key_name = role_of(user) if user is not None else ("", "")
         try:
-            msg, msg_id = m.decode(body, m.COORDINATOR_ACCEPTS)
+            # A type the key's role may not send is refused from its header, before its body is read.
+            msg, msg_id = m.decode(body, m.COORDINATOR_ACCEPTS if user is None else ROLE_SENDS.get(role, frozenset()))
         except ProtocolError as e:
-            self._reject(peer, e)
+            forbidden = user is not None and e.code is ErrorCode.UNEXPECTED
+            msg_type = m.decode_header(body[0])[0] if forbidden else None
+            if msg_type in m.COORDINATOR_ACCEPTS:
+                self._forbid(peer, user or "", str(msg_type), e.msg_id, f"{msg_type} is not for a {role} key ({user}): {ROLE_RULE}")
+            else:
+                self._reject(peer, e)
             return
-        raised = self._unit(str(msg.TYPE), lambda: self._serve(peer, msg, msg_id))
+        if role == "node" and isinstance(msg, m.NodeRegister) and msg.name != key_name:
+            self._forbid(peer, user or "", str(msg.TYPE), msg_id, f"the key of node {key_name!r} may register as {key_name!r} only, not as {msg.name!r}")
+            return
+        raised = self._unit(str(msg.TYPE), lambda: self._serve(peer, msg, msg_id, bound=user is not None))
         if isinstance(raised, ProtocolError):
             self._reject(peer, ProtocolError(raised.code, raised.message, msg_id))
         elif raised is not None:  # a bug costs one request, not the pool
             self._send_to(peer, m.Error(code=str(ErrorCode.INTERNAL), message=f"{msg.TYPE}: {type(raised).__name__}: {raised}"), msg_id)
 
-    def _serve(self, peer: bytes, msg: Message, msg_id: int) -> None:
+    def _serve(self, peer: bytes, msg: Message, msg_id: int, *, bound: bool = False) -> None:
         # The reply goes out before what the request caused: a registering node knows it is
         # registered before any group message reaches it.
-        reply, actions = self._dispatch(peer, msg, msg_id)
+        reply, actions = self._dispatch(peer, msg, msg_id, bound=bound)
         if reply is not None:
             self._send_to(peer, reply, msg_id)
         self._run(actions)
@@ -228,6 +245,21 @@ class Coordinator:
         if held is not None:
             self.log.warning("frame.rejected", code=str(err.code), error=err.message[:500], peer=peer.hex())
         self._send_frames(peer, m.error_frames(err))
+
+    def _forbid(self, peer: bytes, user: str, msg_type: str, msg_id: int, why: str) -> None:
+        """A message this connection's key may not send: `forbidden` (an `error` is never answered)
+        and one line per key and type every REFUSAL_LOG_S."""
+        self.stats["rejected"] += 1
+        held = self._refused_log.allow(f"forbidden {user} {msg_type}", self.clock())
+        if held is not None:
+            self.log.warning("auth.forbidden", user=user, type=msg_type, error=why, peer=peer.hex(), repeated=held)
+        if msg_type != MsgType.ERROR:
+            self._send_to(peer, m.Error(code=str(ErrorCode.FORBIDDEN), message=why), msg_id)
+
+    def _refused(self, r: Refused) -> None:
+        held = self._refused_log.allow(f"report {r.node} {r.kind}", self.clock())
+        if held is not None:
+            self.log.warning("report.refused", node=r.node, type=r.kind, reason=r.reason, repeated=held)
 
     def _send_to(self, peer: bytes, msg: Message, msg_id: int = 0) -> None:
         try:
@@ -250,6 +282,8 @@ class Coordinator:
                 peer = self.peer_of.get(a.node)
                 if peer is not None:
                     self._send_to(peer, a.msg)
+            elif isinstance(a, Refused):
+                self._refused(a)
             elif isinstance(a, Record):
                 self.store.add_event(a.job, a.t, a.kind, a.fields)
                 self.log.info(a.kind, job=a.job, **a.fields)
@@ -280,8 +314,9 @@ class Coordinator:
 
     # -- dispatch ------------------------------------------------------------------------------
 
-    def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0) -> tuple[Message | None, list[Any]]:
-        """The reply to a message (None: answered later, or not at all) and the pool's actions."""
+    def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0, *, bound: bool = False) -> tuple[Message | None, list[Any]]:
+        """The reply to a message (None: answered later, or not at all) and the pool's actions.
+        `bound`: the peer's key is bound to the name it registers under (checked before)."""
         now = self.clock()
         match msg:
             case m.Submit():
@@ -338,7 +373,7 @@ class Coordinator:
                 self._relay(self.exports.close(now, peer, msg_id, export_id))
                 return None, []
             case m.NodeRegister():
-                return self._register(peer, msg, now)
+                return self._register(peer, msg, now, bound=bound)
         name = self.node_of.get(peer)
         if name is None or name not in self.pool.nodes:
             if msg.TYPE.value.startswith("node."):
@@ -356,6 +391,8 @@ class Coordinator:
                 return self.pool.bye(now, name)
             case m.NodeProgress():
                 self.stats["progress"] += 1
+            case m.NodeMetric() | m.NodeSample() | m.NodeLogs() if (refused := self._foreign_rows(name, msg)) is not None:
+                return [refused]
             case m.NodeMetric(job=job, generation=g, row=row):
                 if isinstance(row, TrainRow) and row.generation is None:
                     msg = dataclasses.replace(msg, row=dataclasses.replace(row, generation=g))
@@ -386,6 +423,12 @@ class Coordinator:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")
         return self.pool.from_node(now, name, msg)  # type: ignore[arg-type]
 
+    def _foreign_rows(self, name: str, msg: m.NodeMetric | m.NodeSample | m.NodeLogs) -> Refused | None:
+        """Rows of a job are stored only from the node of that rank (rank 0's for metrics and
+        samples) in that generation."""
+        rank = msg.rank if isinstance(msg, m.NodeLogs) else None
+        return self.pool.report_refused(name, msg.TYPE.value, msg.job, msg.generation, rank, stored=True)
+
     def _job(self, ref: str) -> JobRef:
         found = self.store.find_job(ref)
         if found is None:
@@ -405,10 +448,12 @@ class Coordinator:
             job_id = f"{spec.name}-{secrets.token_hex(3)}"
         return m.Submitted(job_id=job_id), self.pool.submit(now, job_id, spec)
 
-    def _register(self, peer: bytes, msg: m.NodeRegister, now: float) -> tuple[Message, list[Any]]:
+    def _register(self, peer: bytes, msg: m.NodeRegister, now: float, *, bound: bool = False) -> tuple[Message, list[Any]]:
         known = self.pool.nodes.get(msg.name)
         restarted = known is not None and known.incarnation != msg.incarnation
-        refusal, actions = self.pool.register(now, msg)
+        if restarted and bound and known is not None and not known.lost:
+            self.log.info("node.replaced", node=msg.name, old_pid=known.info.pid, pid=msg.info.pid)
+        refusal, actions = self.pool.register(now, msg, bound=bound)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)
             return m.Error(code=str(ErrorCode.DUPLICATE_NAME), message=refusal), []
@@ -419,6 +464,9 @@ class Coordinator:
         if restarted:
             self._relay(self.exports.node_restarted(now, msg.name))
         return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness), actions
+
+
+ROLE_RULE = "node keys send node.*, client keys dpctl's requests, viewer keys only status, nodes, metrics, events, samples and logs"
 
 
 def _page(limit: int) -> int:

@@ -175,6 +175,7 @@ class ErrorCode(enum.StrEnum):
     UNEXPECTED = "unexpected"  # a valid message this peer does not accept
     NOT_REGISTERED = "not_registered"  # a node message from a peer that has not registered
     DUPLICATE_NAME = "duplicate_name"
+    FORBIDDEN = "forbidden"  # a message this peer's key may not send (its role, or another node's name)
     NOT_FOUND = "not_found"
     BAD_JOB = "bad_job"
     BAD_REQUEST = "bad_request"  # values out of range (a read past a file's end), or a trainer refusing an export

@@ -1,17 +1,24 @@
-"""CURVE on the control plane: the key directory `dpctl keys init` writes, and the sockets that use it.
+"""CURVE on the control plane: the key directory `dpctl keys init` writes, the sockets that use it,
+and who may send what (roles).
 
-Layout of a key directory (protocol/README.md, "Security"):
+The pool's key directory, on the machine that serves (protocol/README.md, "Security"):
 
-    DIR/coordinator.key          the coordinator's public key (every node and client needs it)
-    DIR/coordinator.key_secret   its secret key (only the daemon that serves needs it)
-    DIR/node.key[_secret]        the daemons' pair; `node-NAME.key_secret` is preferred by node NAME
-    DIR/client.key[_secret]      dpctl's pair
-    DIR/allowed/*.key            the allow-list: public keys the coordinator accepts
+    DIR/coordinator.key[_secret]     the coordinator's pair (the secret never leaves this machine)
+    DIR/node-NAME.key[_secret]       one pair per node, bound to its name
+    DIR/client.key[_secret]          dpctl's default pair
+    DIR/allowed/nodes/NAME.key       the allow-list, one folder per role: a key in nodes/ may
+    DIR/allowed/clients/NAME.key     register as node NAME only, one in clients/ may send dpctl's
+    DIR/allowed/viewers/NAME.key     requests, one in viewers/ only the read-only ones
+    DIR/bundles/NAME/                what machine NAME needs: coordinator.key and its own pair(s)
 
-Secret files are 0600 and refused when group or others can read them (as ssh does). The coordinator
-re-reads `allowed/` on every handshake, so deleting a key file revokes it for new connections.
-The ipc socket between a daemon and its trainers stays plain: it is local and protected by the
-state directory's permissions.
+A bundle holds `coordinator.key`, `node-NAME.key[_secret]` when NAME is a node, and
+`client.key[_secret]` when it is a client: `--keys` takes it as it takes the full directory.
+
+Secret files are 0600 and refused when group or others can read them (as ssh does); a key directory
+or allow-list folder that group or others can write is refused. The coordinator reads `allowed/`
+again only when one of its folders changed, so deleting a key file revokes that key for new
+connections. The ipc socket between a daemon and its trainers stays plain: it is local and protected
+by the state directory's permissions.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,19 +39,40 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
+from dpool.protocol import messages as m
 from dpool.protocol.logs import Throttle
+from dpool.protocol.messages import MsgType
 from dpool.protocol.sockets import pending
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 ALLOWED = "allowed"
+BUNDLES = "bundles"
 KEYS_ENV = "DPOOL_KEYS"
 REFUSAL_LOG_S = 10.0
+RECOPY = "copy it again from the pool's key directory (`dpctl keys init DIR` made it)"
+SETTLED_S = 2.0  # allowed/ is trusted from its cache once its folders are this much older than the read
 HANDSHAKE_REASONS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "the peer does not use CURVE (a dpd or dpctl without --keys)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "the peer's CURVE handshake does not decrypt (it holds another pool's coordinator.key)",
 }
 HANDSHAKE_DROPPED = "the peer closed the connection during the CURVE handshake (a dpd or dpctl without --keys?)"
 HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+# -- roles: who may send what (protocol/README.md, "Roles") -----------------------------------
+
+ROLE_FOLDERS = {"node": "nodes", "client": "clients", "viewer": "viewers"}  # role -> its folder in allowed/
+READ_ONLY = frozenset({MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES, MsgType.LOGS})
+ROLE_SENDS: dict[str, frozenset[MsgType]] = {
+    "node": m.FROM_NODE | {MsgType.ERROR},
+    "client": m.FROM_CLIENT,
+    "viewer": READ_ONLY,
+}
+
+
+def role_of(user_id: str) -> tuple[str, str]:
+    """("node", "mac1") from the User-Id "node:mac1" the ZAP handler gave a connection."""
+    role, _, name = user_id.partition(":")
+    return role, name
 
 
 class KeysError(Exception):
@@ -69,12 +98,53 @@ class ServerKeys:
     allowed_dir: Path
 
 
-def _load_public(path: Path) -> bytes:
+def _z85_key(value: Any) -> bool:
+    """A CURVE key as ZeroMQ takes it: 40 z85 characters (32 bytes)."""
+    if not isinstance(value, bytes) or len(value) != 40:
+        return False
     try:
-        public, _ = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise KeysError(f"{path}: cannot read a CURVE public key ({e}); make keys with `dpctl keys init DIR`") from None
-    return public
+        return len(z85.decode(value)) == 32
+    except Exception:  # z85 raises several types on characters outside its alphabet
+        return False
+
+
+def _read_certificate(path: Path) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a ZeroMQ certificate file; raises KeysError naming the file.
+    zmq.auth.load_certificate raises IndexError, ValueError, UnicodeDecodeError... on garbage."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except OSError as e:
+        raise KeysError(f"{path}: {e.strerror or e}") from None
+    except Exception as e:
+        raise KeysError(f"{path}: not a CURVE key file ({type(e).__name__}: {e}); {RECOPY}") from None
+    if not _z85_key(public) or (secret is not None and not _z85_key(secret)):
+        raise KeysError(f"{path}: not a CURVE key file (a key is not 40 z85 characters); {RECOPY}")
+    return public, secret
+
+
+def writable_by_others(path: Path) -> str | None:
+    """Why `path` (a folder or a public key file) is not trusted: group or others may write it."""
+    mode = path.stat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(mode):o}); run `chmod go-w {path}`"
+    return None
+
+
+def _check_dir(directory: Path, what: str = "key directory") -> None:
+    if not directory.is_dir():
+        raise KeysError(f"{directory}: no such {what}; make one with `dpctl keys init DIR`")
+    problem = writable_by_others(directory)
+    if problem:
+        raise KeysError(f"{directory}: {what} {problem}")
+
+
+def _load_public(path: Path) -> bytes:
+    if not path.exists():
+        raise KeysError(f"{path}: missing; it comes with the pool's keys (`dpctl keys init DIR`, or a bundle DIR/{BUNDLES}/NAME/)")
+    problem = writable_by_others(path)
+    if problem:
+        raise KeysError(f"{path}: {problem}")
+    return _read_certificate(path)[0]
 
 
 def _load_secret(path: Path) -> tuple[bytes, bytes]:
@@ -84,12 +154,11 @@ def _load_secret(path: Path) -> tuple[bytes, bytes]:
         raise KeysError(f"{path}: {e.strerror}; make keys with `dpctl keys init DIR`") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeysError(f"{path}: secret key readable by others (mode {stat.S_IMODE(mode):o}); run `chmod 600 {path}`")
-    try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
-        raise KeysError(f"{path}: cannot read a CURVE key pair ({e})") from None
+    public, secret = _read_certificate(path)
     if secret is None:
         raise KeysError(f"{path}: holds no secret key")
+    if zmq.curve_public(secret) != public:
+        raise KeysError(f"{path}: its public and secret keys are not a pair")
     return public, secret
 
 
@@ -99,35 +168,155 @@ def keys_dir(flag: str | None, config: str | None = None) -> Path | None:
     return Path(chosen).expanduser().absolute() if chosen else None
 
 
+def secret_file(directory: Path, role: str, name: str | None = None) -> Path:
+    """Where a pair's secret is, in a full key directory and in a bundle alike: a node's is
+    `node-NAME.key_secret` (its name is bound to its key), a client's `client.key_secret`."""
+    return directory / (f"node-{name}.key_secret" if role == "node" else "client.key_secret")
+
+
 def client_keys(directory: Path, role: str, name: str | None = None) -> ClientKeys:
-    """The pair for `role` ("node" or "client"); `ROLE-NAME` is preferred when it exists."""
-    if not directory.is_dir():
-        raise KeysError(f"{directory}: no such key directory; make one with `dpctl keys init {directory}`")
-    path = directory / f"{role}.key_secret"
-    if name and (directory / f"{role}-{name}.key_secret").exists():
-        path = directory / f"{role}-{name}.key_secret"
+    """The pair of node `name` (role "node") or of dpctl (role "client") in a full key directory
+    or a bundle, with the coordinator's public key."""
+    _check_dir(directory)
+    path = secret_file(directory, role, name)
+    if not path.exists():
+        raise KeysError(_no_pair(directory, role, name, path))
     public, secret = _load_secret(path)
     return ClientKeys(public=public, secret=secret, server_public=_load_public(directory / "coordinator.key"), source=str(path))
 
 
+def _no_pair(directory: Path, role: str, name: str | None, path: Path) -> str:
+    if role != "node":
+        return (
+            f"{path}: no client key pair here; on the machine that holds the pool's keys run "
+            f"`dpctl keys add-client NAME` and copy its bundle ({BUNDLES}/NAME/) here"
+        )
+    others = sorted(p.name[len("node-"):-len(".key_secret")] for p in directory.glob("node-*.key_secret"))
+    held = ""
+    if others:
+        held = f"{directory} holds the pair of node {others[0]} (run dpd with --name {others[0]}); " if len(others) == 1 else f"{directory} holds the pairs of nodes {', '.join(others)}; "
+    return (
+        f"{path}: no key pair for node {name!r}: {held}on the machine that holds the pool's keys run "
+        f"`dpctl keys add-node {name}` and copy its bundle ({BUNDLES}/{name}/) here"
+    )
+
+
 def server_keys(directory: Path) -> ServerKeys:
-    if not directory.is_dir():
-        raise KeysError(f"{directory}: no such key directory; make one with `dpctl keys init {directory}`")
-    public, secret = _load_secret(directory / "coordinator.key_secret")
+    _check_dir(directory)
+    secret = directory / "coordinator.key_secret"
+    if not secret.exists():
+        raise KeysError(f"{secret}: missing; the serving daemon needs the pool's full key directory (`dpctl keys init DIR`), not a bundle")
+    public, secret_key = _load_secret(secret)
     allowed = directory / ALLOWED
-    if not allowed.is_dir():
-        raise KeysError(f"{allowed}: no allow-list directory (public keys of nodes and clients); `dpctl keys init` makes it")
-    return ServerKeys(public=public, secret=secret, allowed_dir=allowed)
+    _check_dir(allowed, "allow-list directory")
+    if not any((allowed / folder).is_dir() for folder in ROLE_FOLDERS.values()):
+        raise KeysError(
+            f"{allowed}: no role folders ({', '.join(f + '/' for f in ROLE_FOLDERS.values())}); it was made before keys had "
+            f"roles: make the pool's keys again with `dpctl keys init {directory} --force` and hand out the new bundles"
+        )
+    for folder in ROLE_FOLDERS.values():
+        if (allowed / folder).is_dir():
+            _check_dir(allowed / folder, "allow-list directory")
+    return ServerKeys(public=public, secret=secret_key, allowed_dir=allowed)
 
 
-def allowed_keys(allowed_dir: Path) -> dict[bytes, str]:
-    """z85 public key -> its file's stem, for every readable key file in the allow-list."""
-    out: dict[bytes, str] = {}
-    for path in sorted(allowed_dir.glob("*.key")):
-        with contextlib.suppress(OSError, ValueError):
-            public, _ = zmq.auth.load_certificate(path)
-            out[public] = path.stem
-    return out
+class AllowList:
+    """The coordinator's allow-list: a public key (z85) -> its User-Id, "ROLE:NAME", from
+    `allowed/ROLES/NAME.key`. Read again only when one of its folders changed (their inode, mtime
+    and ctime: a key file added, removed or renamed, a chmod), and on every lookup while the newest
+    change is under SETTLED_S old, so a change within a file system's timestamp granularity is never
+    missed. A file that cannot be used is skipped and reported to `warn(event, what, **fields)`:
+    malformed, not a regular file, writable by others, a name dpd would not take, a key that is in
+    two places (refused in both: it could not have one role), a file outside the role folders. A
+    folder that group or others can write admits no key."""
+
+    def __init__(self, root: Path, warn: Callable[..., None], *, settled_s: float = SETTLED_S) -> None:
+        self.root, self.warn, self.settled_s = root, warn, settled_s
+        self.reads = 0  # how often the folders were read
+        self._keys: dict[bytes, str] = {}
+        self._seen: tuple[Any, ...] | None = None
+        self._settled = False
+
+    def get(self, key: bytes) -> str | None:
+        seen, newest = self._signature()
+        if seen != self._seen or not self._settled:
+            self._keys = self._read()
+            self.reads += 1
+            self._seen, self._settled = seen, time.time() - newest > self.settled_s
+        return self._keys.get(key)
+
+    def _signature(self) -> tuple[tuple[Any, ...], float]:
+        sig: list[Any] = []
+        newest = 0.0
+        for d in (self.root, *(self.root / f for f in ROLE_FOLDERS.values())):
+            try:
+                st = d.stat()
+            except OSError:
+                sig.append(None)
+                continue
+            sig.append((st.st_ino, st.st_mtime_ns, st.st_ctime_ns))
+            newest = max(newest, st.st_mtime, st.st_ctime)
+        return tuple(sig), newest
+
+    def _read(self) -> dict[bytes, str]:
+        try:
+            stray = sorted(self.root.glob("*.key"))
+            problem = writable_by_others(self.root)
+        except OSError as e:
+            self.warn("auth.allow_list_unreadable", str(self.root), folder=str(self.root), reason=str(e))
+            return {}
+        for path in stray:
+            self._skip(path, f"outside the role folders: move it into {ALLOWED}/nodes/ (node NAME.key) or {ALLOWED}/clients/")
+        if problem:
+            self.warn("auth.allow_list_refused", str(self.root), folder=str(self.root), reason=problem)
+            return {}
+        found: dict[bytes, list[tuple[str, Path]]] = {}
+        for role, folder in ROLE_FOLDERS.items():
+            d = self.root / folder
+            try:
+                if not d.is_dir():
+                    continue
+                if problem := writable_by_others(d):
+                    self.warn("auth.allow_list_refused", str(d), folder=str(d), reason=problem)
+                    continue
+                files = sorted(d.glob("*.key"))
+            except OSError as e:
+                self.warn("auth.allow_list_unreadable", str(d), folder=str(d), reason=str(e))
+                continue
+            for path in files:
+                public = self._public(path)
+                if public is not None:
+                    found.setdefault(public, []).append((f"{role}:{path.stem}", path))
+        keys: dict[bytes, str] = {}
+        for public, holders in found.items():
+            if len(holders) == 1:
+                keys[public] = holders[0][0]
+                continue
+            for _, path in holders:
+                self._skip(path, f"the same key is also in {', '.join(str(p) for _, p in holders if p != path)}; a key has one role and one name")
+        return keys
+
+    def _public(self, path: Path) -> bytes | None:
+        problem = None
+        try:
+            name, st = path.stem, path.lstat()
+            if not stat.S_ISREG(st.st_mode):
+                problem = "not a regular file"
+            elif not (0 < len(name) <= 63) or not name.isprintable() or any(c.isspace() or c == ":" for c in name):
+                problem = f"{name!r} is not a node or client name (1-63 characters, no spaces or ':')"
+            else:
+                problem = writable_by_others(path)
+            if problem is None:
+                return _read_certificate(path)[0]
+        except KeysError as e:
+            problem = str(e)
+        except OSError as e:
+            problem = e.strerror or str(e)
+        self._skip(path, problem)
+        return None
+
+    def _skip(self, path: Path, reason: str) -> None:
+        self.warn("auth.key_skipped", str(path), file=str(path), reason=reason)
 
 
 def curve_client(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
@@ -138,9 +327,13 @@ def curve_client(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
 
 
 class CurveServer:
-    """The coordinator's side: a CURVE server socket, a ZAP handler that admits only the allow-list,
-    and a socket monitor that logs handshakes failing before ZAP is asked (a peer without keys, or
-    with another pool's coordinator key). Create before bind(), inside the running event loop."""
+    """The coordinator's side: a CURVE server socket, a ZAP handler that admits only the allow-list
+    and names each connection's role ("node:mac1": its User-Id, on every message it sends), and a
+    socket monitor that logs handshakes failing before ZAP is asked (a peer without keys, or with
+    another pool's coordinator key). Create before bind(), inside the running event loop.
+
+    Neither loop ever dies: a request the handler cannot answer (a bug, a file system error) is
+    answered "500" and logged, so the handshakes after it go on."""
 
     def __init__(self, ctx: zmq.asyncio.Context, keys: ServerKeys, log: Any) -> None:
         self.keys, self.log = keys, log
@@ -150,6 +343,7 @@ class CurveServer:
         self.tasks: list[asyncio.Task[None]] = []
         self.monitor: zmq.asyncio.Socket | None = None
         self._throttle = Throttle(lines=1, every=REFUSAL_LOG_S)
+        self.allowed = AllowList(keys.allowed_dir, self._warn)
 
     def apply(self, sock: zmq.asyncio.Socket) -> None:
         sock.curve_server = True
@@ -159,7 +353,7 @@ class CurveServer:
         self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
         self.tasks = [asyncio.create_task(self._drain(self.zap, self._on_zap)), asyncio.create_task(self._drain(self.monitor, self._on_event))]
 
-    async def _drain(self, sock: zmq.asyncio.Socket, handle: Any) -> None:
+    async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[zmq.Socket[Any], list[bytes]], None]) -> None:
         """Every message on `sock`, read until EAGAIN after each wake-up. The poll has a timeout
         because ZeroMQ's descriptor is edge-triggered: an event that arrives while the loop is busy
         elsewhere would otherwise wait for the next one."""
@@ -167,24 +361,34 @@ class CurveServer:
         while True:
             await sock.poll(500)
             for frames in pending(raw, frames=None):  # from libzmq itself: a ZAP request has 7 frames
-                handle(raw, frames)
+                try:
+                    handle(raw, frames)
+                except Exception as e:  # logged; the next request is served
+                    self._warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
 
     def _on_zap(self, zap: zmq.Socket[Any], frames: list[bytes]) -> None:
+        try:
+            reply = self._zap_reply(frames)
+        except Exception as e:  # answered all the same: an unanswered request hangs that handshake
+            self._warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
+            reply = [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
+        zap.send_multipart(reply)
+
+    def _zap_reply(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 6:  # not a ZAP request: libzmq never sends one, answer it anyway
-            zap.send_multipart([b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"bad request", b"", b""])
-            return
+            return [b"1.0", frames[1] if len(frames) > 1 else b"", b"400", b"bad request", b"", b""]
         version, request_id, _domain, address, _identity, mechanism, *creds = frames
-        peer, ok, who = address.decode(errors="replace"), False, ""
+        peer, who = address.decode(errors="replace"), None
         if mechanism == b"CURVE" and len(creds) == 1:
             key = z85.encode(creds[0])
-            who = allowed_keys(self.keys.allowed_dir).get(key, "")
-            ok = bool(who)
-            if not ok:
-                self._warn("auth.refused", f"{peer} {key!r}", peer=peer, key=key.decode(), reason=f"public key not in {self.keys.allowed_dir}")
+            who = self.allowed.get(key)
+            if who is None:
+                self._warn("auth.refused", f"{peer} {key!r}", peer=peer, key=key.decode(), reason=f"public key not in {self.keys.allowed_dir}/{{nodes,clients,viewers}}")
         else:
             self._warn("auth.refused", "not curve", peer=peer, mechanism=mechanism.decode(errors="replace"), reason="not CURVE")
-        status = [b"200", b"OK"] if ok else [b"400", b"public key not allowed"]
-        zap.send_multipart([version, request_id, *status, who.encode(), b""])
+        if who is None:
+            return [version, request_id, b"400", b"public key not allowed", b"", b""]
+        return [version, request_id, b"200", b"OK", who.encode(), b""]
 
     def _on_event(self, _mon: zmq.Socket[Any], frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)

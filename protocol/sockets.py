@@ -11,6 +11,7 @@ by `zmq.MAXMSGSIZE`, not their number.)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +27,30 @@ def pending(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int | No
     message of more than `frames` frames (a dpool message's two, plus the routing id on a ROUTER)
     comes cut to one frame more, which decoding refuses as too many; None: keep every frame (ZAP
     requests, which come from libzmq itself)."""
+    for got, _ in _read(sock, limit, frames, users=False):
+        yield got
+
+
+def pending_with_users(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int | None = MAX_FRAMES, users: bool = True) -> Iterator[tuple[list[bytes], str | None]]:
+    """As `pending`, each message with the User-Id the ZAP handler gave its connection ("node:mac1",
+    protocol/security.py); None for a connection without one. `users` False: None for every message,
+    without asking (on a socket without CURVE the question costs an exception per message)."""
+    return _read(sock, limit, frames, users=users)
+
+
+def _read(sock: zmq.Socket[Any], limit: int | None, frames: int | None, *, users: bool) -> Iterator[tuple[list[bytes], str | None]]:
     keep = None if frames is None else frames + 1
     taken = 0
     while limit is None or taken < limit:
+        user = None
         try:
-            got = [sock.recv(flags=zmq.NOBLOCK)]
+            if users:
+                first = sock.recv(flags=zmq.NOBLOCK, copy=False)
+                with contextlib.suppress(zmq.ZMQError):  # EINVAL: the connection has no User-Id
+                    user = str(first.get("User-Id"))
+                got = [first.bytes]
+            else:
+                got = [sock.recv(flags=zmq.NOBLOCK)]
         except zmq.Again:
             return
         while sock.getsockopt(zmq.RCVMORE):
@@ -38,4 +58,4 @@ def pending(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int | No
             if keep is None or len(got) < keep:
                 got.append(frame)
         taken += 1
-        yield got
+        yield got, user

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import pytest
 import zmq.auth
 from conftest import LocalPool, Processes, free_port, wait_for
 from jobs import write_job
+
+from dpool.client.keys import init_keys
+from dpool.protocol.security import KeysError, client_keys
 
 
 def dpctl(*args: str, keys: Path | None = None, timeout: float = 10.0) -> subprocess.CompletedProcess[str]:
@@ -39,41 +43,76 @@ def nodes(addr: str, keys: Path) -> list[dict[str, object]]:
 # -- keys init ---------------------------------------------------------------------------------
 
 
-def test_keys_init_writes_private_secrets_and_an_allow_list(tmp_path: Path) -> None:
+def test_keys_init_writes_private_secrets_an_allow_list_by_role_and_a_bundle_per_machine(tmp_path: Path) -> None:
     d = tmp_path / "keys"
-    r = keys_init(d)
+    r = keys_init(d, "--node", "mac1", "--node", "mac2", "--client", "alice")
     assert r.returncode == 0, r.stderr
-    assert stat.S_IMODE(d.stat().st_mode) == 0o700
-    for name in ("coordinator", "node", "client"):
+    for folder in (d, d / "allowed", d / "allowed" / "nodes", d / "allowed" / "clients", d / "bundles", d / "bundles" / "mac2"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    for name in ("coordinator", "client", "node-mac1", "node-mac2", "client-alice"):
         assert stat.S_IMODE((d / f"{name}.key_secret").stat().st_mode) == 0o600
         assert stat.S_IMODE((d / f"{name}.key").stat().st_mode) == 0o644
         public, secret = zmq.auth.load_certificate(d / f"{name}.key_secret")
         assert secret is not None and len(public) == 40
-    # the allow-list admits nodes and clients, never the coordinator's own key
-    assert sorted(p.name for p in (d / "allowed").iterdir()) == ["client.key", "node.key"]
-    assert zmq.auth.load_certificate(d / "allowed" / "node.key")[0] == zmq.auth.load_certificate(d / "node.key")[0]
+    # the allow-list, by role; never the coordinator's own key
+    listed = sorted(str(p.relative_to(d / "allowed")) for p in (d / "allowed").rglob("*.key"))
+    assert listed == ["clients/alice.key", "clients/client.key", "nodes/mac1.key", "nodes/mac2.key"]
+    assert zmq.auth.load_certificate(d / "allowed" / "nodes" / "mac2.key")[0] == zmq.auth.load_certificate(d / "node-mac2.key")[0]
+    # each machine's bundle: coordinator.key and its own pair, never the coordinator's secret
+    bundles = {b.name: sorted(p.name for p in b.iterdir()) for b in (d / "bundles").iterdir()}
+    assert bundles == {
+        "mac1": ["coordinator.key", "node-mac1.key", "node-mac1.key_secret"],
+        "mac2": ["coordinator.key", "node-mac2.key", "node-mac2.key_secret"],
+        "alice": ["client.key", "client.key_secret", "coordinator.key"],
+    }
+    assert (d / "bundles" / "alice" / "client.key_secret").read_bytes() == (d / "client-alice.key_secret").read_bytes()
+    assert "bundles/mac2" in r.stderr and "coordinator.key_secret" in r.stderr and "Copy" not in r.stderr
+
+    # dpd finds its pair by its name, in the full directory and in its bundle; another name is refused
+    assert client_keys(d, "node", "mac1").source == str(d / "node-mac1.key_secret")
+    assert client_keys(d / "bundles" / "mac2", "node", "mac2").source == str(d / "bundles" / "mac2" / "node-mac2.key_secret")
+    with pytest.raises(KeysError, match=r"holds the pair of node mac2 \(run dpd with --name mac2\).*dpctl keys add-node mac1"):
+        client_keys(d / "bundles" / "mac2", "node", "mac1")
+    assert client_keys(d / "bundles" / "alice", "client").public == zmq.auth.load_certificate(d / "client-alice.key")[0]
 
 
 def test_keys_init_refuses_to_overwrite_without_force_and_adds_missing_pairs(tmp_path: Path) -> None:
     d = tmp_path / "keys"
-    assert keys_init(d).returncode == 0
+    assert keys_init(d, "--node", "mac1").returncode == 0
     before = (d / "coordinator.key_secret").read_bytes()
-    r = keys_init(d)
+    r = keys_init(d, "--node", "mac1")
     assert r.returncode == 1 and "exist already" in r.stderr and "--force" in r.stderr
     assert (d / "coordinator.key_secret").read_bytes() == before
 
     r = keys_init(d, "--node", "mac3")  # one more node: only its pair is made
     assert r.returncode == 0, r.stderr
     assert (d / "coordinator.key_secret").read_bytes() == before
-    assert (d / "allowed" / "node-mac3.key").exists()
+    assert (d / "allowed" / "nodes" / "mac3.key").exists() and (d / "bundles" / "mac3" / "node-mac3.key_secret").exists()
 
     old_client = zmq.auth.load_certificate(d / "client.key")[0]
-    assert keys_init(d, "--force").returncode == 0
+    assert keys_init(d, "--node", "mac1", "--force").returncode == 0
     assert (d / "coordinator.key_secret").read_bytes() != before
-    new_client = zmq.auth.load_certificate(d / "allowed" / "client.key")[0]
+    assert (d / "bundles" / "mac3" / "coordinator.key").read_bytes() == (d / "coordinator.key").read_bytes()  # every bundle follows
+    new_client = zmq.auth.load_certificate(d / "allowed" / "clients" / "client.key")[0]
     assert new_client != old_client  # the replaced key is no longer admitted
 
     assert keys_init(d, "--node", "Bad Name").returncode == 2
+
+
+def test_keys_add_node_and_add_client_issue_one_more_key(tmp_path: Path) -> None:
+    d = tmp_path / "keys"
+    assert keys_init(d, "--node", "mac1").returncode == 0
+    r = dpctl("keys", "add-node", "mac4", "--dir", str(d))
+    assert r.returncode == 0, r.stderr
+    assert (d / "allowed" / "nodes" / "mac4.key").exists() and "bundles/mac4" in r.stderr
+    r = dpctl("keys", "add-client", "dash", "--read-only", keys=d)  # the directory from --keys
+    assert r.returncode == 0, r.stderr
+    assert (d / "allowed" / "viewers" / "dash.key").exists() and (d / "bundles" / "dash" / "client.key_secret").exists()
+    assert dpctl("keys", "add-node", "mac4", "--dir", str(d)).returncode == 1  # exists: --force to replace
+    r = dpctl("keys", "add-client", "dash", "--dir", str(d))
+    assert r.returncode == 2 and "a viewer already" in r.stderr
+    r = dpctl("keys", "add-node", "mac5", "--dir", str(d / "bundles" / "mac1"))  # a bundle cannot issue keys
+    assert r.returncode == 2 and "coordinator.key_secret: missing" in r.stderr
 
 
 def test_a_secret_readable_by_others_is_refused(tmp_path: Path) -> None:
@@ -83,6 +122,32 @@ def test_a_secret_readable_by_others_is_refused(tmp_path: Path) -> None:
     r = dpctl("--coordinator", f"tcp://127.0.0.1:{free_port()}", "status", keys=d, timeout=1)
     assert r.returncode == 2
     assert "chmod 600" in r.stderr and "client.key_secret" in r.stderr
+
+
+@pytest.mark.parametrize("garbage", [b"public-key", b"\x00\xff\xfe binary", b'public-key = "short"\nsecret-key = "short"\n', b""])
+def test_a_malformed_key_file_is_a_keys_error_naming_it(tmp_path: Path, garbage: bytes) -> None:
+    d = tmp_path / "keys"
+    init_keys(d, nodes=["n1"])
+    (d / "bundles" / "n1" / "coordinator.key").write_bytes(garbage)
+    with pytest.raises(KeysError, match=f"^{d / 'bundles' / 'n1' / 'coordinator.key'}: not a CURVE key file"):
+        client_keys(d / "bundles" / "n1", "node", "n1")
+    (d / "node-n1.key_secret").write_bytes(garbage)
+    with pytest.raises(KeysError, match=f"^{d / 'node-n1.key_secret'}: not a CURVE key file"):
+        client_keys(d, "node", "n1")
+
+
+def test_a_malformed_secret_exits_2_naming_the_file(tmp_path: Path) -> None:
+    d = tmp_path / "keys"
+    assert keys_init(d, "--node", "n1").returncode == 0
+    for secret in (d / "client.key_secret", d / "node-n1.key_secret"):
+        secret.write_bytes(b"public-key")  # zmq.auth.load_certificate raises IndexError on it
+    r = dpctl("--coordinator", f"tcp://127.0.0.1:{free_port()}", "status", keys=d, timeout=1)
+    assert r.returncode == 2 and f"{d / 'client.key_secret'}: not a CURVE key file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "dpool.daemon.cli", "run", "--join", f"tcp://127.0.0.1:{free_port()}", "--name", "n1", "--keys", str(d), "--state-dir", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert r.returncode == 2 and f"{d / 'node-n1.key_secret'}: not a CURVE key file" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 # -- dpd's rule: no keys, no network -----------------------------------------------------------
@@ -109,10 +174,13 @@ def test_non_loopback_without_keys_is_refused_unless_insecure(tmp_path: Path, mo
     assert cli.main([*base, "--join", "tcp://10.1.2.3:7340", "--insecure"]) == 0
     assert ran[-1].keys is None
     keys = tmp_path / "keys"
-    assert keys_init(keys).returncode == 0
-    assert cli.main([*base, "--serve", "tcp://0.0.0.0:7399", "--keys", str(keys)]) == 0
+    assert keys_init(keys, "--node", "mac1").returncode == 0
+    assert cli.main([*base, "--serve", "tcp://0.0.0.0:7399", "--keys", str(keys), "--name", "mac1"]) == 0
     assert ran[-1].keys is not None and ran[-1].server_keys is not None
-    assert ran[-1].keys.source == str(keys / "node.key_secret")
+    assert ran[-1].keys.source == str(keys / "node-mac1.key_secret")
+    assert cli.main([*base, "--join", "tcp://10.1.2.3:7340", "--keys", str(keys / "bundles" / "mac1"), "--name", "mac1"]) == 0
+    assert cli.main([*base, "--join", "tcp://10.1.2.3:7340", "--keys", str(keys / "bundles" / "mac1"), "--name", "mac2"]) == 2  # not its key
+    assert cli.main([*base, "--serve", "tcp://0.0.0.0:7399", "--keys", str(keys / "bundles" / "mac1"), "--name", "mac1"]) == 2  # no coordinator secret
 
 
 def test_non_loopback_message_names_keys(tmp_path: Path) -> None:
@@ -129,13 +197,13 @@ def test_non_loopback_message_names_keys(tmp_path: Path) -> None:
 
 def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Processes, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
-    assert keys_init(keys, "--node", "rogue").returncode == 0
-    (keys / "allowed" / "node-rogue.key").unlink()  # rogue has a pair, but not admitted
+    assert keys_init(keys, "--node", "n0", "--node", "n1", "--node", "rogue").returncode == 0
+    (keys / "allowed" / "nodes" / "rogue.key").unlink()  # rogue has a pair, but not admitted
     port = free_port()
     pool = LocalPool(processes, tmp_path, addr=f"tcp://127.0.0.1:{port}")
     addr, with_keys = pool.addr, ("--advertise", "127.0.0.1", "--keys", str(keys))
     coord_log = pool.start_daemon("n0", serve=f"tcp://0.0.0.0:{port}", args=with_keys).log  # non-loopback: allowed with keys
-    pool.start_daemon("n1", args=with_keys)
+    pool.start_daemon("n1", args=("--advertise", "127.0.0.1", "--keys", str(keys / "bundles" / "n1")))  # its bundle only
     wait_for("two nodes registered over CURVE", lambda: len(nodes(addr, keys)) == 2, 30)
 
     job = write_job(tmp_path, "curve", workers={"min": 2, "max": 2}, train={"steps": 10})
@@ -162,7 +230,7 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     assert status["step"] == 10 and status["world_size"] == 2
 
     assert sorted(str(n["name"]) for n in nodes(addr, keys)) == ["n0", "n1"]  # rogue never joined
-    log = [json.loads(line) for line in coord_log.read_text().splitlines() if line.startswith("{")]
+    log = json_lines(coord_log)
     refused = [e for e in log if e.get("event") == "auth.refused"]
     rogue_key = zmq.auth.load_certificate(keys / "node-rogue.key")[0].decode()
     assert any(e["key"] == rogue_key for e in refused), refused
@@ -171,6 +239,20 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     # a peer without keys: which side notices the mismatch first is a race, so either reason
     assert ("does not use CURVE" in reasons or "without --keys?" in reasons) and "another pool's coordinator.key" in reasons, failed
 
+    # a dpd killed and started again under its own key replaces its old process at once (it was
+    # refused as a duplicate until the old one was lost: under systemd, a restart loop)
+    n1 = pool.daemons["n1"]
+    os.killpg(n1.pid, signal.SIGKILL)
+    n1.proc.wait()
+    again = pool.start_daemon("n1", args=("--advertise", "127.0.0.1", "--keys", str(keys / "bundles" / "n1")))
+    wait_for("the new n1 registered", lambda: '"node.registered"' in again.log.read_text(), 30)
+    assert again.proc.poll() is None
+    assert any(e.get("event") == "node.replaced" and e.get("node") == "n1" for e in json_lines(coord_log))
+
     # revoking a client: delete its public key from allowed/, and new connections are refused
-    shutil.move(keys / "allowed" / "client.key", tmp_path / "client.key.revoked")
+    shutil.move(keys / "allowed" / "clients" / "client.key", tmp_path / "client.key.revoked")
     assert dpctl("--coordinator", addr, "status", keys=keys, timeout=1).returncode == 3
+
+
+def json_lines(log: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]

@@ -81,7 +81,7 @@ def verify_unit(path: Path, *, user: bool, tmp: Path) -> None:
 def test_install_writes_and_loads_a_launch_agent(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     fake("darwin", uid=501)
     keys = tmp_path / "keys"
-    init_keys(keys)
+    init_keys(keys, nodes=["mac1"])  # its pair: dpd checks that node mac1 has one
     monkeypatch.chdir(tmp_path)
     code = cli.main(["install", "--config", str(fake.config), "--serve", "tcp://0.0.0.0:7399", "--name", "mac1", "--workers", "2", "--keys", "keys"])
     assert code == 0
