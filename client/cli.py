@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
+import importlib.metadata
 import os
 import re
 import shutil
@@ -16,25 +18,31 @@ import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import argcomplete
 import orjson
 
 from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
 from dpool.client import watch as client_watch
-from dpool.client.rpc import Client, RemoteError, Unreachable, pages
-from dpool.client.tables import age, clock, event_details, num, size, table
+from dpool.client.jobtimes import JobTimes, status_object
+from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, pages
+from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
 from dpool.protocol import messages as m
-from dpool.protocol.jobspec import JobFileError, load_job
-from dpool.protocol.payloads import EvalRow, EventRow, ExportFile, MetricRow, SampleRow
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, parse_job
+from dpool.protocol.payloads import EvalRow, EventRow, ExportFile, LogLine, MetricRow, SampleRow
 from dpool.protocol.security import KeysError
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
 TERMINAL = {"succeeded", "failed", "cancelled"}
+STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled")
+STATE_GROUPS = {"active": ("queued", "starting", "running", "recovering"), "ended": ("succeeded", "failed", "cancelled")}
 FOLLOW_POLL_S = 0.5
 EXPORT_WINDOW = 4  # reads in flight during an export: the link stays busy while a chunk is relayed
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -72,60 +80,162 @@ def emit_json(value: Any) -> None:
 # -- commands ----------------------------------------------------------------------------------
 
 
-def cmd_submit(c: Client, a: argparse.Namespace) -> int:
+def version() -> str:
     try:
-        spec = load_job(a.job)
+        return importlib.metadata.version("dpool")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """`--set KEY=VALUE`: the key's path and the value, read as a TOML value (`1e-4`, `2`, `true`,
+    `"text"`, `[1, 2]`); a value that is no TOML (`~/corpus`, `auto`) is taken as a string."""
+    key, sep, raw = item.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path) or len(path) > 2:
+        raise BadInput(f"--set {item}: must be KEY=VALUE with KEY `name`, `base_dir` or SECTION.KEY (e.g. --set train.lr=1e-4)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return path, value
+
+
+def read_job(path: str, sets: Sequence[str] = ()) -> JobSpec:
+    """The job file at `path` with each `--set KEY=VALUE` applied, validated (BadInput, naming the
+    file, the key, the value and what is allowed, and the --set that gave it)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise BadInput(str(JobFileError(path, "file", path, "no such file"))) from None
+    except OSError as e:
+        raise BadInput(f"{path}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise BadInput(str(JobFileError(path, "toml", str(e), "must be valid TOML"))) from None
+    given: dict[str, str] = {}
+    for item in sets:
+        keys, value = parse_set(item)
+        table_ = data
+        if len(keys) == 2:
+            table_ = data.setdefault(keys[0], {})
+            if not isinstance(table_, dict):
+                raise BadInput(f"--set {item}: {path} has `{keys[0]}` as a value, not a [{keys[0]}] table")
+        table_[keys[-1]] = value
+        given[".".join(keys)] = item
+    try:
+        return parse_job(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
     except JobFileError as e:
-        raise BadInput(str(e)) from None
+        raise BadInput(f"{e} (from --set {given[e.key]})" if e.key in given else str(e)) from None
+
+
+def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
+    spec = read_job(a.job, a.set or ())
+    if a.dry_run:
+        emit_json({"job": spec.to_dict()}) if a.json else sys.stdout.write(dump_job(spec))
+        try:
+            check_paths(spec, a.job)
+        except JobFileError as e:
+            print(f"note: {e}; every machine that trains the job needs it there", file=sys.stderr)
+        print(f"{a.job}: valid ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max}); a dry run, nothing submitted", file=sys.stderr)
+        return EXIT_OK
+    assert c is not None
     reply = c.call(m.Submit(job=spec.to_dict(), source=str(a.job)), m.Submitted)
-    if sys.stdout.isatty():
+    if a.json:
+        sys.stdout.write(orjson.dumps({"id": reply.job_id}).decode() + "\n")
+    elif sys.stdout.isatty():
         print(f"job {reply.job_id} queued ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max})")
     else:
         print(reply.job_id)
     sys.stdout.flush()
     if a.follow:
-        return follow_logs(c, reply.job_id, None, to_stderr=not sys.stdout.isatty())
+        return follow_logs(c, reply.job_id, None, to_stderr=not a.json and not sys.stdout.isatty(), json=a.json)
     return EXIT_OK
 
 
-def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = False) -> int:
+def log_text(line: LogLine, json: bool) -> str:
+    return orjson.dumps(line.to_wire()).decode() if json else f"[rank {line.rank}] {line.text}"
+
+
+def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = False, json: bool = False) -> int:
+    """Print the job's output until it ends, riding out a coordinator restart; 0 when the job
+    succeeded, 1 when it failed or was cancelled."""
     out = sys.stderr if to_stderr else sys.stdout
     after = 0
+    patient = RideOut(c)
     while True:
-        reply = c.call(m.Logs(job=job, after=after, rank=rank), m.LogsReply)
+        reply = patient(functools.partial(c.call, m.Logs(job=job, after=after, rank=rank), m.LogsReply))
         for line in reply.lines:
-            print(f"[rank {line.rank}] {line.text}", file=out)
+            print(log_text(line, json), file=out)
         out.flush()
         after = reply.cursor
         if reply.more:
             continue
         if reply.state in TERMINAL:
-            status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
+            status = patient(functools.partial(c.call, m.Status(job=reply.job_id), m.StatusReply)).jobs[0]
             print(f"job {status.id} {status.state}" + (f": {status.error}" if status.error else ""), file=sys.stderr)
             return EXIT_OK if status.state == "succeeded" else EXIT_FAILED
         time.sleep(FOLLOW_POLL_S)  # polling interval of --follow
 
 
+def wanted_states(given: Iterable[str] | None) -> set[str] | None:
+    """`--state running,queued --state failed` (and `active`, `ended`) as a set of states."""
+    if not given:
+        return None
+    out: set[str] = set()
+    for item in given:
+        for word in filter(None, (w.strip() for w in item.split(","))):
+            if word in STATE_GROUPS:
+                out.update(STATE_GROUPS[word])
+            elif word in STATES:
+                out.add(word)
+            else:
+                raise BadInput(f"--state {word}: allowed: {', '.join(STATES)}, or {' / '.join(STATE_GROUPS)}")
+    return out
+
+
+def job_times(c: Client, job_id: str) -> JobTimes:
+    times = JobTimes()
+    for reply in pages(lambda after: c.call(m.Events(job=job_id, after=after), m.EventsReply)):
+        times.add(reply.events)
+    return times
+
+
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
+    states = wanted_states(a.state)
+    if states is not None and a.job:
+        raise BadInput(f"--state filters the list of jobs; give it without a job ({a.job})")
     jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs
+    if states is not None:
+        jobs = [j for j in jobs if j.state in states]
+    times = {j.id: job_times(c, j.id) for j in jobs}
+    now = time.time()
     if a.json:
-        emit_json(jobs[0].to_wire() if a.job else [j.to_wire() for j in jobs])
+        emit_json(status_object(jobs[0], times[jobs[0].id], now) if a.job else [status_object(j, times[j.id], now) for j in jobs])
         return EXIT_OK
     if a.job:
-        j = jobs[0]
+        j, t = jobs[0], times[jobs[0].id]
         print(f"job        {j.id}  ({j.name})")
         print(f"state      {j.state}" + (f"  error: {j.error}" if j.error else ""))
         print(f"step       {j.step}/{j.steps}   generation {j.generation}   world size {j.world_size}")
         print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}")
+        print(f"time       submitted {when(t.submitted, now) or '-'}   started {when(t.started, now) or '-'}   finished {when(t.finished, now) or '-'}")
+        print(f"           elapsed {duration(t.elapsed_s(now)) or '-'}   ETA {duration(t.eta_s(j, now)) or '-'}")
         if j.workers:
             print()
             print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w.rank, w.node, w.share, f"{w.tokens_per_s:.0f}"] for w in j.workers]))
         return EXIT_OK
     if not jobs:
-        print("no jobs")
+        print("no jobs" + (f" in state {', '.join(sorted(states))}" if states else ""))
         return EXIT_OK
-    rows = [[j.id, j.state, f"{j.step}/{j.steps}", j.generation, j.world_size, num(j.loss), num(j.val_loss), j.checkpoint_step, j.error] for j in jobs]
-    print(table(["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "ERROR"], rows))
+    rows = []
+    for j in jobs:
+        t = times[j.id]
+        rows.append([
+            j.id, j.state, f"{j.step}/{j.steps}", j.generation, j.world_size, num(j.loss), num(j.val_loss), j.checkpoint_step,
+            when(t.submitted, now), when(t.started, now), when(t.finished, now), duration(t.elapsed_s(now)), duration(t.eta_s(j, now)), j.error,
+        ])
+    print(table(["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "SUBMITTED", "STARTED", "FINISHED", "ELAPSED", "ETA", "ERROR"], rows))
     return EXIT_OK
 
 
@@ -149,11 +259,10 @@ def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_logs(c: Client, a: argparse.Namespace) -> int:
     if a.follow:
-        follow_logs(c, a.job, a.rank)
-        return EXIT_OK
+        return follow_logs(c, a.job, a.rank, json=a.json)
     for reply in pages(lambda after: c.call(m.Logs(job=a.job, after=after, rank=a.rank), m.LogsReply)):
         for line in reply.lines:
-            print(f"[rank {line.rank}] {line.text}")
+            print(log_text(line, a.json))
     return EXIT_OK
 
 
@@ -205,7 +314,9 @@ def cmd_samples(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_cancel(c: Client, a: argparse.Namespace) -> int:
     reply = c.call(m.Cancel(job=a.job), m.CancelReply)
-    if reply.state == "cancelled":
+    if a.json:
+        emit_json({"id": reply.job_id, "state": reply.state})
+    elif reply.state == "cancelled":
         print(f"job {reply.job_id} cancelled (its checkpoints stay)")
     else:
         print(f"job {reply.job_id} already {reply.state}")
@@ -214,7 +325,9 @@ def cmd_cancel(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_drain(c: Client, a: argparse.Namespace) -> int:
     reply = c.call(m.Drain(node=a.node), m.DrainReply)
-    if reply.state == "draining":
+    if a.json:
+        emit_json({"node": reply.node, "state": reply.state, "reason": reply.reason})
+    elif reply.state == "draining":
         print(f"node {reply.node} draining: its workers checkpoint and leave (no step lost); it takes no new work until `dpctl undrain {reply.node}`")
     else:
         print(f"node {reply.node} drained: it takes no new work until `dpctl undrain {reply.node}`")
@@ -223,7 +336,10 @@ def cmd_drain(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_undrain(c: Client, a: argparse.Namespace) -> int:
     reply = c.call(m.Undrain(node=a.node), m.UndrainReply)
-    print(f"node {reply.node} takes work again ({reply.state})")
+    if a.json:
+        emit_json({"node": reply.node, "state": reply.state, "reason": reply.reason})
+    else:
+        print(f"node {reply.node} takes work again ({reply.state})")
     return EXIT_OK
 
 
@@ -332,20 +448,65 @@ def _fetch_into(c: Client, ready: m.ExportReply, files: list[ExportFile], dest: 
 # -- main --------------------------------------------------------------------------------------
 
 
+def add_globals(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """The flags every command takes, before or after its name: on the top parser with their
+    defaults, on each subcommand with none (so that a value given earlier on the line stays)."""
+    keep: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("--coordinator", metavar="ADDR", help=f"control plane address (else $DPOOL_COORDINATOR, else the config file, else {DEFAULT_COORDINATOR})", **keep)
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for an answer (default 5)", **({"default": 5.0} if top else keep))
+    p.add_argument("--keys", metavar="DIR", help="CURVE key directory (`dpctl keys init`; uses client.key_secret and coordinator.key); else $DPOOL_KEYS, else `keys` in the config file", **keep)
+
+
+def subcommands(p: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every subcommand parser under `p`, nested ones (`keys init`) too, with its name."""
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sp in action.choices.items():
+                yield name, sp
+                yield from subcommands(sp)
+
+
+def completer(query: str) -> Any:
+    """A completer for argcomplete: the pool's job ids and names, or node names, as the
+    coordinator on the line (or the default one) knows them; nothing when it does not answer."""
+
+    def complete(prefix: str, parsed_args: argparse.Namespace, **_: Any) -> list[str]:
+        try:
+            keys = client_keys.load_client_keys(getattr(parsed_args, "keys", None), DEFAULT_CONFIG)
+            with Client(coordinator_address(getattr(parsed_args, "coordinator", None)), 1.0, keys) as c:
+                if query == "node":
+                    return [n.name for n in c.call(m.Nodes(), m.NodesReply).nodes]
+                jobs = c.call(m.Status(), m.StatusReply).jobs
+                return list(dict.fromkeys([j.id for j in jobs] + [j.name for j in jobs]))
+        except Exception:
+            return []
+
+    return complete
+
+
+def cmd_completion(a: argparse.Namespace) -> int:
+    sys.stdout.write(argcomplete.shellcode(["dpctl"], shell=a.shell))
+    return EXIT_OK
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dpctl", description="Submit jobs to a dpool and watch them.")
-    p.add_argument("--coordinator", help=f"control plane address (else $DPOOL_COORDINATOR, else the config file, else {DEFAULT_COORDINATOR})")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer (default 5)")
-    p.add_argument("--keys", help="CURVE key directory (`dpctl keys init`; uses client.key_secret and coordinator.key); else $DPOOL_KEYS, else `keys` in the config file")
+    p = argparse.ArgumentParser(prog="dpctl", description="Submit jobs to a dpool and watch them. --coordinator, --timeout, --keys and --json go anywhere on the line.")
+    p.add_argument("--version", action="version", version=f"dpctl {version()}")
+    add_globals(p, top=True)
+    p.add_argument("--json", action="store_true", help="JSON on stdout (every command but demo, keys and completion)")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="validate and queue a job; prints its id")
-    s.add_argument("job", help="the job file (job.toml)")
+    s.add_argument("job", help="the job file (job.toml)").completer = argcomplete.completers.FilesCompleter(["toml"])  # type: ignore[attr-defined]
     s.add_argument("--follow", action="store_true", help="then stream its output until it ends (exit 1 unless it succeeds)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the job file, read as TOML (--set train.lr=1e-4 --set workers.max=2); repeatable")
+    s.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved job file and check it; submit nothing")
+    s.add_argument("--json", action="store_true", help='print {"id": ...} (with --follow, then one log object a line; with --dry-run, {"job": ...})')
     s.set_defaults(fn=cmd_submit)
 
-    s = sub.add_parser("status", help="all jobs, or one in detail")
+    s = sub.add_parser("status", help="all jobs (newest first), or one in detail")
     s.add_argument("job", nargs="?", help="a job id, unique id prefix or name")
+    s.add_argument("--state", action="append", metavar="STATE[,STATE]", help=f"only jobs in these states ({', '.join(STATES)}; active, ended); repeatable")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)
 
@@ -355,8 +516,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("logs", help="worker output, merged and prefixed by rank")
     s.add_argument("job")
-    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    s.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends (exit 1 unless it succeeds)")
     s.add_argument("--rank", type=int, help="only this rank")
+    s.add_argument("--json", action="store_true", help='one object a line: {"seq", "t", "rank", "generation", "text"}')
     s.set_defaults(fn=cmd_logs)
 
     for name, fn, helptext in (
@@ -378,39 +540,71 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
     s.add_argument("job")
+    s.add_argument("--json", action="store_true", help='print {"id", "state"}')
     s.set_defaults(fn=cmd_cancel)
 
     s = sub.add_parser("drain", help="a node's workers checkpoint and leave (no step lost); it takes no new work")
     s.add_argument("node")
+    s.add_argument("--json", action="store_true", help='print {"node", "state", "reason"}')
     s.set_defaults(fn=cmd_drain)
 
     s = sub.add_parser("undrain", help="a drained (or set aside) node takes work again")
     s.add_argument("node")
+    s.add_argument("--json", action="store_true", help='print {"node", "state", "reason"}')
     s.set_defaults(fn=cmd_undrain)
 
     client_plot.add_parser(sub)
     client_watch.add_parser(sub)
     client_demo.add_parser(sub)
     client_keys.add_parser(sub)
+
+    s = sub.add_parser("completion", help="print the shell completion script: eval \"$(dpctl completion bash)\" (or zsh; fish: dpctl completion fish | source)")
+    s.add_argument("shell", choices=("bash", "zsh", "fish"))
+    s.set_defaults(fn=None, local_fn=cmd_completion)
+
+    for name, sp in subcommands(p):
+        add_globals(sp, top=False)
+        for action in sp._actions:
+            if action.dest == "json":
+                action.default = argparse.SUPPRESS  # `dpctl --json status` keeps its --json
+                sp.set_defaults(takes_json=True)
+            elif action.dest in ("job", "node") and not action.option_strings and name != "submit":
+                action.completer = completer(action.dest)  # type: ignore[attr-defined]
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    argcomplete.autocomplete(p)  # answers the shell's completion request, if this is one, and exits
+    args = p.parse_args(argv)
     if args.timeout <= 0:
         print(f"dpctl: --timeout {args.timeout}: must be > 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.json and not getattr(args, "takes_json", False):
+        print(f"dpctl {args.command}: --json does not apply here", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if getattr(args, "local_fn", None):
-        return int(args.local_fn(args))  # needs no coordinator (keys init)
+        return int(args.local_fn(args))  # needs no coordinator (keys init, demo, completion)
+    if args.command == "submit" and args.dry_run:
+        return _handled(lambda: cmd_submit(None, args))
     addr = coordinator_address(args.coordinator)
     try:
         keys = client_keys.load_client_keys(args.keys, DEFAULT_CONFIG)
     except KeysError as e:
         print(f"dpctl: --keys: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    try:
+
+    def run() -> int:
         with Client(addr, args.timeout, keys) as client:
             return int(args.fn(client, args))
+
+    return _handled(run)
+
+
+def _handled(run: Any) -> int:
+    """`run()`'s exit code, or the one its failure means (INTERFACE.md), with the message on stderr."""
+    try:
+        return int(run())
     except BadInput as e:
         print(f"dpctl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from dpool.client.rpc import Client, pages
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, MetricRow, SampleRow, TrainRow
@@ -210,6 +212,7 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("plot", help="loss (train and validation) and tokens/s against step, restarts marked, as a PNG")
     s.add_argument("job", help="a job id, unique id prefix or name")
     s.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the figure")
+    s.add_argument("--json", action="store_true", help='print {"file", "job", "state", "steps", "evaluations", "restarts"}')
     s.set_defaults(fn=cmd_plot)
 
 
@@ -217,5 +220,8 @@ def cmd_plot(c: Client, a: Any) -> int:
     rec = fetch_job(c, a.job)
     out = plot(rec, a.output)
     n = len(restarts(rec))
+    if getattr(a, "json", False):
+        print(orjson.dumps({"file": str(out), "job": rec.status.id, "state": rec.status.state, "steps": len(rec.train), "evaluations": len(rec.evals), "restarts": n}, option=orjson.OPT_INDENT_2).decode())
+        return 0
     print(f"{out}: {len(rec.train)} steps, {len(rec.evals)} evaluations, {n} restart{'s' if n != 1 else ''} (job {rec.status.id}, {rec.status.state})")
     return 0

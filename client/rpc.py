@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 import itertools
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import tenacity
 import zmq
 
 from dpool.protocol import messages as m
@@ -15,6 +17,9 @@ from dpool.protocol.messages import Message, ProtocolError
 from dpool.protocol.security import ClientKeys, curve_client
 
 T = TypeVar("T", bound=Message)
+R = TypeVar("R")
+RIDE_OUT_S = 120.0  # how long a follower (watch, logs -f, submit --follow) waits for a coordinator to come back
+RETRY_WAIT_MAX_S = 5.0  # the longest pause between two tries, before jitter
 
 
 class Unreachable(Exception):
@@ -118,3 +123,46 @@ def pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
         if not reply.more:
             return
         after = reply.cursor
+
+
+def ride_out(poll: Callable[[], R], *, for_s: float = RIDE_OUT_S, on_retry: Callable[[Unreachable, float], None] | None = None) -> R:
+    """`poll()`, tried again while the coordinator does not answer (it restarts; training goes on
+    without it): bounded by `for_s` seconds, with jittered exponential pauses (so many followers
+    do not come back in step). `on_retry(error, seconds_since_the_first_miss)` is told before
+    each pause. Raises the last Unreachable when the coordinator stays away."""
+    started = time.monotonic()
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        if on_retry is not None and isinstance(error, Unreachable):
+            on_retry(error, time.monotonic() - started)
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(Unreachable),
+        stop=tenacity.stop_after_delay(for_s),
+        wait=tenacity.wait_random_exponential(multiplier=0.5, max=RETRY_WAIT_MAX_S),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    return retrying(poll)
+
+
+class RideOut:
+    """Polls that ride out a coordinator restart (`ride_out`), saying so on stderr once when the
+    coordinator stops answering and once when it answers again."""
+
+    def __init__(self, c: Client, who: str = "dpctl") -> None:
+        self.addr, self.who = c.addr, who
+        self.missing = False
+
+    def __call__(self, poll: Callable[[], R]) -> R:
+        result = ride_out(poll, on_retry=self._missed)
+        if self.missing:
+            print(f"{self.who}: the coordinator at {self.addr} answers again", file=sys.stderr, flush=True)
+            self.missing = False
+        return result
+
+    def _missed(self, e: Unreachable, waited: float) -> None:
+        if not self.missing:
+            print(f"{self.who}: {e}; retrying for up to {RIDE_OUT_S:.0f}s (training goes on without it)", file=sys.stderr, flush=True)
+            self.missing = True

@@ -42,6 +42,29 @@ def age(seconds: float | None) -> str | None:
     return f"{seconds / 3600:.0f}h"
 
 
+def duration(seconds: float | None) -> str | None:
+    """A span for people: 42s, 3m05s, 1h02m, 2d03h."""
+    if seconds is None:
+        return None
+    n = round(seconds)
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    if n < 86400:
+        return f"{n // 3600}h{n % 3600 // 60:02d}m"
+    return f"{n // 86400}d{n % 86400 // 3600:02d}h"
+
+
+def when(t: float | None, now: float | None = None) -> str | None:
+    """A moment in local time: the time of day when it was today, else the date too."""
+    if t is None:
+        return None
+    day = time.localtime(time.time() if now is None else now)[:3]
+    local = time.localtime(t)
+    return time.strftime("%H:%M:%S" if local[:3] == day else "%Y-%m-%d %H:%M", local)
+
+
 def clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
 
