@@ -149,7 +149,7 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
         print(reply.job_id)
     sys.stdout.flush()
     if a.follow:
-        return follow_logs(c, reply.job_id, None, to_stderr=not a.json and not sys.stdout.isatty(), json=a.json)
+        return follow_logs(c, reply.job_id, None, to_stderr=not a.json and not sys.stdout.isatty(), json=a.json, reached=True)
     return EXIT_OK
 
 
@@ -157,12 +157,12 @@ def log_text(line: LogLine, json: bool) -> str:
     return orjson.dumps(line.to_wire()).decode() if json else f"[rank {line.rank}] {line.text}"
 
 
-def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = False, json: bool = False) -> int:
+def follow_logs(c: Client, job: str, rank: int | None, *, to_stderr: bool = False, json: bool = False, reached: bool = False) -> int:
     """Print the job's output until it ends, riding out a coordinator restart; 0 when the job
     succeeded, 1 when it failed or was cancelled."""
     out = sys.stderr if to_stderr else sys.stdout
     after = 0
-    patient = RideOut(c)
+    patient = RideOut(c, reached=reached)
     while True:
         reply = patient(functools.partial(c.call, m.Logs(job=job, after=after, rank=rank), m.LogsReply))
         for line in reply.lines:

@@ -148,14 +148,20 @@ def ride_out(poll: Callable[[], R], *, for_s: float = RIDE_OUT_S, on_retry: Call
 
 
 class RideOut:
-    """Polls that ride out a coordinator restart (`ride_out`), saying so on stderr once when the
-    coordinator stops answering and once when it answers again."""
+    """Polls that ride out a coordinator restart (`ride_out`) once the coordinator has answered
+    one of them (a wrong address still fails within --timeout). By default it says so on stderr,
+    once when the coordinator stops answering and once when it answers again; `on_retry` replaces
+    that (a live view shows it in place)."""
 
-    def __init__(self, c: Client, who: str = "dpctl") -> None:
-        self.addr, self.who = c.addr, who
+    def __init__(self, c: Client, who: str = "dpctl", *, reached: bool = False, on_retry: Callable[[Unreachable, float], None] | None = None) -> None:
+        self.addr, self.who, self.reached, self.on_retry = c.addr, who, reached, on_retry
         self.missing = False
 
     def __call__(self, poll: Callable[[], R]) -> R:
+        if not self.reached:
+            result = poll()
+            self.reached = True
+            return result
         result = ride_out(poll, on_retry=self._missed)
         if self.missing:
             print(f"{self.who}: the coordinator at {self.addr} answers again", file=sys.stderr, flush=True)
@@ -163,6 +169,8 @@ class RideOut:
         return result
 
     def _missed(self, e: Unreachable, waited: float) -> None:
-        if not self.missing:
+        if self.on_retry is not None:
+            self.on_retry(e, waited)
+        elif not self.missing:
             print(f"{self.who}: {e}; retrying for up to {RIDE_OUT_S:.0f}s (training goes on without it)", file=sys.stderr, flush=True)
             self.missing = True

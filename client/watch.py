@@ -7,8 +7,8 @@ terminal it prints one line per change (a status line when the step, state, gene
 change, a line per new event), so it can be logged or piped; with `--json`, one status object a
 line (`status JOB --json`'s) per change.
 
-A coordinator that stops answering (it restarts; training goes on without it) is waited for, with
-jittered retries, for up to `RIDE_OUT_S` seconds. Exit 0 when the job succeeded, 1 when it failed
+A coordinator that stops answering once it has answered (it restarts; training goes on without it)
+is waited for, with jittered retries, for up to `RIDE_OUT_S` seconds. Exit 0 when the job succeeded, 1 when it failed
 or was cancelled, 3 when the coordinator stayed away.
 """
 
@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dpool.client.jobtimes import JobTimes, status_object
-from dpool.client.rpc import Client, RideOut, Unreachable, ride_out
+from dpool.client.rpc import Client, RideOut, Unreachable
 from dpool.client.tables import clock, duration, event_details, num, when
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import EventRow, JobStatus
@@ -161,11 +161,12 @@ def watch(c: Client, job: str, out: TextIO, *, tty: bool | None = None, json: bo
         note = f"no answer from the coordinator at {c.addr} for {waited:.0f}s: retrying (training goes on without it)"
         live.update(view(last[0], w.events, w.times, note=note) if last else Text(note, style="yellow"), refresh=True)
 
+    patient = RideOut(c, on_retry=missed)
     # Rich redraws at the terminal's width several times a second, so a resize shows at once.
     console = Console(file=out, force_terminal=True)
     with Live(Text(f"asking {c.addr} about {job} ...", style="dim"), console=console, auto_refresh=True, refresh_per_second=REFRESH_PER_S, redirect_stdout=False, redirect_stderr=False) as live:
         while True:
-            s, _ = ride_out(lambda: w.poll(c), on_retry=missed)
+            s, _ = patient(lambda: w.poll(c))
             last[:] = [s]
             live.update(view(s, w.events, w.times), refresh=True)
             if s.state in TERMINAL:

@@ -138,6 +138,12 @@ def test_flags_after_the_subcommand_are_read_and_json_where_it_does_not_apply_is
     assert cli.main(["status", "some-job", "--state", "running"]) == 2
     assert cli.main(["submit", str(tmp_path / "missing.toml"), "--dry-run"]) == 2
     assert "no such file" in capsys.readouterr().err
+    # A follower waits out a coordinator that answered once, not one that never did: exit 3 at once.
+    nowhere = f"tcp://127.0.0.1:{free_port()}"
+    for follower in (["watch", "some-job"], ["logs", "some-job", "-f"]):
+        started = time.monotonic()
+        assert cli.main([*follower, "--coordinator", nowhere, "--timeout", "0.3"]) == 3
+        assert time.monotonic() - started < 5 and nowhere in capsys.readouterr().err
 
 
 def test_times_come_from_events_and_the_eta_from_the_running_groups_pace() -> None:
