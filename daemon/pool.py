@@ -1,7 +1,8 @@
 """The coordinator's policy: nodes, slots, the job queue, admission, planning and recovery. Pure.
 
 `Pool` holds no socket, no file and no clock: every method takes `now` and returns actions
-(`Send` a message to a node, `Record` an event, `JobChanged`/`NodeChanged` to persist). The
+(`Send` a message to a node, `Record` an event, `JobChanged`/`NodeChanged` to persist: a node is
+saved when it joins, is lost or is held, not when its slots fill or empty, which is transient). The
 coordinator's asyncio loop (`daemon/coordinator.py`) feeds it decoded messages (`from_node`) and
 timer ticks and carries its actions out. Admission runs once per batch of messages (`schedule`), not
 once per message: a thousand registrations plan once.
@@ -291,7 +292,7 @@ class Pool:
         if node.lost:
             return []
         alive = {(w.job, w.generation, w.slot) for w in msg.workers}
-        actions: list[Action] = []
+        freed = False
         for slot, (job_id, gen) in list(node.used.items()):
             if (job_id, gen, slot) in alive:
                 continue
@@ -302,10 +303,8 @@ class Pool:
             )
             if not current:
                 del node.used[slot]
-                actions.append(NodeChanged(node.name))
-        if actions:
-            actions += self._drained(now, node)
-        return actions
+                freed = True
+        return self._drained(now, node) if freed else []
 
     def bye(self, now: float, name: str) -> list[Action]:
         node = self.nodes.get(name)
@@ -538,7 +537,6 @@ class Pool:
         node = self.nodes.get(node_name)
         if node is not None and node.used.get(e.slot) == (e.job, e.generation):
             del node.used[e.slot]
-            actions.append(NodeChanged(node_name))
         job = self.live.get(e.job)
         run = self._run(job, e.generation, e.rank)
         if job is not None and run is not None and run.exit_code is None:
@@ -671,7 +669,7 @@ class Pool:
             self.nodes[s.node].used[s.index] = (job.id, generation)
         actions = self._feed(job, js.Admitted(len(chosen)), now)
         for node, slots in job.pending.nodes.items():
-            actions += [Send(node, GroupPrepare(job=job.id, generation=generation, slots=[s.index for s in slots])), NodeChanged(node)]
+            actions.append(Send(node, GroupPrepare(job=job.id, generation=generation, slots=[s.index for s in slots])))
         return actions
 
     # -- the job machine -----------------------------------------------------------------------
@@ -714,7 +712,7 @@ class Pool:
             node = self.nodes.get(s.node)
             if node is not None and node.used.get(s.index) == (job.id, pend.generation):
                 del node.used[s.index]
-        return [NodeChanged(n) for n in pend.nodes]
+        return []
 
     def _stop(self, job: Job, stop: js.StopGroup) -> list[Action]:
         if job.plan is None or job.plan.generation != stop.generation:

@@ -42,6 +42,9 @@ class JobChanged:
 
 @dataclass(frozen=True, slots=True)
 class NodeChanged:
+    """What the database keeps of the node changed: it joined, was lost, or is held (its slots
+    in use are transient and never saved)."""
+
     node: str
 
 
