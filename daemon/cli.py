@@ -1,7 +1,13 @@
 """`dpd run`: the node daemon in the foreground (launchd/systemd supervise it).
 
 Exit codes: 0 stopped cleanly (SIGTERM/SIGINT); 1 it could not run (address in use, name refused by
-the pool); 2 bad input (flags or config file).
+the pool, a state dir it cannot use); 2 bad input (flags or config file), or the state dir is held
+by another running dpd (named by its pid).
+
+One dpd per state dir: it holds an exclusive flock on `STATE/dpd.lock` (which holds its pid) for its
+whole life, so a second one never shares the first one's database or removes its worker socket. The
+daemon runs under umask 077: the state dir is 0700, and what it and its trainers write there (the
+database, logs, the worker socket, checkpoints) is its user's alone.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import os
 import signal
@@ -23,7 +30,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from dpool.protocol.logs import configure_logging, get_logger
+from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
     KeysError,
@@ -48,11 +55,18 @@ CONFIG_KEYS = {
     "liveness": int,
     "stop_grace": float,
     "log_level": str,
+    "log_file": str,
 }
+LOCK_FILE = "dpd.lock"
+UMASK = 0o077
 
 
 class UsageError(Exception):
     """Bad flags or config (exit 2); the message names the flag or key and what is allowed."""
+
+
+class StateDirBusy(Exception):
+    """Another dpd holds the state dir's lock (exit 2); the message names its pid."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +82,7 @@ class Settings:
     liveness: int
     stop_grace: float
     log_level: str
+    log_file: Path | None = None  # dpd's own log, rotated by size (default: stderr)
     keys: ClientKeys | None = None  # this node's CURVE pair and the coordinator's public key
     server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
 
@@ -174,6 +189,7 @@ def settings(args: argparse.Namespace) -> Settings:
         coord_keys = server_keys(kdir) if kdir and serve else None
     except KeysError as e:
         raise UsageError(f"--keys: {e}") from None
+    log_file = pick("log_file", None)
     level = str(pick("log_level", "info"))
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {level!r}: must be one of debug, info, warning, error")
@@ -189,6 +205,7 @@ def settings(args: argparse.Namespace) -> Settings:
         liveness=liveness,
         stop_grace=float(pick("stop_grace", 10.0)),
         log_level=level,
+        log_file=Path(log_file).expanduser().absolute() if log_file else None,
         keys=node_keys,
         server_keys=coord_keys,
     )
@@ -274,6 +291,24 @@ async def serve_and_run(s: Settings) -> int:
             ctx.destroy(linger=0)
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """Make the state dir (0700) and take its lock for this process's life: the descriptor, kept
+    open (and not inherited by children). Raises StateDirBusy naming the pid that holds it."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state_dir, 0o700)  # one made by an older dpd, or by hand under umask 022
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f"pid {holder}" if holder.isdigit() else "a process that has not written its pid yet"
+        raise StateDirBusy(f"state dir {state_dir} is in use by another dpd ({who}); stop it, or pass another --state-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpd", description="dpool node daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")
     install = sub.add_parser("install", parents=[run], add_help=False, help="write and load the OS service (LaunchAgent, systemd unit) that runs `dpd run` with these flags")
     install.add_argument("--print", action="store_true", help="only print the file and the commands install would run")
     install.add_argument("--target", choices=["launchd", "systemd"], help="the service manager (default: this machine's)")
@@ -306,10 +342,26 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"dpd: {e}", file=sys.stderr)
         return 2
-    configure_logging(s.log_level)
-    s.state_dir.mkdir(parents=True, exist_ok=True)
+    os.umask(UMASK)  # before anything is created: the state dir, the database, logs, sockets
+    try:
+        lock = lock_state_dir(s.state_dir)
+    except StateDirBusy as e:
+        print(f"dpd: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"dpd: cannot use the state dir {s.state_dir}: {e}", file=sys.stderr)
+        return 1
+    if s.log_file is not None:
+        configure_logging(s.log_level, json=True, stream=RotatingFile(s.log_file, quiet=True))
+    elif sys.stderr.isatty():
+        configure_logging(s.log_level)
+    else:
+        configure_logging(s.log_level, json=True, stream=Quiet(sys.stderr.buffer))  # a full disk under stderr must not stop dpd
     get_logger(node=s.name).info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, state_dir=str(s.state_dir))
-    return asyncio.run(serve_and_run(s))
+    try:
+        return asyncio.run(serve_and_run(s))
+    finally:
+        os.close(lock)
 
 
 if __name__ == "__main__":
