@@ -5,6 +5,10 @@
     RUN_DIR/checkpoints/step-<N>/model.safetensors
     RUN_DIR/checkpoints/step-<N>/optimizer.safetensors
     RUN_DIR/checkpoints/.tmp-step-<N>-<pid>/       being written; renamed into place when complete
+    RUN_DIR/checkpoints/.old-step-<N>-<pid>/       step N's previous copy while a re-save replaces it
+
+A dpd keeps a rank's run dir at `STATE/jobs/<job id>/slot-<K>`; a job id becomes a path only once it
+matches JOB_ID_RE (`<job name>-<6 hex digits>`, as the coordinator makes them): never `..` or `/`.
 """
 
 from __future__ import annotations
@@ -15,9 +19,21 @@ from pathlib import Path
 
 import orjson
 
+# A rank that fails because this machine could not write its run dir or a checkpoint (a full disk, a
+# read-only or failing filesystem) exits with this code (EX_IOERR) after its `error: ...` line; its
+# dpd reports a job folder it cannot write at a group start the same way. The pool blames the node
+# (exit 1 is what a rank's peers exit with, and is not blamed), so a full disk sets it aside.
+EXIT_DISK = 74
+
 STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+JOB_ID_RE = re.compile(r"[a-z0-9-]{1,63}-[0-9a-f]{6}")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+
+
+def valid_job_id(job: str) -> bool:
+    """Whether `job` is a job id, safe as one path component."""
+    return JOB_ID_RE.fullmatch(job) is not None
 
 
 def checkpoint_root(run_dir: str | os.PathLike[str]) -> Path:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
 from dpool.trainer.blas import reexec_with_openblas
+
+# OSErrors that mean this machine's storage failed the rank (exit EXIT_DISK: its node is blamed).
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
     reexec_with_openblas("dpool.trainer", argv)
 
+    from dpool.protocol.checkpoints import EXIT_DISK
     from dpool.protocol.jobspec import JobFileError, load_job
     from dpool.protocol.logs import configure_logging, get_logger
     from dpool.trainer import loop
-    from dpool.trainer.checkpoint import CheckpointError, CheckpointMismatch
+    from dpool.trainer.checkpoint import CheckpointError, CheckpointMismatch, CheckpointWriteError
     from dpool.trainer.data import DataError
     from dpool.trainer.lm import ModelError
 
@@ -55,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:  # --export of a checkpoint that does not fit its job
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT
+    except (CheckpointWriteError, OSError) as e:  # a full disk, an unwritable run dir: this rank fails, with why
+        print(f"error: {e}", file=sys.stderr)
+        disk = not isinstance(e, OSError) or e.errno in DISK_ERRNOS
+        return EXIT_DISK if disk else loop.EXIT_FAILED
     except KeyboardInterrupt:
         return 130
     except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost": the daemon restarts the group

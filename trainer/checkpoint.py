@@ -11,6 +11,16 @@ The main thread copies the arrays to host memory (cheap, and the arrays it copie
 a writer thread writes them to `.tmp-step-N-PID/`, fsyncs, renames the folder into place, fsyncs
 the parent, and prunes to the newest `keep`. A checkpoint exists only once its manifest does; one
 whose files do not match their checksums is skipped in favour of the one before it.
+
+What a fault may not cost:
+- A write that fails (a full disk) removes its `.tmp-` folder and leaves every earlier checkpoint
+  as it was; the trainer then exits with the reason (`CheckpointWriteError`), and the group
+  restarts from the newest checkpoint.
+- Re-saving a step renames the old copy aside (`.old-step-N-PID/`), renames the new one into place,
+  and only then deletes the old one; a crash in between leaves the old copy, put back at resume.
+- Pruning keeps the step just written and the `keep - 1` before it, and never touches a step above
+  it; at resume, the checkpoints above the resume step (a timeline that was not resumed, damaged
+  or not) are dropped first (`drop_above`), so they can neither outrank nor outlive new ones.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import struct
 import threading
@@ -34,10 +45,14 @@ from mlx.utils import tree_flatten
 from dpool.protocol.checkpoints import (
     FORMAT_VERSION,
     MANIFEST,
+    STEP_DIR_RE,
     checkpoint_root,
     listed_steps,
+    read_manifest,
     step_dir,
 )
+
+OLD_DIR_RE = re.compile(r"^\.old-step-(\d+)-\d+$")
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -58,6 +73,12 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatch(CheckpointError):
     """The run dir holds checkpoints of a different job file: refusing to mix them."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk): the rank fails with this reason (exit
+    EXIT_DISK, blamed on its node), and the pool restarts the group from the newest checkpoint
+    that was written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,48 +132,111 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int) -> tuple[Path, list[str]]:
-    """Write one checkpoint atomically and prune; returns its folder and any pruning problems."""
+    """Write one checkpoint atomically and prune; returns its folder and any pruning problems.
+    Raises OSError with nothing changed but a `.tmp-` folder removed again."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, snap.step)
     tmp = root / f".tmp-step-{snap.step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    files = {}
-    for name, arrays in (("model.safetensors", snap.model), ("optimizer.safetensors", snap.optimizer)):
-        size, digest = _write_safetensors(tmp / name, arrays)
-        files[name] = {"bytes": size, "sha256": digest}
-    manifest = {**snap.manifest, "format": FORMAT_VERSION, "step": snap.step, "files": files}
-    with open(tmp / MANIFEST, "wb") as f:
-        f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # the same step again (a resumed run re-saving): replace it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    try:
+        tmp.mkdir()
+        files = {}
+        for name, arrays in (("model.safetensors", snap.model), ("optimizer.safetensors", snap.optimizer)):
+            size, digest = _write_safetensors(tmp / name, arrays)
+            files[name] = {"bytes": size, "sha256": digest}
+        manifest = {**snap.manifest, "format": FORMAT_VERSION, "step": snap.step, "files": files}
+        with open(tmp / MANIFEST, "wb") as f:
+            f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _fsync_dir(root)
-    return final, prune(run_dir, keep)
+    return final, prune(run_dir, keep, newest=snap.step)
 
 
-def prune(run_dir: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints; one failed deletion does not stop the others."""
+def _move_into_place(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (the same step saved again) is renamed aside
+    first and deleted only once the new one is in place, or put back when that rename fails."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    _fsync_dir(final.parent)
+    _remove(old)
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder, its manifest first: cut short, it is no checkpoint at all."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(folder)
+
+
+def prune(run_dir: Path, keep: int, newest: int | None = None) -> list[str]:
+    """Delete all but the newest `keep` (at least 1) checkpoints at or below `newest` (default:
+    all of them), so the one just written is never deleted; steps above `newest` are left to the
+    next resume (`drop_above`). One failed deletion does not stop the others."""
     problems = []
-    for step in listed_steps(run_dir)[keep:]:
+    steps = [s for s in listed_steps(run_dir) if newest is None or s <= newest]
+    for step in steps[max(keep, 1):]:
         try:
-            shutil.rmtree(step_dir(run_dir, step))
+            _remove(step_dir(run_dir, step))
         except OSError as e:
             problems.append(f"step-{step}: {e}")
     return problems
 
 
+def drop_above(run_dir: Path, step: int, job_hash: str) -> list[int]:
+    """At resume from `step`: delete this job's checkpoints above it, damaged ones included (an
+    unreadable manifest); another job's are left for `verify` to refuse. Returns the steps dropped."""
+    dropped = []
+    for s in listed_steps(run_dir):
+        if s <= step:
+            break
+        manifest = read_manifest(run_dir, s)
+        if manifest is not None and manifest.get("job_hash") != job_hash:
+            continue
+        try:
+            _remove(step_dir(run_dir, s))
+            dropped.append(s)
+        except OSError:
+            pass  # left for the next resume; pruning never reaches above the newest step written
+    return dropped
+
+
 def clean_partial(run_dir: Path) -> None:
-    """Remove folders of writes that never finished (a crash mid-checkpoint)."""
+    """Remove what writes that never finished left (a crash mid-checkpoint): `.tmp-` folders, and
+    step folders without a manifest; a re-save cut between its renames gets its old copy back."""
     root = checkpoint_root(run_dir)
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.startswith(".tmp-step-"):
-                shutil.rmtree(entry, ignore_errors=True)
+    if not root.is_dir():
+        return
+    for entry in sorted(root.iterdir()):
+        old = OLD_DIR_RE.match(entry.name)
+        if entry.name.startswith(".tmp-step-"):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif old is not None:
+            final = step_dir(run_dir, int(old.group(1)))
+            try:
+                if not (final / MANIFEST).is_file() and (entry / MANIFEST).is_file():
+                    shutil.rmtree(final, ignore_errors=True)
+                    os.rename(entry, final)
+                else:
+                    shutil.rmtree(entry)
+            except OSError:
+                continue
+        elif STEP_DIR_RE.match(entry.name) and entry.is_dir() and not (entry / MANIFEST).is_file():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
@@ -236,8 +320,8 @@ class CheckpointWriter:
             try:
                 _, problems = write_checkpoint(self.run_dir, snap, self.keep)
                 self._done.put((snap.step, time.perf_counter() - t0, None, problems))
-            except OSError as e:  # a full disk must not kill training: report, keep the older ones
-                self._done.put((snap.step, time.perf_counter() - t0, str(e), []))
+            except Exception as e:  # a full disk: reported (the trainer exits with it), the older ones kept
+                self._done.put((snap.step, time.perf_counter() - t0, str(e) or type(e).__name__, []))
 
     def completed(self) -> list[tuple[int, float, str | None, list[str]]]:
         """(step, seconds, error, pruning problems) of writes finished since the last call."""

@@ -102,6 +102,12 @@ def _restore(
     ckpt.clean_partial(run_dir)
     found = ckpt.newest_valid(run_dir, job_hash, log) if group.rank == 0 else None
     (step,) = group.broadcast_ints([found[0] if found else 0])
+    # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
+    # ones this rank wrote in a group that went on without rank 0's): gone before anything is
+    # written, so pruning keeps what this run writes and the pool never sees them as holdings.
+    dropped = ckpt.drop_above(run_dir, step, job_hash)
+    if dropped:
+        log.info("checkpoint.dropped", steps=dropped, resume_step=step)
     have = 1
     if step > 0 and group.rank != 0:
         try:
@@ -237,8 +243,10 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     def report_checkpoints(done: list[tuple[int, float, str | None, list[str]]]) -> None:
         for step, seconds, error, problems in done:
             if error:
+                # This rank's failure, with the reason: the group restarts from the newest
+                # checkpoint that was written (its folder of this one is already removed).
                 log.error("checkpoint.failed", step=step, error=error)
-                continue
+                raise ckpt.CheckpointWriteError(f"checkpoint of step {step} not written: {error}")
             log.info("checkpoint.saved", step=step, seconds=round(seconds, 3))
             for p in problems:
                 log.warning("checkpoint.prune_failed", problem=p)
