@@ -7,6 +7,11 @@ Sockets:
   jittered retries via tenacity, each round logged; the workers keep training meanwhile).
 - a ROUTER its trainers connect to (`DPOOL_WORKER_ADDR`), an ipc socket in the state dir (tcp on
   loopback where the ipc path would be too long). A worker is known by the pid in its hello.
+
+Faults of this machine are the rank's, never the daemon's: a job folder that cannot be written at a
+group start (a full disk) is reported as that rank's exit with the reason, and a `worker.log` that
+cannot be written only loses lines. A job id from the wire becomes a path only once it matches the
+job id pattern (`protocol/checkpoints.py`); any other is refused with a log line.
 """
 
 from __future__ import annotations
@@ -46,10 +51,10 @@ from dpool.daemon.children import (
 from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.sysinfo import node_info
 from dpool.protocol import messages as m
-from dpool.protocol.checkpoints import newest_step
+from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, parse_job
-from dpool.protocol.logs import Throttle, get_logger
+from dpool.protocol.logs import RotatingFile, Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo, RunningWorker
 from dpool.protocol.schema import Invalid
@@ -63,6 +68,8 @@ IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
 EXITS_KEPT = 64
 HELD_MAX = 20_000  # metric, sample and checkpoint reports kept while the coordinator is away
 KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
+WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
+WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
 
 
 class Refused(Exception):
@@ -132,6 +139,7 @@ class Agent:
         self.export_tasks: set[asyncio.Task[Any]] = set()
         self.export_prepares: dict[str, asyncio.Task[Any]] = {}  # export id -> its preparation
         self._rejected_log = Throttle(lines=5, every=1.0)  # bad frames: dropped, said at most 5 times a second
+        self._refused_log = Throttle(lines=5, every=1.0)  # job ids refused as paths
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -176,8 +184,9 @@ class Agent:
         path = self.state_dir / "run" / "workers.sock"
         if len(str(path.absolute())) <= IPC_PATH_MAX:
             with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # a stale socket file of a dead dpd
+                path.unlink()  # a stale socket file of a dead dpd (a live one holds the state dir's lock)
             sock.bind(f"ipc://{path.absolute()}")
+            os.chmod(path, 0o600)  # this user's trainers alone (the umask made it so already)
         else:
             sock.bind("tcp://127.0.0.1:*")
         self.worker_addr = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -311,6 +320,9 @@ class Agent:
             self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
 
     async def _on_coordinator(self, msg: Message, msg_id: int = 0) -> None:
+        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare)) and not valid_job_id(msg.job):
+            self._refuse_job_id(msg, msg_id)
+            return
         match msg:
             case m.CoordHeartbeat() | m.NodeRegistered():
                 pass
@@ -342,6 +354,24 @@ class Agent:
                 self.log.warning("coordinator.error", code=msg.code, error=msg.message)
             case _:
                 self.log.warning("message.unexpected", type=str(msg.TYPE))
+
+    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare, msg_id: int) -> None:
+        """A job id that is not one (`..`, `/`, ...) never becomes a path: a log line, and the
+        answer the message asks for (a refused prepare, the ranks' exits, an error)."""
+        why = f"job id {msg.job[:80]!r} is not a job id"
+        held = self._refused_log.allow("job_id", time.monotonic())
+        if held is not None:
+            self.log.warning("job_id.refused", type=str(msg.TYPE), job=msg.job[:80], repeated=held)
+        match msg:
+            case m.GroupPrepare():
+                self._send(m.NodePrepared(job=msg.job, generation=msg.generation, host=self.advertise, ports=[], error=why))
+            case m.GroupStart():
+                for r in msg.ranks:
+                    self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, why)
+            case m.ExportPrepare():
+                self._send(m.Error(code=str(ErrorCode.BAD_REQUEST), message=f"node {self.name}: {why}"), msg_id)
+            case _:
+                pass  # group.stop: it names no worker of this node; nothing to answer
 
     async def _export(self, msg: m.ExportPrepare | m.ExportFetch, msg_id: int) -> None:
         """Answer export.prepare or export.fetch, with the request's id."""
@@ -393,20 +423,29 @@ class Agent:
 
     async def _start(self, msg: m.GroupStart) -> None:
         job_dir = self.state_dir / "jobs" / msg.job
-        job_dir.mkdir(parents=True, exist_ok=True)
         try:
-            spec = parse_job(msg.spec, source=f"job {msg.job}")
-            job_file = job_dir / "job.toml"
-            job_file.write_text(dump_job(spec))
+            text = dump_job(parse_job(msg.spec, source=f"job {msg.job}"))
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
             for r in msg.ranks:
                 self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, clean(str(e)))
             return
         world = len(msg.hostfile)
-        hostfile = job_dir / f"hostfile-g{msg.generation}.json"
-        if world > 1:
-            hostfile.write_bytes(orjson.dumps(msg.hostfile))
+        job_file, hostfile = job_dir / "job.toml", job_dir / f"hostfile-g{msg.generation}.json"
+        try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            _write_file(job_file, text.encode())
+            if world > 1:
+                _write_file(hostfile, orjson.dumps(msg.hostfile))
+        except OSError as e:
+            # This machine's fault (a full disk, a read-only folder): each of its ranks fails with
+            # the reason and EXIT_DISK, so the pool blames this node, not the group's others.
+            self.log.error("group.start_failed", job=msg.job, generation=msg.generation, error=str(e))
+            for holder in self.reserved.pop((msg.job, msg.generation), []):
+                holder.close()
+            for r in msg.ranks:
+                self._report_exit(msg.job, msg.generation, r.rank, r.slot, EXIT_DISK, False, clean(f"cannot write the job's folder: {e}"))
+            return
         for holder in self.reserved.pop((msg.job, msg.generation), []):
             holder.close()  # the port is the trainer's to bind now
         for r in msg.ranks:
@@ -420,7 +459,12 @@ class Agent:
             self._report_exit(msg.job, msg.generation, rank, slot, 1, False)
             return
         run_dir = self.state_dir / "jobs" / msg.job / f"slot-{slot}"
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self.log.error("worker.spawn_failed", job=msg.job, rank=rank, error=str(e))
+            self._report_exit(msg.job, msg.generation, rank, slot, EXIT_DISK, False, clean(f"cannot make the run dir: {e}"))
+            return
         env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr)
         if hostfile is not None:
             env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
@@ -440,7 +484,7 @@ class Agent:
             )
         except OSError as e:
             self.log.error("worker.spawn_failed", job=msg.job, rank=rank, error=str(e))
-            self._report_exit(msg.job, msg.generation, rank, slot, 127, False)
+            self._report_exit(msg.job, msg.generation, rank, slot, 127, False, clean(f"cannot start the trainer: {e}"))
             return
         w = Worker(job=msg.job, generation=msg.generation, rank=rank, slot=slot, run_dir=run_dir, proc=proc)
         self.workers[slot] = w
@@ -449,22 +493,14 @@ class Agent:
         self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid)
 
     async def _watch(self, w: Worker) -> None:
-        """Read the worker's output until EOF, then its exit status; report both."""
-        assert w.proc.stdout is not None
-        with open(w.run_dir / "worker.log", "ab") as local:
-            while True:
-                try:
-                    raw = await w.proc.stdout.readline()
-                except (ValueError, asyncio.LimitOverrunError):
-                    raw = await w.proc.stdout.read(1 << 16)  # an endless line: take it in pieces
-                if not raw:
-                    break
-                local.write(raw)
-                text = raw.decode("utf-8", "replace").rstrip("\n")
-                w.lines.append(text[:LOG_LINE_MAX])
-                w.error = error_message(text, str(w.run_dir.parent / "job.toml")) or w.error
-                if len(w.lines) >= LOG_BATCH_LINES:
-                    self._flush(w)
+        """Read the worker's output until EOF, then its exit status; report both. Whatever happens
+        to the reading (or to worker.log), the process is waited for, its slot freed and its exit
+        reported."""
+        try:
+            await self._read_output(w)
+        except Exception:
+            self.log.exception("worker.output_failed", job=w.job, rank=w.rank, pid=w.pid)
+            self._stop(w, "now", "its output could not be read")  # it would block on a full pipe
         code = await w.proc.wait()
         self._flush(w)
         if self.workers.get(w.slot) is w:
@@ -473,6 +509,34 @@ class Agent:
             t.cancel()  # the SIGKILL timer, if any
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
+
+    async def _read_output(self, w: Worker) -> None:
+        """Relay the worker's output lines and keep them in its worker.log (rotated by size); a
+        write that fails (a full disk) loses those lines from the file, said once per outage."""
+        assert w.proc.stdout is not None
+        failing = False
+        with RotatingFile(w.run_dir / "worker.log", WORKER_LOG_BYTES, WORKER_LOG_BACKUPS) as local:
+            while True:
+                try:
+                    raw = await w.proc.stdout.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    raw = await w.proc.stdout.read(1 << 16)  # an endless line: take it in pieces
+                if not raw:
+                    break
+                try:
+                    local.write(raw)
+                    if failing:
+                        failing = False
+                        self.log.info("worker.log_written_again", job=w.job, rank=w.rank, lost_writes=local.failed)
+                except OSError as e:
+                    if not failing:
+                        failing = True
+                        self.log.warning("worker.log_failed", job=w.job, rank=w.rank, path=str(local.path), error=str(e))
+                text = raw.decode("utf-8", "replace").rstrip("\n")
+                w.lines.append(text[:LOG_LINE_MAX])
+                w.error = error_message(text, str(w.run_dir.parent / "job.toml")) or w.error
+                if len(w.lines) >= LOG_BATCH_LINES:
+                    self._flush(w)
 
     def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None) -> None:
         exit_ = ExitedWorker(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error)
@@ -589,3 +653,18 @@ class Agent:
 
 def _forget(tasks: dict[str, asyncio.Task[Any]], key: str, _done: asyncio.Task[Any]) -> None:
     tasks.pop(key, None)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """`path` holds `data`: left alone when it does already, else written aside and renamed over
+    it, so a full disk never leaves a job file cut short."""
+    with contextlib.suppress(OSError):
+        if path.read_bytes() == data:
+            return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise

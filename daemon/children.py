@@ -21,7 +21,9 @@ ERROR_PREFIX = "error: "
 
 
 def trainer_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "dpool.trainer", *args]
+    """`python -P -m dpool.trainer ARGS`: -P keeps the working directory (the trainer runs in its
+    run dir) off `sys.path`, so no file in a run dir is ever imported."""
+    return [sys.executable, "-P", "-m", "dpool.trainer", *args]
 
 
 def trainer_env(**extra: str) -> dict[str, str]:
@@ -31,6 +33,7 @@ def trainer_env(**extra: str) -> dict[str, str]:
         env.pop(key, None)
     env["DPOOL_DAEMON_PID"] = str(os.getpid())  # the trainer exits when its daemon is gone
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONSAFEPATH"] = "1"  # -P, kept when the trainer re-executes itself (trainer/blas.py)
     env.update(extra)
     return env
 
