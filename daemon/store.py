@@ -3,13 +3,22 @@ samples and worker logs, so a restarted coordinator carries on and finished jobs
 
 Writes are batched: the coordinator's loop handles every message that is waiting, then commits once
 (WAL, synchronous=NORMAL: a crash loses at most the last batch, never corrupts the file).
+
+A database that cannot be written (a full disk, another process holding its lock) never stops the
+coordinator: each write is kept as a statement until a commit succeeds. It is executed in the
+batch's transaction at the commit (or before a read, so reads see it); when the commit fails,
+SQLite may have rolled the whole transaction back (a full disk does), so the statements are kept
+and the commit is tried again, whole, with a growing pause (RETRY_S .. RETRY_MAX_S) between tries.
+At most PENDING_ROWS_MAX rows wait: past that the oldest log lines go first, then the oldest of
+anything. A lock held elsewhere is waited for BUSY_TIMEOUT_S at most, not SQLite's default 5 s.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sqlite3
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +69,10 @@ def _json(value: Any) -> str:
 
 
 _metric_row = compile_type(MetricRow, "metrics row")
+BUSY_TIMEOUT_S = 0.2
+RETRY_S, RETRY_MAX_S = 0.5, 10.0
+PENDING_ROWS_MAX = 200_000
+LOGS_INSERT = "INSERT INTO logs "
 
 
 def _read(convert: Callable[[Any], Any], text: str) -> Any:
@@ -72,9 +85,9 @@ def _read(convert: Callable[[Any], Any], text: str) -> Any:
 
 
 class Store:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), isolation_level="DEFERRED")
+        self.db = sqlite3.connect(str(path), isolation_level="DEFERRED", timeout=BUSY_TIMEOUT_S)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
@@ -87,52 +100,123 @@ class Store:
             self.db.execute("UPDATE nodes SET hold = ? WHERE reason = 'drained'", (Hold.DRAINED.value,))
             self.db.execute("UPDATE nodes SET hold = ? WHERE reason LIKE 'set aside:%'", (Hold.SET_ASIDE.value,))
         self.db.commit()
-        self._unit = self._saved = False
+        self.clock = clock
+        self._pending: list[tuple[str, Sequence[Any], bool]] = []  # (sql, parameters, executemany) not yet committed
+        self._rows = 0  # rows in _pending
+        self._applied = 0  # how many of _pending the open transaction holds
+        self._mark = 0  # where the current unit's writes begin in _pending
+        self._failures = 0  # commits failed in a row
+        self._retry_at = 0.0
+        self.dropped = 0  # rows given up while the database could not be written
+        self.log = get_logger(component="store")
 
     def commit(self) -> None:
-        self.db.commit()
+        """Make every write so far durable; raises sqlite3.Error when it cannot, keeping them all
+        to try again at a later commit (none is tried before the back-off has passed)."""
+        if not self._pending or self.clock() < self._retry_at:
+            return
+        try:
+            self._apply()
+            self.db.commit()
+        except sqlite3.Error:
+            self._rollback()
+            self._failures += 1
+            self._retry_at = self.clock() + min(RETRY_MAX_S, RETRY_S * 2 ** (self._failures - 1))
+            self._bound()
+            raise
+        if self._failures:
+            self.log.info("store.commit_recovered", failed_commits=self._failures, rows=self._rows, dropped=self.dropped)
+        self._pending, self._rows, self._applied, self._mark, self._failures, self._retry_at = [], 0, 0, 0, 0, 0.0
 
-    # A unit of work (one request, one tick) is a savepoint inside the batch's transaction, opened
-    # at its first write (most units write nothing): one that fails is undone whole, and the batch
-    # commits once.
+    @property
+    def pending_rows(self) -> int:
+        """Rows written but not yet committed."""
+        return self._rows
+
+    # A unit of work (one request, one tick) is undone whole when it fails: its writes are the
+    # statements it added, and the batch commits once.
 
     def begin_unit(self) -> None:
-        self._unit, self._saved = True, False
+        self._mark = len(self._pending)
 
     def end_unit(self) -> None:
-        if self._saved:
-            self.db.execute("RELEASE unit")
-        self._unit = self._saved = False
+        self._mark = len(self._pending)
 
     def undo_unit(self) -> None:
-        saved, self._unit, self._saved = self._saved, False, False
-        if saved:
-            self.db.execute("ROLLBACK TO unit")
-            self.db.execute("RELEASE unit")
+        if self._applied > self._mark:  # a read executed some of them: start the transaction over
+            self._rollback()
+        self._rows -= sum(len(p) if many else 1 for _, p, many in self._pending[self._mark:])
+        del self._pending[self._mark:]
 
-    def _write(self) -> None:
-        """Called by every method that writes, before it does."""
-        if self._unit and not self._saved:
-            if not self.db.in_transaction:
-                self.db.execute("BEGIN")
-            self.db.execute("SAVEPOINT unit")
-            self._saved = True
+    def _write(self, sql: str, parameters: Sequence[Any], many: bool = False) -> None:
+        """Every write goes through here: kept until a commit succeeds."""
+        self._pending.append((sql, parameters, many))
+        self._rows += len(parameters) if many else 1
+
+    def _apply(self) -> None:
+        """Execute the writes the open transaction does not hold yet."""
+        for sql, parameters, many in self._pending[self._applied:]:
+            if many:
+                self.db.executemany(sql, parameters)
+            else:
+                self.db.execute(sql, parameters)
+            self._applied += 1
+
+    def _see_writes(self) -> None:
+        """Before a read: the writes so far, in the open transaction, so the read sees them. A
+        database that cannot take them now answers with what it has committed."""
+        if self._applied < len(self._pending) and self.clock() >= self._retry_at:
+            try:
+                self._apply()
+            except sqlite3.Error:
+                self._rollback()
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.db.rollback()
+        self._applied = 0
+
+    def _bound(self) -> None:
+        """At most PENDING_ROWS_MAX rows wait for the database: the oldest log lines go first."""
+        if self._rows <= PENDING_ROWS_MAX:
+            return
+        before = self._rows
+        kept: list[tuple[str, Sequence[Any], bool]] = []
+        over = self._rows - PENDING_ROWS_MAX
+        for entry in self._pending:
+            sql, parameters, many = entry
+            n = len(parameters) if many else 1
+            if over > 0 and sql.startswith(LOGS_INSERT):
+                over -= n
+                self._rows -= n
+                continue
+            kept.append(entry)
+        while self._rows > PENDING_ROWS_MAX and kept:
+            _, parameters, many = kept.pop(0)
+            self._rows -= len(parameters) if many else 1
+        self._pending, self._mark = kept, len(kept)
+        self.dropped += before - self._rows
+        self.log.error("store.rows_dropped", dropped=before - self._rows, kept=self._rows, failed_commits=self._failures)
 
     def close(self) -> None:
-        self.db.commit()
-        self.db.close()
+        """Commit what is pending (once more, whatever the back-off) and close; never raises."""
+        self._retry_at = 0.0
+        try:
+            self.commit()
+        except sqlite3.Error as e:
+            self.log.error("store.lost_on_close", rows=self._rows, error=str(e))
+        with contextlib.suppress(sqlite3.Error):
+            self.db.close()
 
     # -- nodes and jobs ------------------------------------------------------------------------
 
     def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float, hold: Hold | None) -> None:
-        self._write()
-        self.db.execute(
+        self._write(
             "INSERT OR REPLACE INTO nodes (name, incarnation, info, joined_at, last_seen, state, reason, hold) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason, hold.value if hold else None),
         )
 
     def save_job(self, job: Job) -> None:
-        self._write()
         m = job.machine
         plan = None
         if job.plan is not None:
@@ -140,7 +224,7 @@ class Store:
             plan = _json(
                 {"generation": p.generation, "ranks": [[s.node, s.index] for s in p.ranks], "shares": list(p.shares), "hostfile": [list(h) for h in p.hostfile]}
             )
-        self.db.execute(
+        self._write(
             "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts),
@@ -149,6 +233,7 @@ class Store:
     def load_jobs(self) -> list[tuple[Job, Saved]]:
         """Every stored job with what its machine was, oldest first; one whose stored job file this
         version refuses is left in the database and out of the pool, with a warning."""
+        self._see_writes()
         jobs = []
         rows = self.db.execute(
             "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts FROM jobs ORDER BY submitted_at"
@@ -175,6 +260,7 @@ class Store:
 
     def find_job(self, ref: str) -> JobRef | None:
         """A stored job by id, by name (its newest), or by a unique id prefix."""
+        self._see_writes()
         query = "SELECT id, name, state, submitted_at, finished_at FROM jobs WHERE "
         found = self.db.execute(query + "id = ?", (ref,)).fetchall()
         found = found or self.db.execute(query + "name = ? ORDER BY submitted_at DESC LIMIT 1", (ref,)).fetchall()
@@ -186,11 +272,13 @@ class Store:
         return JobRef(id=jid, name=name, state=JobState(state), submitted_at=submitted, finished_at=finished)
 
     def has_job(self, job_id: str) -> bool:
+        self._see_writes()
         return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None
 
     def statuses(self, limit: int, *, skip: frozenset[str] | set[str] = frozenset(), only: str | None = None) -> list[JobStatus]:
         """The newest `limit` stored jobs' status objects (newest first), but those in `skip`; or
         the one job `only`. (A job in the coordinator's memory has a fresher one: `Job.status`.)"""
+        self._see_writes()
         query = (
             "SELECT id, name, state, step, json_extract(spec, '$.train.steps'), generation, "
             "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error FROM jobs "
@@ -212,6 +300,7 @@ class Store:
 
     def held_nodes(self) -> dict[str, tuple[Hold, str]]:
         """Nodes drained or set aside (name -> (hold, reason)): a restarted coordinator keeps them so."""
+        self._see_writes()
         rows = self.db.execute("SELECT name, hold, reason FROM nodes WHERE hold IS NOT NULL")
         out = {}
         for name, hold, reason in rows:
@@ -224,8 +313,7 @@ class Store:
     def add_metric(self, job: str, generation: int, row: MetricRow) -> None:
         """Keep one row per (job, kind, step): the newest generation's, so a resumed run's
         recomputed steps replace the first attempt's and the curve stays clean."""
-        self._write()
-        self.db.execute(
+        self._write(
             "INSERT INTO metrics VALUES (?, ?, ?, ?, ?) ON CONFLICT (job, kind, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= metrics.generation",
             (job, row.kind, row.step, generation, _json(row.to_wire())),
@@ -234,6 +322,7 @@ class Store:
     def metrics(self, job: str, after: int, limit: int) -> tuple[list[MetricRow], int, bool]:
         """Rows `after`.. of the job's metrics, at most `limit`: (rows, the next page's `after`,
         whether there is one)."""
+        self._see_writes()
         found = self.db.execute(
             "SELECT row FROM metrics WHERE job = ? ORDER BY step, kind DESC LIMIT ? OFFSET ?", (job, limit + 1, after)
         ).fetchall()
@@ -241,14 +330,14 @@ class Store:
         return rows, after + min(limit, len(found)), len(found) > limit
 
     def add_sample(self, job: str, generation: int, row: SampleRow) -> None:
-        self._write()
-        self.db.execute(
+        self._write(
             "INSERT INTO samples VALUES (?, ?, ?, ?) ON CONFLICT (job, step) DO UPDATE SET "
             "generation = excluded.generation, row = excluded.row WHERE excluded.generation >= samples.generation",
             (job, row.step, generation, _json(row.to_wire())),
         )
 
     def samples(self, job: str, after: int, limit: int) -> tuple[list[SampleRow], int, bool]:
+        self._see_writes()
         found = self.db.execute(
             "SELECT row FROM samples WHERE job = ? ORDER BY step LIMIT ? OFFSET ?", (job, limit + 1, after)
         ).fetchall()
@@ -256,11 +345,11 @@ class Store:
         return rows, after + min(limit, len(found)), len(found) > limit
 
     def add_event(self, job: str | None, t: float, kind: str, fields: dict[str, Any]) -> None:
-        self._write()
-        self.db.execute("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
+        self._write("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
 
     def events(self, job: JobRef, after: int, limit: int) -> tuple[list[EventRow], int]:
         """The job's events and the pool's events during its life (node.joined, node.lost)."""
+        self._see_writes()
         end = job.finished_at if job.finished_at is not None else float("inf")
         rows = self.db.execute(
             "SELECT seq, job, t, kind, fields FROM events WHERE seq > ? AND "
@@ -275,13 +364,14 @@ class Store:
         return out, cursor
 
     def add_logs(self, job: str, t: float, rank: int, generation: int, lines: list[str]) -> None:
-        self._write()
-        self.db.executemany(
-            "INSERT INTO logs (job, t, rank, generation, text) VALUES (?, ?, ?, ?, ?)",
+        self._write(
+            LOGS_INSERT + "(job, t, rank, generation, text) VALUES (?, ?, ?, ?, ?)",
             [(job, t, rank, generation, line) for line in lines],
+            many=True,
         )
 
     def logs(self, job: str, after: int, rank: int | None, limit: int) -> tuple[list[LogLine], int]:
+        self._see_writes()
         if rank is None:
             rows = self.db.execute(
                 "SELECT seq, t, rank, generation, text FROM logs WHERE job = ? AND seq > ? ORDER BY seq LIMIT ?", (job, after, limit)
