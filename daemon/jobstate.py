@@ -131,6 +131,14 @@ class NodeLost:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeBack:
+    """A node declared lost came back under the same dpd process: it was alive all along (a slow or
+    cut link, a machine that paused), not broken."""
+
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
 class Stalled:
     """No step progress within the deadline; `ranks` (with their nodes) reported least recently."""
 
@@ -187,7 +195,7 @@ class Tick:
 
 
 Event = (
-    Admitted | StartAborted | GroupLaunched | RankUp | StepDone | RankExited | NodeLost | Stalled | Reshape | Requeue
+    Admitted | StartAborted | GroupLaunched | RankUp | StepDone | RankExited | NodeLost | NodeBack | Stalled | Reshape | Requeue
     | Restored | CancelRequested | Tick
 )
 
@@ -250,6 +258,7 @@ class JobMachine:
     from_step: int | None = None  # the current generation's resume step (rank 0's hello)
     interrupted_at: float | None = None  # when the failure or change that led here was seen
     cause: Cause | None = None
+    lost_to: set[str] = field(default_factory=set)  # nodes whose loss used a restart (refunded if they come back)
 
     @property
     def terminal(self) -> bool:
@@ -402,7 +411,22 @@ class JobMachine:
         # STARTING|RUNNING|RECOVERING (checkpointing, restarting) -> RECOVERING: a node with ranks
         # of this generation stopped heartbeating; their peers will hang or fail.
         emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": e.node, "reason": "heartbeat"}) for r in gone]
-        return self._fail(now, emits, [e.node], f"node {e.node} (ranks {', '.join(map(str, gone))}) stopped heartbeating")
+        used = self.restarts
+        actions = self._fail(now, emits, [e.node], f"node {e.node} (ranks {', '.join(map(str, gone))}) stopped heartbeating")
+        if self.restarts > used:
+            self.lost_to.add(e.node)
+        return actions
+
+    def _node_back(self, e: NodeBack, now: float) -> list[Action]:
+        if e.node not in self.lost_to or self.terminal:
+            return []
+        # A node that was alive after all: its loss was a membership change, not a failure; the
+        # restart it used is given back (the group had to restart all the same: its ring broke).
+        self.lost_to.discard(e.node)
+        self.restarts -= 1
+        if self.cause is Cause.FAILURE:
+            self.cause = Cause.MEMBERSHIP
+        return [Emit("node.returned", {"node": e.node, "restarts": self.restarts})]
 
     def _stalled(self, e: Stalled, now: float) -> list[Action]:
         if not (self.state is JobState.RUNNING or self.phase is Phase.CHECKPOINTING) or not self.live:
@@ -522,6 +546,7 @@ _HANDLERS: dict[type, Callable[[JobMachine, Any, float], list[Action]]] = {
     StepDone: JobMachine._step_done,
     RankExited: JobMachine._rank_exited,
     NodeLost: JobMachine._node_lost,
+    NodeBack: JobMachine._node_back,
     Stalled: JobMachine._stalled,
     Reshape: JobMachine._reshape,
     Requeue: JobMachine._requeue,

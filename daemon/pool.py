@@ -164,10 +164,12 @@ class Pool:
         rejoin = old is not None and old.incarnation == msg.incarnation
         if rejoin:
             assert old is not None
-            node = old
+            node, returned = old, old.lost
             node.lost, node.last_seen, node.info = False, now, msg.info
             if node.hold is None:
                 node.reason = None
+            if returned:
+                actions += self._returned(now, node)
         else:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
@@ -190,6 +192,20 @@ class Pool:
             actions += self._adopt(now, node, w)
         kind = "node.rejoined" if rejoin else "node.joined"
         return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
+
+    def _returned(self, now: float, node: Node) -> list[Action]:
+        """A node declared lost is back under the same dpd process: it was alive. What its missing
+        heartbeats were blamed for is taken back, and each job whose restart it caused gets the
+        restart back (`NodeBack`)."""
+        node.fail_streak, node.lost_blames = max(0, node.fail_streak - node.lost_blames), 0
+        actions: list[Action] = []
+        if node.hold is Hold.SET_ASIDE and node.fail_streak < SET_ASIDE_AFTER:
+            # Set aside for failures that were not its own: it takes work again.
+            node.hold, node.reason = None, None
+            actions += [Record(None, "node.undrained", now, {"node": node.name, "was": "set aside for missed heartbeats"}), NodeChanged(node.name)]
+        for job in list(self.live.values()):
+            actions += self._feed(job, js.NodeBack(node.name), now)
+        return actions
 
     def _ranks_gone_with_old_daemon(self, now: float, node: Node, running: list[RunningWorker]) -> list[Action]:
         """A new dpd process under this name: ranks the plan put here that it does not run died
@@ -347,7 +363,7 @@ class Pool:
         """`dpctl undrain NODE`: take work again (also what lifts a node set aside)."""
         node = self.nodes[name]
         was = node.reason if node.hold is not None else None
-        node.hold, node.fail_streak, node.reason, node.drained_reported = None, 0, None, False
+        node.hold, node.fail_streak, node.lost_blames, node.reason, node.drained_reported = None, 0, 0, None, False
         self.remembered.pop(name, None)
         return [Record(None, "node.undrained", now, {"node": name, "was": was}), NodeChanged(name)]
 
@@ -542,7 +558,7 @@ class Pool:
         if job is not None and run is not None and run.exit_code is None:
             run.exit_code = e.code
             if node is not None and e.code in (0, js.EXIT_STOPPED):
-                node.fail_streak = 0  # a worker that ended well: the node is fine
+                node.fail_streak = node.lost_blames = 0  # a worker that ended well: the node is fine
             actions += self._feed(job, js.RankExited(e.generation, e.rank, node_name, e.code, e.stopped, e.error), now)
         if node is not None:
             actions += self._drained(now, node)
@@ -682,6 +698,9 @@ class Pool:
                 out += self._stop(job, action)
             elif isinstance(action, js.Blame):
                 out += self._blame(now, action.node)
+                lost = self.nodes.get(action.node)
+                if isinstance(event, js.NodeLost) and lost is not None:
+                    lost.lost_blames += 1
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
         if job.machine.terminal:

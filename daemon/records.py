@@ -89,6 +89,7 @@ class Node:
     hold: Hold | None = None  # drained or set aside: takes no new work until `undrain`
     drained_reported: bool = False  # node.drained was recorded for the current drain
     fail_streak: int = 0  # workers failed here in a row (reset by one that ends well)
+    lost_blames: int = 0  # of those, failures for its missing heartbeats (taken back if it returns alive)
     reason: str | None = None  # shown in `dpctl nodes`: why it is lost, drained or set aside
     used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
     holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step

@@ -321,6 +321,31 @@ def test_a_lost_node_restarts_its_job_without_it() -> None:
     assert [(s.node, s.msg.generation) for s in sends(out, m.GroupPrepare)] == [("a", 2)]  # type: ignore[attr-defined]
 
 
+def test_a_lost_node_that_was_alive_gets_its_blame_and_the_jobs_restart_back() -> None:
+    """b's link stalled past the heartbeat expiry (Wi-Fi, a paused machine): lost, the job restarts
+    without it. Then b's same dpd process reports again: it was alive, so the loss was a membership
+    change: the restart is given back and b is not blamed."""
+    pool = running_pool(("a", "b"))
+    pool.seen(4.3, "a")
+    pool.tick(4.4)  # b last heard at 1.4
+    job, b = pool.jobs["j"], pool.nodes["b"]
+    assert b.lost and job.machine.restarts == 1 and b.fail_streak == 1
+    refusal, out = pool.registered(4.6, "b", "inc-b", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [])
+    assert refusal is None and not b.lost
+    assert job.machine.restarts == 0 and b.fail_streak == 0 and b.lost_blames == 0
+    assert records(out, "node.returned") == [{"node": "b", "restarts": 0}]
+
+
+def test_a_node_set_aside_for_missed_heartbeats_alone_takes_work_again_when_it_returns() -> None:
+    pool = running_pool(("a", "b"))
+    pool.nodes["b"].fail_streak = 2  # two workers failed there before
+    pool.seen(4.3, "a")
+    pool.tick(4.4)
+    assert pool.nodes["b"].hold is not None  # the third failure in a row: set aside
+    pool.registered(4.6, "b", "inc-b", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [])
+    assert pool.nodes["b"].fail_streak == 2 and pool.nodes["b"].hold is None
+
+
 def test_an_unanswered_prepare_requeues_and_frees_the_slots() -> None:
     pool = Driven(prepare_timeout_s=5.0)
     join(pool, "a", 1)
