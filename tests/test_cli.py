@@ -71,7 +71,8 @@ def ctl_json(ctl: Ctl, *args: str) -> Any:
 
 
 def env_without_pool(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DPOOL_COORDINATOR", "DPOOL_KEYS", "NO_COLOR")}
+    unset = ("DPOOL_COORDINATOR", "DPOOL_KEYS", "NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "TMUX")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     return {**env, **extra}
 
 
@@ -167,10 +168,11 @@ def test_times_come_from_events_and_the_eta_from_the_running_groups_pace() -> No
 
 @pytest.mark.parametrize("no_color", [False, True])
 def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color(monkeypatch: pytest.MonkeyPatch, no_color: bool) -> None:
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLORTERM", "NO_COLOR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")  # a terminal with colors (CI may say TERM=dumb)
     if no_color:
         monkeypatch.setenv("NO_COLOR", "1")
-    else:
-        monkeypatch.delenv("NO_COLOR", raising=False)
     out = io.StringIO()
     screen = Screen(out, time.time(), tty=True)
     worker = WorkerStatus(rank=0, node="node-0", share=16, tokens_per_s=5000.0)
