@@ -195,7 +195,9 @@ def test_status_without_a_coordinator_exits_3_within_its_timeout() -> None:
 
 def test_duplicate_name_and_insecure_bind_are_refused(local_pool: LocalPool, tmp_path: Path) -> None:
     pool = local_pool.start(1)
-    dup = pool.start_daemon("n0")  # joins under the serving daemon's name
+    # Joins under the serving daemon's name, from a state dir of its own (one in use is refused
+    # before it could ask: test_faults.py).
+    dup = pool.start_daemon("n0", args=("--state-dir", str(tmp_path / "state-dup")))
     assert dup.proc.wait(timeout=30) == 1
     assert "node name 'n0' is already in the pool" in dup.log.read_text()
     assert pool.daemons["n0"].proc.poll() is None
