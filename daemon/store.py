@@ -87,7 +87,7 @@ def _read(convert: Callable[[Any], Any], text: str) -> Any:
 class Store:
     def __init__(self, path: str | Path, clock: Callable[[], float] = time.monotonic) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(path), isolation_level="DEFERRED", timeout=BUSY_TIMEOUT_S)
+        self.db = sqlite3.connect(str(path), isolation_level="DEFERRED")  # SQLite's 5 s wait while it opens
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
@@ -100,6 +100,7 @@ class Store:
             self.db.execute("UPDATE nodes SET hold = ? WHERE reason = 'drained'", (Hold.DRAINED.value,))
             self.db.execute("UPDATE nodes SET hold = ? WHERE reason LIKE 'set aside:%'", (Hold.SET_ASIDE.value,))
         self.db.commit()
+        self.db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")  # then never a stalled loop
         self.clock = clock
         self._pending: list[tuple[str, Sequence[Any], bool]] = []  # (sql, parameters, executemany) not yet committed
         self._rows = 0  # rows in _pending

@@ -174,7 +174,7 @@ def _move_into_place(tmp: Path, final: Path) -> None:
         os.rename(old, final)
         raise
     _fsync_dir(final.parent)
-    _remove(old)
+    shutil.rmtree(old, ignore_errors=True)  # the new copy is in place: what is left, clean_partial takes
 
 
 def _remove(folder: Path) -> None:
