@@ -120,10 +120,7 @@ class Store:
             self._apply()
             self.db.commit()
         except sqlite3.Error:
-            self._rollback()
-            self._failures += 1
-            self._retry_at = self.clock() + min(RETRY_MAX_S, RETRY_S * 2 ** (self._failures - 1))
-            self._bound()
+            self._failed()
             raise
         if self._failures:
             self.log.info("store.commit_recovered", failed_commits=self._failures, rows=self._rows, dropped=self.dropped)
@@ -170,7 +167,14 @@ class Store:
             try:
                 self._apply()
             except sqlite3.Error:
-                self._rollback()
+                self._failed()
+
+    def _failed(self) -> None:
+        """The database took none of it: start over at the next try, after a pause."""
+        self._rollback()
+        self._failures += 1
+        self._retry_at = self.clock() + min(RETRY_MAX_S, RETRY_S * 2 ** (self._failures - 1))
+        self._bound()
 
     def _rollback(self) -> None:
         with contextlib.suppress(sqlite3.Error):
