@@ -49,6 +49,7 @@ from dpool.daemon.children import (
     trainer_env,
 )
 from dpool.daemon.exporter import Exporter, ExportError
+from dpool.daemon.power import SleepGuard
 from dpool.daemon.sysinfo import node_info
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
@@ -115,8 +116,10 @@ class Agent:
         stop_grace_s: float = 10.0,
         rejoin_round_s: float = 60.0,
         keys: ClientKeys | None = None,
+        awake: SleepGuard | None = None,
     ) -> None:
         self.keys = keys  # CURVE to the coordinator when given
+        self.awake = awake or SleepGuard.for_this_machine()  # no idle sleep while a trainer runs (macOS)
         self.ctx, self.name, self.join = ctx, name, join
         self.state_dir = Path(state_dir)
         self.slots, self.advertise = slots, advertise
@@ -154,6 +157,7 @@ class Agent:
             code = await self._control_loop(stopping)
         finally:
             await self._stop_all("dpd stopping")
+            self.awake.close()
             for t in list(self.export_tasks):
                 t.cancel()  # kills an export's trainer
             if self.export_tasks:
@@ -488,6 +492,7 @@ class Agent:
             return
         w = Worker(job=msg.job, generation=msg.generation, rank=rank, slot=slot, run_dir=run_dir, proc=proc)
         self.workers[slot] = w
+        self.awake.update(len(self.workers))  # the first trainer: the Mac stays awake from now
         w.tasks.append(asyncio.create_task(self._watch(w)))
         self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
         self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid)
@@ -505,6 +510,7 @@ class Agent:
         self._flush(w)
         if self.workers.get(w.slot) is w:
             del self.workers[w.slot]
+        self.awake.update(len(self.workers))  # the last trainer: it may sleep again
         for t in w.tasks[1:]:
             t.cancel()  # the SIGKILL timer, if any
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
