@@ -252,8 +252,9 @@ def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
         job = n.job
         if job and n.ranks:
             job = f"{job}/{','.join(str(r) for r in n.ranks)}"
-        rows.append([n.name, n.address, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), n.reason])
-    print(table(["NAME", "ADDRESS", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "REASON"], rows))
+        rows.append([n.name, n.address, n.interface, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), n.reason])
+    # ADDRESS and INTERFACE: where the ring reaches the node, and over which link (bridge0: Thunderbolt)
+    print(table(["NAME", "ADDRESS", "INTERFACE", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "REASON"], rows))
     return EXIT_OK
 
 

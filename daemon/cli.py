@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
+from dpool.daemon import netif
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -193,11 +194,17 @@ def settings(args: argparse.Namespace) -> Settings:
     level = str(pick("log_level", "info"))
     if level not in ("debug", "info", "warning", "error"):
         raise UsageError(f"--log-level {level!r}: must be one of debug, info, warning, error")
+    advertise = pick("advertise", None)
+    if advertise:
+        try:
+            advertise = netif.resolve(advertise)  # an interface name (bridge0) becomes its IPv4 address
+        except netif.AdvertiseError as e:
+            raise UsageError(str(e)) from None
     return Settings(
         join=join,
         serve=serve,
         name=name,
-        advertise=pick("advertise", None) or _advertise_for(join or serve),
+        advertise=advertise or _advertise_for(join or serve),
         workers=workers,
         state_dir=Path(pick("state_dir", None) or default_state_dir()).expanduser().absolute(),
         insecure=insecure,
@@ -309,6 +316,16 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def say_ring_link(log: Any, advertise: str) -> None:
+    """A Thunderbolt bridge carries the ring's gradients many times faster than Wi-Fi: say at
+    start-up whether the ring uses the one this machine has, and how to choose it if not."""
+    ifaces = netif.ipv4_addresses()
+    said = netif.advice(advertise, ifaces, netif.thunderbolt_bridge(list(ifaces)))
+    if said is not None:
+        event, fields = said
+        (log.info if event == "ring.thunderbolt" else log.warning)(event, **fields)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpd", description="dpool node daemon")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -317,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--join", help="the coordinator to join (default: the one this daemon serves, else config, else $DPOOL_COORDINATOR)")
     run.add_argument("--serve", nargs="?", const=DEFAULT_SERVE, help=f"also host the coordinator (default address {DEFAULT_SERVE})")
     run.add_argument("--name", help="node name, unique in the pool (default: the host name)")
-    run.add_argument("--advertise", help="the IP MLX collectives use to reach this node")
+    run.add_argument("--advertise", help="the IP MLX collectives use to reach this node, or an interface whose IPv4 address it is (bridge0: the Thunderbolt bridge)")
     run.add_argument("--workers", type=int, help="worker slots this node offers (default 1)")
     run.add_argument("--state-dir", dest="state_dir", help=f"daemon state: run dirs, checkpoints, the coordinator's database (default {default_state_dir()})")
     run.add_argument("--insecure", action="store_true", default=None, help="allow a non-loopback control plane without CURVE keys")
@@ -357,7 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(s.log_level)
     else:
         configure_logging(s.log_level, json=True, stream=Quiet(sys.stderr.buffer))  # a full disk under stderr must not stop dpd
-    get_logger(node=s.name).info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, state_dir=str(s.state_dir))
+    log = get_logger(node=s.name)
+    log.info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, interface=netif.interface_of(s.advertise), state_dir=str(s.state_dir))
+    say_ring_link(log, s.advertise)
     try:
         return asyncio.run(serve_and_run(s))
     finally:

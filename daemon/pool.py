@@ -113,6 +113,7 @@ class Pool:
             ranks=sorted(on),
             heartbeat_age_s=round(max(0.0, now - n.last_seen), 3),
             reason=n.reason,
+            interface=i.interface or None,
         )
 
     def _ranks_by_node(self, only: str | None = None) -> dict[str, list[int]]:

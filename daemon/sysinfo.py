@@ -9,6 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
+from dpool.daemon.netif import interface_of
+
 
 def _chip() -> str:
     if sys.platform == "darwin":
@@ -62,4 +64,5 @@ def node_info(*, slots: int, advertise: str) -> dict[str, Any]:
         "advertise": advertise,
         "slots": slots,
         "pid": os.getpid(),
+        "interface": interface_of(advertise) or "",  # which link the ring uses: Thunderbolt, Ethernet, Wi-Fi
     }

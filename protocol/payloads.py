@@ -82,6 +82,7 @@ class NodeInfo(Record):
     python: Name = ""
     advertise: Annotated[str, Str(255)] = ""  # the IP MLX collectives use to reach the node
     pid: Pid = 0
+    interface: Annotated[str, Str(64)] = ""  # the network interface that holds `advertise` ("": not known)
 
 
 @record
@@ -257,6 +258,7 @@ class NodeRow(Record):
     ranks: Annotated[list[Rank], Items(MAX_WORLD)]
     heartbeat_age_s: Annotated[float, Float(0.0)]
     reason: Text | None
+    interface: Annotated[str, Str(64)] | None = None  # the node's interface that holds `address` (null: not known)
 
 
 @record
