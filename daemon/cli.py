@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import fcntl
+import importlib.metadata
 import ipaddress
 import os
 import signal
@@ -328,6 +329,7 @@ def say_ring_link(log: Any, advertise: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dpd", description="dpool node daemon")
+    parser.add_argument("--version", action="version", version=f"dpd {importlib.metadata.version('dpool')}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the daemon in the foreground")
     run.add_argument("--config", help=f"TOML file with the same keys as the flags (default {DEFAULT_CONFIG} if it exists)")
@@ -349,11 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     install.add_argument("--target", choices=["launchd", "systemd"], help="the service manager (default: this machine's)")
     uninstall = sub.add_parser("uninstall", help="stop and remove the OS service")
     uninstall.add_argument("--target", choices=["launchd", "systemd"], help="the service manager (default: this machine's)")
+    status = sub.add_parser("status", help="the installed service: loaded, running, its pid, its coordinator, its node as the coordinator sees it")
+    status.add_argument("--keys", help="a key directory with a client pair to ask the coordinator with (default: the service's, else dpctl's)")
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds the coordinator has to answer (default 3)")
+    status.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    logs = sub.add_parser("logs", help="the installed service's log (its --log-file, ~/Library/Logs/dpool/dpd.log, or the journal)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("-n", "--lines", type=int, default=100, help="the last lines to show (default 100)")
+    sub.add_parser("restart", help="stop the installed service (SIGTERM: trainers checkpoint and stop) and start it again")
     args = parser.parse_args(argv)
-    if args.command in ("install", "uninstall"):
+    if args.command in ("install", "uninstall", "status", "logs", "restart"):
         from dpool.daemon import service
 
-        return service.main(args, run._actions)
+        return service.main(args, run)
     try:
         s = settings(args)
     except UsageError as e:

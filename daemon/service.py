@@ -1,8 +1,10 @@
-"""`dpd install` / `dpd uninstall`: dpd as an OS service, a LaunchAgent on macOS, a systemd unit on Linux.
+"""`dpd install`, `uninstall`, `status`, `logs` and `restart`: dpd as an OS service, a LaunchAgent
+on macOS, a systemd unit on Linux, managed as `brew services` manages its own.
 
 Rendering is pure (inputs -> text; the templates are `launchd/` and `systemd/`, shipped as package
-data), and every command goes through an injectable runner, so tests check the files and the
-command lines without touching launchd, systemd or the user's home.
+data), and every command goes through an injectable runner (`logs`, which streams, through an
+injectable `execute`), so tests check the files, the command lines and how their output is read
+without touching launchd, systemd or the user's home.
 
 - macOS: `~/Library/LaunchAgents/org.dpool.dpd.plist`, logs in `~/Library/Logs/dpool/dpd.log`;
   loaded with `launchctl bootout gui/$UID/org.dpool.dpd` (a "not loaded" failure is fine), then
@@ -12,6 +14,15 @@ command lines without touching launchd, systemd or the user's home.
   StateDirectory=, the full hardening); as anyone else: a user unit
   `~/.config/systemd/user/dpd.service` under `systemctl --user` (state in ~/.local/state/dpool; it
   runs while the user is logged in, or always after `loginctl enable-linger USER`).
+
+`status` reads the service's own command line back from its file (so it asks the coordinator that
+service joins, with its keys), asks the manager whether it is loaded and running (`launchctl print`,
+`systemctl show`), and asks the coordinator for the node's row (`nodes`, the request `dpctl nodes`
+makes). `logs` shows the service's log where it is: the file its `--log-file` names, else
+~/Library/Logs/dpool/dpd.log under launchd, the journal under systemd. `restart` stops dpd with
+SIGTERM (its trainers checkpoint and stop, as at any stop) and starts it again: `systemctl restart`;
+under launchd `launchctl kill SIGTERM`, a wait for the exit (its plist's ExitTimeOut at most), then
+`launchctl kickstart` (`kickstart -k` would SIGKILL it), or `bootstrap` when it is not loaded.
 """
 
 from __future__ import annotations
@@ -19,26 +30,56 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import plistlib
 import re
+import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from string import Template
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 from xml.sax.saxutils import escape
+
+if TYPE_CHECKING:
+    from dpool.daemon.cli import Settings
+    from dpool.protocol.payloads import NodeRow
+    from dpool.protocol.security import ClientKeys
 
 LABEL = "org.dpool.dpd"
 UNIT = "dpd.service"
 SYSTEM_STATE_DIR = Path("/var/lib/dpool")  # StateDirectory=dpool
 PATH_FLAGS = ("config", "state_dir", "keys")  # made absolute: a service does not start in the user's cwd
 
+STATUS_TIMEOUT_S = 3.0  # `dpd status`: how long the coordinator has to answer
+LOG_LINES = 100  # `dpd logs`: the last lines shown (and followed from, with -f)
+STOP_POLL_S = 0.2  # `dpd restart` under launchd: how often it looks whether dpd has exited
+
 Runner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
+Execute = Callable[[Sequence[str]], int]  # a command whose output goes to the terminal (logs -f)
 
 
 def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    try:
+        return subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    except OSError as e:  # launchctl/systemctl not on this machine
+        return subprocess.CompletedProcess(list(argv), 127, "", f"{argv[0]}: {e.strerror or e}")
+
+
+def execute_command(argv: Sequence[str]) -> int:
+    """Run a command on this terminal; its exit code (0 when the user ends a follow with Ctrl-C)."""
+    sys.stdout.flush()
+    try:
+        return subprocess.call(list(argv))
+    except FileNotFoundError:
+        print(f"dpd: {argv[0]}: not found on this machine", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,36 +214,98 @@ def stop_timeout(stop_grace_s: float) -> int:
     return int(stop_grace_s) + 60
 
 
+# -- the installed service: where it is, what it runs, what its manager says -------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """The service of this host: its file, and how its manager names and reaches it."""
+
+    host: Host
+
+    @property
+    def launchd(self) -> bool:
+        return self.host.platform == "darwin"
+
+    @property
+    def path(self) -> Path:
+        if self.launchd:
+            return self.host.home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+        return self.host.system_units / UNIT if self.host.system_unit else self.host.home / ".config" / "systemd" / "user" / UNIT
+
+    @property
+    def kind(self) -> str:
+        return "LaunchAgent" if self.launchd else "systemd system unit" if self.host.system_unit else "systemd user unit"
+
+    @property
+    def domain(self) -> str:
+        return f"gui/{self.host.uid}"
+
+    @property
+    def target(self) -> str:
+        return f"{self.domain}/{LABEL}"
+
+    @property
+    def systemctl(self) -> list[str]:
+        return ["systemctl"] if self.host.system_unit else ["systemctl", "--user"]
+
+    @property
+    def journalctl(self) -> list[str]:
+        return ["journalctl"] if self.host.system_unit else ["journalctl", "--user"]
+
+    @property
+    def log_file(self) -> Path:
+        """Where launchd writes the LaunchAgent's stdout and stderr."""
+        return self.host.home / "Library" / "Logs" / "dpool" / "dpd.log"
+
+    def argv(self) -> list[str]:
+        """The command line the service runs, read back from its file ([] when it cannot be read)."""
+        try:
+            if self.launchd:
+                args = plistlib.loads(self.path.read_bytes()).get("ProgramArguments", [])
+                return [str(a) for a in args] if isinstance(args, list) else []
+            for line in self.path.read_text().splitlines():
+                if line.startswith("ExecStart="):
+                    return [unquote_systemd(word) for word in shlex.split(line[len("ExecStart="):])]
+        except (OSError, ValueError, plistlib.InvalidFileException):
+            pass
+        return []
+
+    def exit_timeout(self) -> float:
+        """How long launchd waits after SIGTERM (the plist's ExitTimeOut) before SIGKILL."""
+        try:
+            return float(plistlib.loads(self.path.read_bytes()).get("ExitTimeOut", 20))
+        except (OSError, ValueError, plistlib.InvalidFileException):
+            return 20.0
+
+
 # -- plans ---------------------------------------------------------------------------------------
 
 
 def plan(host: Host, argv: list[str], *, state_dir: Path, stop_grace_s: float) -> Plan:
-    if host.platform == "darwin":
-        path = host.home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
-        log_file = host.home / "Library" / "Logs" / "dpool" / "dpd.log"
+    where = Installed(host)
+    if where.launchd:
         env = {
             "PATH": f"{Path(host.python).parent}:/usr/bin:/bin:/usr/sbin:/sbin",
             "PYTHONUNBUFFERED": "1",
         }
-        text = render_plist(argv, log_file=log_file, working_directory=state_dir, env=env, exit_timeout=stop_timeout(stop_grace_s))
-        domain = f"gui/{host.uid}"
+        text = render_plist(argv, log_file=where.log_file, working_directory=state_dir, env=env, exit_timeout=stop_timeout(stop_grace_s))
         return Plan(
-            path=path,
+            path=where.path,
             text=text,
-            install=[["launchctl", "bootout", f"{domain}/{LABEL}"], ["launchctl", "bootstrap", domain, str(path)]],
-            uninstall=[["launchctl", "bootout", f"{domain}/{LABEL}"]],
+            install=[["launchctl", "bootout", where.target], ["launchctl", "bootstrap", where.domain, str(where.path)]],
+            uninstall=[["launchctl", "bootout", where.target]],
             ignore_failure=frozenset({0}),  # not loaded yet
-            notes=(f"logs: {log_file}", f"status: launchctl print {domain}/{LABEL}"),
+            notes=("status: dpd status", f"logs: dpd logs -f ({where.log_file})"),
         )
     system = host.system_unit
-    systemctl = ["systemctl"] if system else ["systemctl", "--user"]
-    path = host.system_units / UNIT if system else host.home / ".config" / "systemd" / "user" / UNIT
+    systemctl = where.systemctl
     text = render_unit(argv, system=system, state_dir=state_dir, working_directory=Path("/") if system else host.home, timeout_stop_s=stop_timeout(stop_grace_s))
-    notes = [f"logs: journalctl {'' if system else '--user '}-u dpd -f", f"status: {' '.join(systemctl)} status dpd"]
+    notes = ["status: dpd status", f"logs: dpd logs -f (journalctl {'' if system else '--user '}-u dpd)"]
     if not system:
         notes.append("to keep it running after logout and start it at boot: loginctl enable-linger $USER")
     return Plan(
-        path=path,
+        path=where.path,
         text=text,
         # restart, not start: a second `dpd install` with other flags must take effect
         install=[[*systemctl, "daemon-reload"], [*systemctl, "enable", UNIT], [*systemctl, "restart", UNIT]],
@@ -255,15 +358,280 @@ def print_plan(p: Plan, out: Callable[[str], None] = print) -> None:
         out("#   " + " ".join(cmd))
 
 
-# -- dpd install / uninstall ---------------------------------------------------------------------
+# -- what the installed service runs, and what its manager says ---------------------------------
 
 
-def main(args: argparse.Namespace, run_actions: Sequence[argparse.Action], host: Host | None = None, run: Runner | None = None) -> int:
+def unquote_systemd(word: str) -> str:
+    """One ExecStart= word as `systemd_quote` wrote it, after shlex took the quotes off."""
+    return word.replace("%%", "%").replace("$$", "$")
+
+
+def run_flags(argv: Sequence[str]) -> list[str] | None:
+    """The `dpd run` flags of a service's command line (`PYTHON -m dpool.daemon.cli run FLAGS`)."""
+    for i in range(len(argv) - 1):
+        if argv[i] == "dpool.daemon.cli" and argv[i + 1] == "run":
+            return list(argv[i + 2:])
+    return None
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith(name + "="):
+            return flag[len(name) + 1:]
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceState:
+    """What the service manager says about the service."""
+
+    loaded: bool
+    running: bool
+    pid: int | None
+    state: str  # the manager's own words: "running", "active (running)", "inactive (dead)", ...
+    enabled: str | None = None  # systemd's UnitFileState: enabled, disabled, ...
+    last_exit: str | None = None
+    error: str | None = None  # the manager could not be asked
+
+
+def launchctl_fields(text: str) -> dict[str, str]:
+    """The top-level `key = value` lines of `launchctl print SERVICE` (nested blocks skipped)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\t([a-z][a-z ]*?) = (.*)", line)
+        if m and not m.group(2).endswith("{"):
+            out.setdefault(m.group(1), m.group(2).strip())
+    return out
+
+
+def systemctl_fields(text: str) -> dict[str, str]:
+    """`systemctl show -p A -p B UNIT`'s `Key=Value` lines."""
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+SYSTEMCTL_PROPERTIES = ("LoadState", "ActiveState", "SubState", "MainPID", "UnitFileState", "ExecMainStatus")
+
+
+def query(where: Installed, run: Runner) -> ServiceState:
+    if where.launchd:
+        r = run(["launchctl", "print", where.target])
+        if r.returncode != 0:
+            said = (r.stderr or r.stdout).strip()
+            if "could not find" in said.lower() or r.returncode == 113:
+                return ServiceState(loaded=False, running=False, pid=None, state="not loaded")
+            return ServiceState(loaded=False, running=False, pid=None, state="unknown", error=f"`launchctl print {where.target}` failed (exit {r.returncode}): {said}")
+        f = launchctl_fields(r.stdout)
+        pid = int(f["pid"]) if f.get("pid", "").isdigit() else None
+        state = f.get("state", "unknown")
+        return ServiceState(loaded=True, running=state == "running" and pid is not None, pid=pid, state=state, last_exit=f.get("last exit code") or f.get("last terminating signal"))
+    cmd = [*where.systemctl, "show", *(f"--property={p}" for p in SYSTEMCTL_PROPERTIES), UNIT]
+    r = run(cmd)
+    if r.returncode != 0:
+        return ServiceState(loaded=False, running=False, pid=None, state="unknown", error=f"`{' '.join(cmd)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}")
+    f = systemctl_fields(r.stdout)
+    pid = int(f["MainPID"]) if f.get("MainPID", "0").isdigit() and f.get("MainPID", "0") != "0" else None
+    active, sub = f.get("ActiveState", "unknown"), f.get("SubState", "")
+    return ServiceState(
+        loaded=f.get("LoadState") == "loaded",
+        running=active in ("active", "reloading", "deactivating") and pid is not None,
+        pid=pid,
+        state=f"{active} ({sub})" if sub else active,
+        enabled=f.get("UnitFileState") or None,
+        last_exit=f.get("ExecMainStatus") or None,
+    )
+
+
+# -- the node as its coordinator sees it -----------------------------------------------------------
+
+
+def connect_address(addr: str) -> str:
+    """Where to reach a coordinator bound at `addr`: a wildcard bind (`tcp://*:7340`,
+    `tcp://0.0.0.0:7340`, `tcp://[::]:7340`) is reached on loopback."""
+    parts = urlsplit(addr)
+    if parts.scheme != "tcp":
+        return addr
+    host, _, port = parts.netloc.rpartition(":")
+    wildcard = {"*": "127.0.0.1", "0.0.0.0": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}
+    return urlunsplit(parts._replace(netloc=f"{wildcard.get(host, host)}:{port}")) if host in wildcard else addr
+
+
+def status_keys(keys_flag: str | None, s: Settings) -> ClientKeys | None:
+    """The client pair `dpd status` asks with: `--keys DIR`'s, else the one in the service's key
+    directory (the serving machine holds the pool's full directory), else dpctl's ($DPOOL_KEYS,
+    `keys` in the config file). A node's own pair may not send `nodes` (protocol/README.md, Roles).
+    None for a pool without keys; raises KeysError when it has keys and none of these is a client
+    pair."""
+    from dpool.client.keys import load_client_keys
+    from dpool.daemon.cli import DEFAULT_CONFIG
+    from dpool.protocol.security import KeysError, client_keys, secret_file
+
+    if keys_flag:
+        return client_keys(Path(keys_flag).expanduser().absolute(), "client")
+    if s.keys is None:
+        return None
+    service_dir = Path(s.keys.source).parent  # the node's pair lies in the key directory itself
+    if secret_file(service_dir, "client").exists():
+        return client_keys(service_dir, "client")
+    theirs = load_client_keys(None, DEFAULT_CONFIG)
+    if theirs is None:
+        raise KeysError(f"the service's keys ({service_dir}) hold no client pair, and a node's own pair may not ask for the pool's nodes; pass --keys DIR with dpctl's pair")
+    return theirs
+
+
+def ask_coordinator(s: Settings, keys_flag: str | None, timeout_s: float) -> tuple[str, NodeRow | None, str | None, int]:
+    """(the coordinator's address, the node's row or None, why not, the exit code that goes with it)."""
+    from dpool.client.rpc import Client, RemoteError, Unreachable
+    from dpool.protocol import messages as m
+    from dpool.protocol.security import KeysError
+
+    addr = s.join or connect_address(s.serve or "")
+    try:
+        keys = status_keys(keys_flag, s)
+    except KeysError as e:
+        return addr, None, f"--keys: {e}", 2
+    try:
+        with Client(addr, timeout_s, keys) as c:
+            nodes = c.call(m.Nodes(), m.NodesReply).nodes
+    except Unreachable as e:
+        return addr, None, str(e), 3
+    except RemoteError as e:
+        return addr, None, f"the coordinator refused `nodes`: {e.message}", 1
+    row = next((n for n in nodes if n.name == s.name), None)
+    if row is None:
+        return addr, None, f"the coordinator does not know node {s.name!r} (not registered yet, or refused: see `dpd logs`)", 1
+    return addr, row, None, 0 if row.state != "lost" else 1
+
+
+def node_line(row: NodeRow) -> str:
+    where = f"{row.address} ({row.interface})" if row.interface else row.address
+    job = f", job {row.job}" + (f" ranks {','.join(map(str, row.ranks))}" if row.ranks else "") if row.job else ""
+    reason = f" ({row.reason})" if row.reason else ""
+    return f"{row.name}: {row.state}{reason}, slots {row.busy_slots}/{row.slots}{job}, ring address {where}, heartbeat {row.heartbeat_age_s:.1f}s ago"
+
+
+def status(where: Installed, run: Runner, parse: Callable[[list[str]], Settings], *, keys_flag: str | None = None, timeout_s: float = STATUS_TIMEOUT_S, json: bool = False, out: Callable[[str], None] = print) -> int:
+    """Exit 0 when the service runs and its node is in the pool (not lost); 1 when it is not
+    installed, not running, or not (or no longer) in the pool; 2 when its flags or keys are
+    refused; 3 when its coordinator does not answer."""
+    from dpool.daemon.cli import UsageError
+
+    doc: dict[str, Any] = {"manager": "launchd" if where.launchd else "systemd", "kind": where.kind, "path": str(where.path), "installed": where.path.exists()}
+    lines = [("service", f"{where.kind} {where.path}" + ("" if doc["installed"] else " (not installed: `dpd install ...` writes it)"))]
+    code = 1
+    if doc["installed"]:
+        st = query(where, run)
+        doc |= {"loaded": st.loaded, "running": st.running, "pid": st.pid, "state": st.state, "enabled": st.enabled, "last_exit": st.last_exit}
+        if st.error:
+            lines.append(("loaded", f"unknown: {st.error}"))
+        else:
+            lines.append(("loaded", ("yes" if st.loaded else "no") + (f" ({st.enabled})" if st.enabled else "")))
+        lines.append(("running", (f"yes, pid {st.pid}" if st.running else "no") + f" ({st.state}" + (f", last exit {st.last_exit}" if st.last_exit and not st.running else "") + ")"))
+        flags = run_flags(where.argv())
+        doc |= {"coordinator": None, "node": None, "error": None}
+        if flags is None:
+            doc["error"] = f"{where.path}: no `dpd run` command line in it"
+            lines.append(("coordinator", f"unknown: {doc['error']}"))
+            code = 2
+        else:
+            try:
+                s = parse(flags)
+            except UsageError as e:
+                s, doc["error"], code = None, f"the service's flags are refused: {e}", 2
+                lines.append(("coordinator", f"unknown: {doc['error']}"))
+            if s is not None:
+                addr, row, why, asked = ask_coordinator(s, keys_flag, timeout_s)
+                doc |= {"coordinator": addr, "node": row.to_wire() if row else None, "error": why}
+                lines.append(("coordinator", addr))
+                lines.append(("node", node_line(row) if row else f"{s.name}: {why}"))
+                code = asked if st.running or asked == 2 else 1  # not running: 1, whatever the pool says
+    if json:
+        import orjson
+
+        out(orjson.dumps(doc).decode())
+    else:
+        width = max(len(k) for k, _ in lines) + 2
+        for key, value in lines:
+            out(f"{key.ljust(width)}{value}")
+    return code
+
+
+# -- dpd logs / dpd restart ------------------------------------------------------------------------
+
+
+def logs_command(where: Installed, *, lines: int, follow: bool) -> list[str]:
+    """What shows the service's log: its `--log-file` when it has one (dpd writes there, rotated,
+    and the manager's capture of stderr holds almost nothing), else the LaunchAgent's log file or
+    the unit's journal."""
+    log_file = flag_value(run_flags(where.argv()) or [], "--log-file")
+    if log_file is None and where.launchd:
+        log_file = str(where.log_file)
+    if log_file is not None:
+        return ["tail", "-n", str(lines), *(["-F"] if follow else []), log_file]  # -F: across rotations
+    return [*where.journalctl, "--unit", UNIT, "--lines", str(lines), "--no-pager", *(["--follow"] if follow else [])]
+
+
+def logs(where: Installed, execute: Execute, *, lines: int = LOG_LINES, follow: bool = False) -> int:
+    if not where.path.exists():
+        print(f"dpd: not installed ({where.path} does not exist)", file=sys.stderr)
+        return 1
+    cmd = logs_command(where, lines=lines, follow=follow)
+    if cmd[0] == "tail" and not follow and not Path(cmd[-1]).exists():
+        print(f"dpd: no log yet at {cmd[-1]}", file=sys.stderr)
+        return 1
+    return execute(cmd)
+
+
+def restart(where: Installed, run: Runner, *, out: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> int:
+    if not where.path.exists():
+        out(f"dpd: not installed ({where.path} does not exist); `dpd install ...` writes and starts it")
+        return 1
+    if where.launchd:
+        cmds = launchd_restart(where, run, sleep)
+    else:
+        cmds = [[*where.systemctl, "restart", UNIT]]
+    for cmd in cmds:
+        r = run(cmd)
+        if r.returncode != 0:
+            out(f"dpd: `{' '.join(cmd)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}")
+            return 1
+    after = query(where, run)
+    out(f"restarted dpd ({where.kind})" + (f": pid {after.pid}" if after.running else f": {after.state}"))
+    return 0
+
+
+def launchd_restart(where: Installed, run: Runner, sleep: Callable[[float], None]) -> list[list[str]]:
+    """Stop a loaded agent with SIGTERM and wait for its exit; what is left to run to start it."""
+    before = query(where, run)
+    if not before.loaded:
+        return [["launchctl", "bootstrap", where.domain, str(where.path)]]  # RunAtLoad starts it
+    if before.running:
+        run(["launchctl", "kill", "SIGTERM", where.target])
+        deadline = time.monotonic() + where.exit_timeout()
+        while query(where, run).running:
+            if time.monotonic() > deadline:  # launchd would SIGKILL it now too
+                return [["launchctl", "kickstart", "-k", where.target]]
+            sleep(STOP_POLL_S)
+    return [["launchctl", "kickstart", where.target]]
+
+
+# -- dpd install / uninstall / status / logs / restart ---------------------------------------------
+
+
+def main(args: argparse.Namespace, run_parser: argparse.ArgumentParser, host: Host | None = None, run: Runner | None = None, execute: Execute | None = None) -> int:
     from dpool.daemon.cli import UsageError, settings
 
-    host, run = host or Host.current(), run or run_command
-    if args.target:
+    host, run, execute = host or Host.current(), run or run_command, execute or execute_command
+    if getattr(args, "target", None):
         host = dataclasses.replace(host, platform="darwin" if args.target == "launchd" else "linux")
+    where = Installed(host)
+    if args.command == "status":
+        return status(where, run, lambda flags: settings(parse_run_flags(run_parser, flags)), keys_flag=args.keys, timeout_s=args.timeout, json=args.json)
+    if args.command == "logs":
+        return logs(where, execute, lines=args.lines, follow=args.follow)
+    if args.command == "restart":
+        return restart(where, run)
     if args.command == "uninstall":
         return uninstall(plan(host, [], state_dir=state_dir_for(host, argparse.Namespace(state_dir=None)), stop_grace_s=0), run)
     try:
@@ -272,12 +640,25 @@ def main(args: argparse.Namespace, run_actions: Sequence[argparse.Action], host:
         print(f"dpd: {e}", file=sys.stderr)
         return 2
     state_dir = state_dir_for(host, args)
-    argv = service_argv(host, flags_from(args, run_actions, host), state_dir)
+    argv = service_argv(host, flags_from(args, run_parser._actions, host), state_dir)
     p = plan(host, argv, state_dir=state_dir, stop_grace_s=s.stop_grace)
     if args.print:
         print_plan(p)
         return 0
     dirs = [state_dir] if state_dir != SYSTEM_STATE_DIR else []  # systemd makes its StateDirectory
     if host.platform == "darwin":
-        dirs.append(host.home / "Library" / "Logs" / "dpool")
+        dirs.append(where.log_file.parent)
     return install(p, run, make_dirs=dirs)
+
+
+def parse_run_flags(run_parser: argparse.ArgumentParser, flags: list[str]) -> argparse.Namespace:
+    """The service's `dpd run` flags as `dpd run` reads them (UsageError, not an exit, when not)."""
+    from dpool.daemon.cli import UsageError
+
+    try:
+        args, rest = run_parser.parse_known_args(flags)
+    except SystemExit:
+        raise UsageError(f"`dpd run` does not take {' '.join(flags)}") from None
+    if rest:
+        raise UsageError(f"`dpd run` does not take {' '.join(rest)}")
+    return args

@@ -8,6 +8,8 @@ socket and a real `dpd run`.
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import plistlib
 import shutil
@@ -20,21 +22,28 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from conftest import LocalPool, Processes
+from conftest import LocalPool, Processes, free_port, wait_for
 
 from dpool.client.keys import init_keys
 from dpool.daemon import cli, sdnotify, service
 
 
 class Recorder:
-    """Stands in for launchctl/systemctl: records each command, fails the ones asked to."""
+    """Stands in for launchctl/systemctl: records each command, fails the ones asked to, and
+    answers the ones given `replies` (a word of the command -> (exit code, stdout or stderr) in
+    turn, the last one again once the others are used)."""
 
     def __init__(self, fail: dict[str, int] | None = None) -> None:
         self.calls: list[list[str]] = []
         self.fail = fail or {}
+        self.replies: dict[str, list[tuple[int, str]]] = {}
 
     def __call__(self, argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
         self.calls.append(list(argv))
+        for word, replies in self.replies.items():
+            if word in argv:
+                code, text = replies.pop(0) if len(replies) > 1 else replies[0]
+                return subprocess.CompletedProcess(list(argv), code, text if code == 0 else "", "" if code == 0 else text)
         code = next((c for word, c in self.fail.items() if word in argv), 0)
         return subprocess.CompletedProcess(list(argv), code, "", "Boot-out failed: 3: No such process" if code else "")
 
@@ -98,6 +107,7 @@ def test_install_writes_and_loads_a_launch_agent(fake, tmp_path: Path, monkeypat
     assert flags["--config"] == str(fake.config)
     assert flags["--state-dir"] == str(fake.home / "Library" / "Application Support" / "dpool")
     assert plist["RunAtLoad"] is True
+    assert plist["ProcessType"] == "Interactive"  # unset: launchd throttles the CPU and I/O of dpd's trainers
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
     assert isinstance(plist["ThrottleInterval"], int) and plist["ThrottleInterval"] >= 10
     log_dir = fake.home / "Library" / "Logs" / "dpool"
@@ -264,3 +274,248 @@ def test_dpd_says_ready_once_registered_and_stopping_on_sigterm(processes: Proce
         os.kill(p.pid, signal.SIGTERM)
         assert r.recv(4096).decode().splitlines()[0] == "STOPPING=1"
         assert p.wait(timeout=30) == 0
+
+
+# -- dpd status / logs / restart / --version ------------------------------------------------------
+
+# `launchctl print gui/501/org.dpool.dpd` of a running agent (macOS 14; blocks trimmed)
+LAUNCHCTL_RUNNING = """gui/501/org.dpool.dpd = {
+\tactive count = 1
+\tpath = /Users/me/Library/LaunchAgents/org.dpool.dpd.plist
+\ttype = LaunchAgent
+\tstate = running
+
+\tprogram = /opt/homebrew/bin/python3
+\targuments = {
+\t\t/opt/homebrew/bin/python3
+\t\t-m
+\t\tdpool.daemon.cli
+\t\trun
+\t}
+
+\tdefault environment = {
+\t\tPATH => /usr/bin:/bin:/usr/sbin:/sbin
+\t}
+
+\tdomain = gui/501 [100005]
+\tminimum runtime = 10
+\texit timeout = 70
+\truns = 1
+\tpid = 4242
+\timmediate reason = speculative
+\tlast exit code = (never exited)
+
+\tspawn type = interactive (4)
+}
+"""
+LAUNCHCTL_STOPPED = LAUNCHCTL_RUNNING.replace("\tstate = running", "\tstate = not running").replace("\tpid = 4242\n", "").replace("(never exited)", "0")
+LAUNCHCTL_NOT_LOADED = (113, 'Could not find service "org.dpool.dpd" in domain for port')
+SYSTEMCTL_SHOW = "LoadState=loaded\nActiveState=active\nSubState=running\nMainPID=4343\nUnitFileState=enabled\nExecMainStatus=0\n"
+SHOW = ["show", *(f"--property={p}" for p in service.SYSTEMCTL_PROPERTIES), "dpd.service"]
+
+
+def fields(out: str) -> dict[str, str]:
+    """`dpd status`'s `key   value` lines."""
+    return dict(line.split(None, 1) for line in out.splitlines() if line.strip())
+
+
+def test_status_of_a_running_agent_asks_launchctl_and_its_coordinator(fake, processes: Processes, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin", uid=501)
+    pool = LocalPool(processes, tmp_path / "pool")
+    assert cli.main(["install", "--config", str(fake.config), "--join", pool.addr, "--name", "n0"]) == 0
+    pool.start_daemon("n0", serve=True)  # the dpd that launchd would run, with the service's name and coordinator
+    pool.wait_registered(1)
+    fake.recorder.calls.clear()
+    fake.recorder.replies = {"print": [(0, LAUNCHCTL_RUNNING)]}
+    capsys.readouterr()
+
+    assert cli.main(["status"]) == 0
+    got = fields(capsys.readouterr().out)
+    assert fake.recorder.calls == [["launchctl", "print", "gui/501/org.dpool.dpd"]]
+    assert got["service"] == f"LaunchAgent {fake.home}/Library/LaunchAgents/org.dpool.dpd.plist"
+    assert got["loaded"] == "yes" and got["running"] == "yes, pid 4242 (running)"
+    assert got["coordinator"] == pool.addr  # read back from the plist's --join
+    assert got["node"].startswith("n0: idle, slots 0/1, ring address 127.0.0.1 (lo")
+
+    assert cli.main(["status", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["manager"], doc["installed"], doc["loaded"], doc["running"], doc["pid"]) == ("launchd", True, True, True, 4242)
+    assert doc["node"]["name"] == "n0" and doc["node"]["state"] == "idle" and doc["error"] is None
+
+
+def test_status_asks_with_the_services_client_pair_or_says_why_it_cannot(fake, processes: Processes, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin", uid=501)
+    monkeypatch.setattr(cli, "DEFAULT_CONFIG", fake.home / "config.toml")  # not this machine's own dpool config
+    keys = tmp_path / "keys"
+    init_keys(keys, nodes=["n0"])
+    pool = LocalPool(processes, tmp_path / "pool")
+    pool.start_daemon("n0", serve=True, args=["--keys", str(keys)])
+    fake.recorder.replies = {"print": [(0, LAUNCHCTL_RUNNING)]}
+    assert cli.main(["install", "--config", str(fake.config), "--join", pool.addr, "--name", "n0", "--keys", str(keys)]) == 0
+    capsys.readouterr()
+    # the serving machine's full key directory holds dpctl's pair: the coordinator answers it
+    wait_for("n0 registered, as `dpd status` sees it", lambda: pool.check_alive() or cli.main(["status"]) == 0, timeout=60)
+    assert fields(capsys.readouterr().out)["node"].startswith("n0: idle")
+
+    # a node's bundle holds its own pair only, which may not ask for the pool's nodes
+    assert cli.main(["install", "--config", str(fake.config), "--join", pool.addr, "--name", "n0", "--keys", str(keys / "bundles" / "n0")]) == 0
+    capsys.readouterr()
+    assert cli.main(["status"]) == 2
+    assert "hold no client pair" in fields(capsys.readouterr().out)["node"]
+    assert cli.main(["status", "--keys", str(keys)]) == 0  # given one
+
+
+def test_status_of_a_user_unit_whose_coordinator_is_away(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=1000)
+    away = f"tcp://127.0.0.1:{free_port()}"
+    assert cli.main(["install", "--config", str(fake.config), "--join", away, "--name", "box"]) == 0
+    fake.recorder.calls.clear()
+    fake.recorder.replies = {"show": [(0, SYSTEMCTL_SHOW)]}
+    capsys.readouterr()
+    assert cli.main(["status", "--timeout", "0.3"]) == 3
+    got = fields(capsys.readouterr().out)
+    assert fake.recorder.calls == [["systemctl", "--user", *SHOW]]
+    assert got["service"] == f"systemd user unit {fake.home}/.config/systemd/user/dpd.service"
+    assert got["loaded"] == "yes (enabled)" and got["running"] == "yes, pid 4343 (active (running))"
+    assert got["coordinator"] == away and got["node"].startswith(f"box: no answer from the coordinator at {away} within 0.3s")
+
+
+def test_status_of_a_stopped_unloaded_or_missing_service(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=0)
+    assert cli.main(["status"]) == 1  # nothing installed: said, and no systemctl asked
+    assert "(not installed: `dpd install ...` writes it)" in capsys.readouterr().out and fake.recorder.calls == []
+    assert cli.main(["install", "--config", str(fake.config), "--serve", f"tcp://0.0.0.0:{free_port()}", "--insecure"]) == 0
+    fake.recorder.calls.clear()
+    fake.recorder.replies = {"show": [(0, "LoadState=loaded\nActiveState=failed\nSubState=failed\nMainPID=0\nUnitFileState=enabled\nExecMainStatus=1\n")]}
+    capsys.readouterr()
+    assert cli.main(["status", "--timeout", "0.2"]) == 1
+    got = fields(capsys.readouterr().out)
+    assert fake.recorder.calls == [["systemctl", *SHOW]]  # a system unit: no --user
+    assert got["running"] == "no (failed (failed), last exit 1)"
+    assert got["coordinator"].startswith("tcp://127.0.0.1:")  # its wildcard bind, reached on loopback
+
+    fake.recorder.replies = {"show": [(1, "Failed to connect to bus: No medium found")]}
+    assert cli.main(["status", "--timeout", "0.2"]) == 1
+    assert "Failed to connect to bus" in fields(capsys.readouterr().out)["loaded"]
+
+    fake("darwin")
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    fake.recorder.replies = {"print": [LAUNCHCTL_NOT_LOADED]}
+    capsys.readouterr()
+    assert cli.main(["status", "--timeout", "0.2"]) == 1
+    got = fields(capsys.readouterr().out)
+    assert got["loaded"] == "no" and got["running"] == "no (not loaded)"
+
+
+def test_logs_come_from_the_agents_log_file_the_journal_or_the_log_file_flag(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin")
+    assert cli.main(["logs"]) == 1  # not installed
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    log = fake.home / "Library" / "Logs" / "dpool" / "dpd.log"
+    log.write_text("".join(f'{{"event": "line {i}"}}\n' for i in range(5)))
+    capfd.readouterr()
+    assert cli.main(["logs", "-n", "2"]) == 0  # a real tail
+    assert capfd.readouterr().out == '{"event": "line 3"}\n{"event": "line 4"}\n'
+
+    executed: list[list[str]] = []
+    monkeypatch.setattr(service, "execute_command", lambda argv: executed.append(list(argv)) or 0)
+    assert cli.main(["logs", "-f"]) == 0
+    assert executed[-1] == ["tail", "-n", "100", "-F", str(log)]  # -F: it follows across a rotation
+    own = tmp_path / "own.log"
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--log-file", str(own)]) == 0
+    assert cli.main(["logs", "-f"]) == 0
+    assert executed[-1] == ["tail", "-n", "100", "-F", str(own)]
+
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    assert cli.main(["logs", "-f", "-n", "20"]) == 0
+    assert executed[-1] == ["journalctl", "--user", "--unit", "dpd.service", "--lines", "20", "--no-pager", "--follow"]
+    fake("linux", uid=0)
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    assert cli.main(["logs"]) == 0
+    assert executed[-1] == ["journalctl", "--unit", "dpd.service", "--lines", "100", "--no-pager"]
+
+
+def test_restart_stops_an_agent_with_sigterm_waits_and_kicks_it_off(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("darwin", uid=501)
+    assert cli.main(["restart"]) == 1  # not installed
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    fake.recorder.calls.clear()
+    # running; still running after the SIGTERM (its trainers checkpoint); gone; started again
+    fake.recorder.replies = {"print": [(0, LAUNCHCTL_RUNNING), (0, LAUNCHCTL_RUNNING), (0, LAUNCHCTL_STOPPED), (0, LAUNCHCTL_RUNNING.replace("4242", "4343"))]}
+    capsys.readouterr()
+    assert cli.main(["restart"]) == 0
+    target = "gui/501/org.dpool.dpd"
+    assert fake.recorder.calls == [
+        ["launchctl", "print", target],
+        ["launchctl", "kill", "SIGTERM", target],  # not `kickstart -k`: that is SIGKILL
+        ["launchctl", "print", target],
+        ["launchctl", "print", target],
+        ["launchctl", "kickstart", target],
+        ["launchctl", "print", target],
+    ]
+    assert capsys.readouterr().out.strip() == "restarted dpd (LaunchAgent): pid 4343"
+
+    fake.recorder.calls.clear()
+    fake.recorder.replies = {"print": [LAUNCHCTL_NOT_LOADED]}
+    fake.recorder.fail = {"bootstrap": 5}
+    assert cli.main(["restart"]) == 1  # not loaded: bootstrapped (RunAtLoad starts it), which failed here
+    plist = str(fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist")
+    assert fake.recorder.calls == [["launchctl", "print", target], ["launchctl", "bootstrap", "gui/501", plist]]
+    assert "launchctl bootstrap gui/501" in capsys.readouterr().out
+
+
+def test_restart_of_a_unit_is_systemctl_restart(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
+    fake.recorder.calls.clear()
+    fake.recorder.replies = {"show": [(0, SYSTEMCTL_SHOW)]}
+    capsys.readouterr()
+    assert cli.main(["restart"]) == 0
+    assert fake.recorder.calls == [["systemctl", "--user", "restart", "dpd.service"], ["systemctl", "--user", *SHOW]]
+    assert capsys.readouterr().out.strip() == "restarted dpd (systemd user unit): pid 4343"
+
+
+def test_a_service_file_is_read_back_as_it_was_written(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    host = fake("linux", uid=1000)
+    odd = ["--serve", "tcp://127.0.0.1:7340", "--name", "a%b$c", "--log-file", str(tmp_path / "log dir" / "dpd.log")]
+    p = service.plan(host, service.service_argv(host, odd, tmp_path / "state with space"), state_dir=tmp_path / "state with space", stop_grace_s=10)
+    service.install(p, service.run_command, out=lambda line: None)
+    flags = service.run_flags(service.Installed(host).argv())
+    assert flags == [*odd, "--state-dir", str(tmp_path / "state with space")]
+    assert service.flag_value(flags or [], "--log-file") == str(tmp_path / "log dir" / "dpd.log")
+    assert service.connect_address("tcp://*:7340") == "tcp://127.0.0.1:7340"
+    assert service.connect_address("tcp://[::]:7340") == "tcp://[::1]:7340"
+    assert service.connect_address("tcp://10.0.0.5:7340") == "tcp://10.0.0.5:7340"
+
+
+def user_systemd() -> bool:
+    if shutil.which("systemctl") is None:
+        return False
+    r = subprocess.run(["systemctl", "--user", "show-environment"], capture_output=True, text=True, timeout=30)
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(os.getuid() == 0 or not user_systemd(), reason="needs a systemd user manager (`systemctl --user`) and a user other than root")
+def test_status_of_an_installed_user_unit_under_real_systemd(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    unit = Path.home() / ".config" / "systemd" / "user" / "dpd.service"
+    if unit.exists():
+        pytest.skip(f"{unit} exists: this user's own dpd is left alone")
+    config = tmp_path / "dpd.toml"
+    config.write_text("")
+    port = free_port()
+    try:
+        assert cli.main(["install", "--config", str(config), "--serve", f"tcp://127.0.0.1:{port}", "--name", "unit-test", "--state-dir", str(tmp_path / "state")]) == 0
+        capsys.readouterr()
+        wait_for("the unit's dpd registered, as `dpd status` sees it", lambda: cli.main(["status"]) == 0, timeout=60)
+        got = fields(capsys.readouterr().out.split("\n\n")[-1])
+        assert got["running"].startswith("yes, pid ") and got["node"].startswith("unit-test: idle")
+        assert cli.main(["restart"]) == 0
+        assert "restarted dpd (systemd user unit): pid " in capsys.readouterr().out
+    finally:
+        cli.main(["uninstall"])
+
+
+def test_dpd_version() -> None:
+    r = subprocess.run([sys.executable, "-m", "dpool.daemon.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"dpd {importlib.metadata.version('dpool')}\n"
