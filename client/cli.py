@@ -194,13 +194,6 @@ def wanted_states(given: Iterable[str] | None) -> set[str] | None:
     return out
 
 
-def job_times(c: Client, job_id: str) -> JobTimes:
-    times = JobTimes()
-    for reply in pages(lambda after: c.call(m.Events(job=job_id, after=after), m.EventsReply)):
-        times.add(reply.events)
-    return times
-
-
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
     states = wanted_states(a.state)
     if states is not None and a.job:
@@ -208,7 +201,7 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
     jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs
     if states is not None:
         jobs = [j for j in jobs if j.state in states]
-    times = {j.id: job_times(c, j.id) for j in jobs}
+    times = {j.id: JobTimes.of(j) for j in jobs}
     now = time.time()
     if a.json:
         emit_json(status_object(jobs[0], times[jobs[0].id], now) if a.job else [status_object(j, times[j.id], now) for j in jobs])

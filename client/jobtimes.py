@@ -1,10 +1,9 @@
 """When a job was submitted, started and finished, how long it has run and how long it has left.
 
-The coordinator's status rows carry no times; its events do, in the coordinator's clock:
-`job.submitted`, the first `group.starting` (the first group launched), `job.succeeded|failed|
-cancelled`. The pace behind the ETA is wall-clock steps per second of the group that runs now
-(checkpoints and evaluations included), measured from its `checkpoint.saved` events and, in a
-live view, from the steps the view itself saw; a restart starts a new measurement.
+The coordinator's status rows carry the times and its ETA (the steps left at the running group's
+median step time). A live view also reads the job's events, in the coordinator's clock
+(`job.submitted`, the first `group.starting`, `job.succeeded|failed|cancelled`), and measures a
+pace of its own from the steps it sees, for a coordinator that gives no ETA yet (no step timed).
 """
 
 from __future__ import annotations
@@ -29,6 +28,21 @@ class JobTimes:
     started: float | None = None
     finished: float | None = None
     marks: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)  # (t, step) of the running group
+
+    eta: float | None = None  # the coordinator's, from the newest status row
+
+    @classmethod
+    def of(cls, s: JobStatus) -> JobTimes:
+        """The times a status row carries."""
+        return cls().seen(s)
+
+    def seen(self, s: JobStatus) -> JobTimes:
+        """Take what the coordinator's status row says."""
+        self.submitted = s.submitted if s.submitted is not None else self.submitted
+        self.started = s.started if s.started is not None else self.started
+        self.finished = s.finished if s.finished is not None else self.finished
+        self.eta = s.eta_s
+        return self
 
     def add(self, events: Iterable[EventRow]) -> JobTimes:
         for e in events:
@@ -63,6 +77,8 @@ class JobTimes:
         made progress that can be timed."""
         if s.state != "running" or self.finished is not None:
             return None
+        if self.eta is not None:
+            return self.eta
         points = list(self.marks)
         if not points or s.step > points[-1][1]:
             points.append((now, s.step))

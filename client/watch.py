@@ -143,7 +143,7 @@ class Watched:
             new += reply.events
             if not reply.more:
                 break
-        self.times.add(new)
+        self.times.add(new).seen(s)
         if s.state == "running":
             self.times.mark(time.time(), s.step)
         self.events = (self.events + new)[-200:]

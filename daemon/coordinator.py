@@ -324,11 +324,11 @@ class Coordinator:
             case m.Status(job=None):
                 live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
                 stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live}) if self.pool.forgotten else []
-                return m.StatusReply(jobs=[j.status() for j in live] + stored), []
+                return m.StatusReply(jobs=[j.status(now) for j in live] + stored), []
             case m.Status(job=ref):
                 ref_ = self._job(ref)
                 job = self.pool.jobs.get(ref_.id)
-                return m.StatusReply(jobs=[job.status()] if job else self.store.statuses(1, only=ref_.id)), []
+                return m.StatusReply(jobs=[job.status(now)] if job else self.store.statuses(1, only=ref_.id)), []
             case m.Nodes():
                 return m.NodesReply(nodes=self.pool.node_rows(now)), []
             case m.Metrics(job=ref, after=after, limit=limit):

@@ -194,8 +194,8 @@ class Job:
         m = self.machine
         return JobRef(id=self.id, name=self.name, state=m.state, submitted_at=self.submitted_at, finished_at=m.finished_at)
 
-    def status(self) -> JobStatus:
-        """The `dpctl status JOB --json` object (INTERFACE.md)."""
+    def status(self, now: float) -> JobStatus:
+        """The `dpctl status JOB --json` object (INTERFACE.md), as of `now` (the coordinator's clock)."""
         plan = self.plan
         workers = []
         if plan is not None and self.state not in js.TERMINAL:
@@ -223,4 +223,9 @@ class Job:
             loss=self.loss,
             val_loss=self.val_loss,
             error=self.machine.error,
+            submitted=self.submitted_at,
+            started=(started := self.machine.started_at),
+            finished=(finished := self.machine.finished_at),
+            elapsed_s=None if started is None else round(max(0.0, (finished if finished is not None else now) - started), 3),
+            eta_s=round(eta, 1) if self.state is JobState.RUNNING and self.watch and (eta := self.watch.eta(now)) is not None else None,
         )

@@ -286,20 +286,22 @@ class Store:
         self._see_writes()
         query = (
             "SELECT id, name, state, step, json_extract(spec, '$.train.steps'), generation, "
-            "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error FROM jobs "
+            "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error, submitted_at, started_at, finished_at FROM jobs "
         )
         if only is not None:
             rows = self.db.execute(query + "WHERE id = ?", (only,))
         else:
             rows = self.db.execute(query + "ORDER BY submitted_at DESC LIMIT ?", (limit + len(skip),))
         out = []
-        for jid, name, state, step, steps, gen, world, ckpt, loss, val_loss, error in rows:
+        for jid, name, state, step, steps, gen, world, ckpt, loss, val_loss, error, submitted, started, finished in rows:
             if jid in skip:
                 continue
             with contextlib.suppress(Invalid):  # a row an older version wrote in another shape
                 out.append(JobStatus.from_wire({
                     "id": jid, "name": name, "state": state, "step": step, "steps": steps, "generation": gen,
                     "world_size": world, "workers": [], "checkpoint_step": ckpt, "loss": loss, "val_loss": val_loss, "error": error,
+                    "submitted": submitted, "started": started, "finished": finished,
+                    "elapsed_s": round(max(0.0, finished - started), 3) if started is not None and finished is not None else None,
                 }))
         return out[:limit]
 

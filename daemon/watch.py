@@ -112,5 +112,12 @@ class StepWatch:
             base += STOP_MARGIN_S
         return base
 
+    def eta(self, now: float) -> float | None:
+        """Seconds until the last step at the recent median step interval (None before one is
+        measured)."""
+        if self.last_step is None or not self.recent:
+            return None
+        return max(0.0, (self.steps - self.last_step) * statistics.median(self.recent) - (now - self.last_at))
+
     def deadline(self) -> float:
         return (self.started_at if self.last_step is None else self.last_at) + self.allowance()

@@ -237,6 +237,11 @@ class JobStatus(Record):
     loss: Number | None
     val_loss: Number | None
     error: Text | None
+    submitted: UnixTime | None = None
+    started: UnixTime | None = None  # its first group launched
+    finished: UnixTime | None = None
+    elapsed_s: Annotated[float, Float(0.0, 1e11)] | None = None  # from started to finished (or now)
+    eta_s: Annotated[float, Float(0.0, 1e11)] | None = None  # running: the steps left at its recent pace
 
 
 @record

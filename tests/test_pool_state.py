@@ -249,7 +249,7 @@ def test_admission_two_phase_start_and_success_free_the_slots() -> None:
         pool.worker_hello(2.0, node, "j-1", 1, rank, 100 + rank, 0)
     assert pool.jobs["j-1"].state is JobState.RUNNING
     pool.progress(2.5, "j-1", 1, 0, 7, 192, 0.1)
-    assert pool.jobs["j-1"].status().step == 7
+    assert pool.jobs["j-1"].status(2.5).step == 7
     pool.worker_exited(3.0, "a", "j-1", 1, 0, 0, 0, False)
     out = pool.worker_exited(3.0, "b", "j-1", 1, 1, 0, 0, False)
     assert pool.jobs["j-1"].state is JobState.SUCCEEDED
@@ -489,7 +489,7 @@ def test_a_killed_trainer_restarts_the_group_from_the_checkpoint() -> None:
     out = restart(pool, out, 3.0, resume=5)
     (resumed,) = records(out, "group.resumed")
     assert resumed == {"from_step": 5, "generation": 2, "seconds_since_failure": 3.0, "steps_recomputed": 2, "cause": "failure"}
-    assert job.machine.restarts == 1 and job.status().generation == 2
+    assert job.machine.restarts == 1 and job.status(3.0).generation == 2
 
 
 def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_time() -> None:
@@ -576,7 +576,7 @@ def test_the_trainers_own_rebalancing_is_recorded_and_seeds_the_next_plan() -> N
     row = TrainRow(kind="train", step=8, loss=3.0, lr=1e-3, tokens=6, tokens_per_s=3000.0, world_size=2, shares=[4, 2], rank_tokens_per_s=[2000.0, 1000.0])
     out = pool.metric(2.0, "j", 1, row)
     assert records(out, "rebalanced") == [{"generation": 1, "step": 8, "shares": [4, 2], "previous": [3, 3], "cause": "speed"}]
-    assert [w.share for w in pool.jobs["j"].status().workers] == [4, 2]
+    assert [w.share for w in pool.jobs["j"].status(2.0).workers] == [4, 2]
     assert records(pool.metric(2.1, "j", 1, dataclasses.replace(row, step=9)), "rebalanced") == [], "only changes are events"
     # A crash: the next generation starts from the measured split instead of an equal one.
     pool.worker_exited(3.0, "b", "j", 1, 1, 0, -9, False)
@@ -614,7 +614,7 @@ def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns(
     out = pool.worker_exited(4.1, "a", "j", 1, 0, 0, 1, False)
     job = pool.jobs["j"]
     assert job.state is JobState.QUEUED and records(out, "job.queued")
-    assert job.status().checkpoint_step == 5
+    assert job.status(2.0).checkpoint_step == 5
     _, out = pool.registered(5.0, "b", "inc-b2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
     assert job.state is JobState.RECOVERING  # admitted again: resuming, not a fresh start
     out = restart(pool, out, 6.0, resume=5)
