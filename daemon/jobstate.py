@@ -390,7 +390,11 @@ class JobMachine:
             # checkpointing; the group is broken, stop the rest now.
             return self._fail(now, [failed], [e.node], detail)
         if self.phase in (Phase.STOPPING, Phase.CHECKPOINTING):
-            return []  # the old group on its way out: peers of the failure, or our SIGTERM
+            if e.stopped or e.code == 1:
+                return []  # the old group on its way out: our SIGTERM, or a peer of the failure
+            # The failure itself, reported after its peers' "connection lost" exits started the
+            # restart: no second restart, but its node is blamed (a full disk, a crash there).
+            return [failed, Blame(e.node)]
         if e.stopped:
             # STARTING|RUNNING|RECOVERING (restarting) -> RECOVERING: its daemon stopped it (dpd
             # shutting down): the node leaves; a membership change, so no restart is used and no

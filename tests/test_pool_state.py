@@ -492,6 +492,20 @@ def test_a_killed_trainer_restarts_the_group_from_the_checkpoint() -> None:
     assert job.machine.restarts == 1 and job.status(3.0).generation == 2
 
 
+def test_the_failure_reported_after_its_peers_is_blamed_on_its_node_without_a_second_restart() -> None:
+    """c's checkpoint write failed (a full disk: exit 74), but a's "connection lost" (exit 1) reached
+    the pool first and started the restart: c's exit still counts against c, not as a restart."""
+    pool = running_pool()
+    pool.worker_exited(2.0, "a", "j", 1, 0, 0, 1, False)
+    job = pool.jobs["j"]
+    assert job.state is JobState.RECOVERING and job.machine.restarts == 1 and pool.nodes["a"].fail_streak == 0
+    out = pool.worker_exited(2.1, "c", "j", 1, 2, 0, 74, False, "checkpoint write failed: No space left on device")
+    assert records(out, "worker.failed") == [{"rank": 2, "node": "c", "reason": "exit", "code": 74, "error": "checkpoint write failed: No space left on device"}]
+    assert job.machine.restarts == 1 and pool.nodes["c"].fail_streak == 1
+    pool.worker_exited(2.1, "b", "j", 1, 1, 0, -15, True)  # stopped by its daemon: nobody's fault
+    assert pool.nodes["b"].fail_streak == 0
+
+
 def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_time() -> None:
     pool = running_pool()
     pool.worker_exited(2.0, "a", "j", 1, 0, 0, 1, False)  # b's dpd was killed: b says nothing
