@@ -17,9 +17,10 @@ from types import SimpleNamespace
 
 import psutil
 import pytest
+import structlog
 from conftest import LocalPool, Processes
 
-from dpool.daemon import netif
+from dpool.daemon import cli, netif
 
 IFACES = {"lo0": ["127.0.0.1"], "en0": ["192.168.1.20"], "bridge0": ["169.254.10.2"], "awdl0": []}
 
@@ -177,3 +178,14 @@ def test_start_up_says_which_link_the_ring_uses_and_suggests_the_bridge() -> Non
     assert "give bridge0 an IPv4 address" in fields["hint"] and "--advertise bridge0" in fields["hint"]
     assert netif.advice("192.168.1.20", IFACES, None) is None  # no bridge: nothing to say
     assert netif.advice("127.0.0.1", IFACES, "bridge0") is None  # a pool on one machine
+
+
+def test_dpd_says_it_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `dpd run` logs after `dpd.starting`, on a Mac whose bridge0 is not the ring's link."""
+    monkeypatch.setattr(netif, "ipv4_addresses", lambda: IFACES)
+    monkeypatch.setattr(netif, "thunderbolt_bridge", lambda names: "bridge0" if "bridge0" in names else None)
+    with structlog.testing.capture_logs() as logs:
+        cli.say_ring_link(structlog.get_logger(), "192.168.1.20")
+        cli.say_ring_link(structlog.get_logger(), "169.254.10.2")
+    assert [(e["event"], e["log_level"], e["interface"]) for e in logs] == [("ring.not_thunderbolt", "warning", "en0"), ("ring.thunderbolt", "info", "bridge0")]
+    assert logs[0]["hint"] == "restart dpd with --advertise bridge0 (169.254.10.2) to train over Thunderbolt"
