@@ -76,7 +76,12 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
     for name in ("n0", "n1", "n2"):
         assert list((tmp_path / f"state-{name}" / "jobs" / job_id).glob("slot-0/checkpoints/step-20/manifest.json"))
     status = pool.dpctl_json("status", job_id)
-    assert set(status) == {"id", "name", "state", "step", "steps", "generation", "world_size", "workers", "checkpoint_step", "loss", "val_loss", "error"}
+    assert set(status) == {
+        "id", "name", "state", "step", "steps", "generation", "world_size", "workers", "checkpoint_step", "loss", "val_loss", "error",
+        "submitted", "started", "finished", "elapsed_s", "eta_s",
+    }
+    assert status["submitted"] <= status["started"] <= status["finished"] and status["eta_s"] is None
+    assert status["elapsed_s"] == round(status["finished"] - status["started"], 3)
     kinds = [e["kind"] for e in pool.dpctl_json("events", job_id)]
     assert kinds.index("group.started") < kinds.index("checkpoint.saved") < kinds.index("job.succeeded")
     logs = pool.dpctl("logs", job_id, "--rank", "2")
