@@ -317,6 +317,22 @@ def cmd_cancel(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_rm(c: Client, a: argparse.Namespace) -> int:
+    """Remove a finished job: its records, and on every node its run dirs and checkpoints."""
+    reply = c.call(m.Rm(job=a.job), m.RmReply)
+    rows = reply.rows
+    if a.json:
+        emit_json({"id": reply.job_id, "state": reply.state, "rows": rows.to_wire(), "nodes": reply.nodes, "later": reply.later})
+        return EXIT_OK
+    counted = ", ".join(f"{n} {what}" for what, n in (("metrics", rows.metrics), ("samples", rows.samples), ("events", rows.events), ("log lines", rows.logs)))
+    print(f"removed job {reply.job_id} ({reply.state}): its records ({counted})")
+    if reply.nodes:
+        print(f"its run dirs and checkpoints are being deleted on {', '.join(reply.nodes)}")
+    if reply.later:
+        print(f"not connected now, they delete theirs when they join again: {', '.join(reply.later)}")
+    return EXIT_OK
+
+
 def cmd_drain(c: Client, a: argparse.Namespace) -> int:
     reply = c.call(m.Drain(node=a.node), m.DrainReply)
     if a.json:
@@ -536,6 +552,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("job")
     s.add_argument("--json", action="store_true", help='print {"id", "state"}')
     s.set_defaults(fn=cmd_cancel)
+
+    s = sub.add_parser("rm", help="remove a finished job: its records, and on every node its run dirs and checkpoints")
+    s.add_argument("job", help="a job id, unique id prefix or name (a job that has not finished: cancel it first)")
+    s.add_argument("--json", action="store_true", help='print {"id", "state", "rows", "nodes", "later"}')
+    s.set_defaults(fn=cmd_rm)
 
     s = sub.add_parser("drain", help="a node's workers checkpoint and leave (no step lost); it takes no new work")
     s.add_argument("node")

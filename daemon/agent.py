@@ -12,6 +12,10 @@ Faults of this machine are the rank's, never the daemon's: a job folder that can
 group start (a full disk) is reported as that rank's exit with the reason, and a `worker.log` that
 cannot be written only loses lines. A job id from the wire becomes a path only once it matches the
 job id pattern (`protocol/checkpoints.py`); any other is refused with a log line.
+
+`job.remove` (`dpctl rm`) deletes the job's folder, `STATE/jobs/JOB`, once no worker of that job
+runs here: renamed at once into `STATE/removed/` (then `node.removed` answers), deleted there in a
+thread; what a stopped daemon left there is deleted at its next start.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import contextlib
 import functools
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +149,7 @@ class Agent:
         self.export_prepares: dict[str, asyncio.Task[Any]] = {}  # export id -> its preparation
         self._rejected_log = Throttle(lines=5, every=1.0)  # bad frames: dropped, said at most 5 times a second
         self._refused_log = Throttle(lines=5, every=1.0)  # job ids refused as paths
+        self.removing: set[str] = set()  # removed jobs whose folder goes once their workers here have exited
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -151,6 +158,9 @@ class Agent:
         stale = self.exporter.clear_stale()
         if stale:
             self.log.info("export.stale_removed", count=stale)
+        left = self._removed_dir()
+        if left.is_dir():  # what a previous process was deleting when it stopped
+            shutil.rmtree(left, ignore_errors=True)
         wsock = self._bind_worker_socket()
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
         try:
@@ -324,7 +334,7 @@ class Agent:
             self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
 
     async def _on_coordinator(self, msg: Message, msg_id: int = 0) -> None:
-        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare)) and not valid_job_id(msg.job):
+        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare, m.JobRemove)) and not valid_job_id(msg.job):
             self._refuse_job_id(msg, msg_id)
             return
         match msg:
@@ -347,6 +357,8 @@ class Agent:
                 if isinstance(msg, m.ExportPrepare) and msg.export_id not in self.export_prepares:
                     self.export_prepares[msg.export_id] = task
                     task.add_done_callback(functools.partial(_forget, self.export_prepares, msg.export_id))
+            case m.JobRemove(job=job):
+                self._remove_job(job)
             case m.ExportRelease(export_id=export_id):
                 preparing = self.export_prepares.get(export_id)
                 if preparing is not None:
@@ -359,7 +371,7 @@ class Agent:
             case _:
                 self.log.warning("message.unexpected", type=str(msg.TYPE))
 
-    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare, msg_id: int) -> None:
+    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare | m.JobRemove, msg_id: int) -> None:
         """A job id that is not one (`..`, `/`, ...) never becomes a path: a log line, and the
         answer the message asks for (a refused prepare, the ranks' exits, an error)."""
         why = f"job id {msg.job[:80]!r} is not a job id"
@@ -375,7 +387,7 @@ class Agent:
             case m.ExportPrepare():
                 self._send(m.Error(code=str(ErrorCode.BAD_REQUEST), message=f"node {self.name}: {why}"), msg_id)
             case _:
-                pass  # group.stop: it names no worker of this node; nothing to answer
+                pass  # group.stop, job.remove: it names no worker or folder of this node; nothing to answer
 
     async def _export(self, msg: m.ExportPrepare | m.ExportFetch, msg_id: int) -> None:
         """Answer export.prepare or export.fetch, with the request's id."""
@@ -515,6 +527,8 @@ class Agent:
             t.cancel()  # the SIGKILL timer, if any
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
+        if w.job in self.removing:
+            self._remove_job(w.job)  # removed meanwhile: its folder goes once its last worker here is gone
 
     async def _read_output(self, w: Worker) -> None:
         """Relay the worker's output lines and keep them in its worker.log (rotated by size); a
@@ -580,6 +594,38 @@ class Agent:
             self._stop(w, "now", why)
         if workers:
             await asyncio.gather(*(w.tasks[0] for w in workers), return_exceptions=True)
+
+    # -- removed jobs --------------------------------------------------------------------------
+
+    def _removed_dir(self) -> Path:
+        return self.state_dir / "removed"
+
+    def _remove_job(self, job: str) -> None:
+        """Delete this node's folder of a removed job (its id checked before): never while a worker
+        of it runs here (then once the last one has exited). The folder is renamed out of `jobs/`
+        at once (so it is no longer a holding) and deleted in a thread; then `node.removed`."""
+        running = sorted(w.rank for w in self.workers.values() if w.job == job)
+        if running:
+            if job not in self.removing:
+                self.log.info("job.remove_waits", job=job, ranks=running)
+            self.removing.add(job)
+            return
+        self.removing.discard(job)
+        folder = self.state_dir / "jobs" / job
+        if folder.is_dir():
+            run_dirs, files, size = _contents(folder)
+            aside = self._removed_dir() / f"{job}-{secrets.token_hex(4)}"
+            try:
+                aside.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(folder, aside)
+            except OSError as e:  # asked again when it next registers
+                self.log.error("job.remove_failed", job=job, path=str(folder), error=str(e))
+                return
+            threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True).start()
+            self.log.info("job.removed", job=job, path=str(folder), run_dirs=run_dirs, files=files, bytes=size)
+        else:
+            self.log.info("job.removed", job=job, path=str(folder), run_dirs=[], files=0, bytes=0)
+        self._send(m.NodeRemoved(job=job))
 
     def _holdings(self) -> list[Holding]:
         out = []
@@ -659,6 +705,17 @@ class Agent:
 
 def _forget(tasks: dict[str, asyncio.Task[Any]], key: str, _done: asyncio.Task[Any]) -> None:
     tasks.pop(key, None)
+
+
+def _contents(folder: Path) -> tuple[list[str], int, int]:
+    """A job folder's run dirs (`slot-K`), and its files and bytes in all, for the log."""
+    files = size = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(root, name)).st_size
+                files += 1
+    return sorted(p.name for p in folder.glob("slot-*")), files, size
 
 
 def _write_file(path: Path, data: bytes) -> None:

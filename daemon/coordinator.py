@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from dpool.daemon import export_relay as xr
+from dpool.daemon import jobstate as js
 from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
 from dpool.daemon.records import JobRef
@@ -354,6 +355,8 @@ class Coordinator:
                     return m.CancelReply(job_id=found.id, state=str(found.state)), []
                 actions = self.pool.cancel(now, job)
                 return m.CancelReply(job_id=job.id, state=str(job.state)), actions
+            case m.Rm(job=ref):
+                return self._rm(ref, now)
             case m.Drain(node=name) | m.Undrain(node=name):
                 if name not in self.pool.nodes:
                     known = ", ".join(sorted(self.pool.nodes)) or "none"
@@ -410,6 +413,10 @@ class Coordinator:
             case m.NodeExportReady() | m.NodeExportData():
                 self._relay(self.exports.from_node(now, name, msg_id, msg))
                 return []
+            case m.NodeRemoved(job=job):
+                self.store.removed_on(job, name)  # a job it was not asked to remove: deletes nothing
+                self.log.info("job.removed_on_node", job=job, node=name)
+                return []
             case m.Error(code=code, message=text):
                 if msg_id:  # a node's answer to a relayed export request it could not serve
                     self._relay(self.exports.from_node(now, name, msg_id, msg))
@@ -448,7 +455,31 @@ class Coordinator:
             job_id = f"{spec.name}-{secrets.token_hex(3)}"
         return m.Submitted(job_id=job_id), self.pool.submit(now, job_id, spec)
 
+    def _rm(self, ref: str, now: float) -> tuple[Message, list[Any]]:
+        """`dpctl rm`: a finished job's rows go from the database and the pool forgets it; every
+        node connected now is told to delete its folder of the job, every other node the store
+        knows when it registers again (`removals`, until the node answers `node.removed`)."""
+        found = self._job(ref)
+        if found.id in self.pool.live or found.state not in js.TERMINAL:
+            raise ProtocolError(
+                ErrorCode.NOT_FINISHED,
+                f"job {found.id} is {found.state}: only a finished job (succeeded, failed, cancelled) can be removed; "
+                f"cancel it first (dpctl cancel {found.id})",
+            )
+        known = set(self.store.node_names()) | set(self.pool.nodes)
+        asked = sorted(n for n in known if self._alive(n))
+        later = sorted(known - set(asked))
+        rows = self.store.remove_job(found.id, now, sorted(known))
+        self.pool.remove(found.id)
+        self.log.info("job.removed", job=found.id, state=str(found.state), rows=rows.to_wire(), nodes=asked, later=later)
+        reply = m.RmReply(job_id=found.id, state=str(found.state), rows=rows, nodes=asked, later=later)
+        return reply, [Send(n, m.JobRemove(job=found.id)) for n in asked]
+
     def _register(self, peer: bytes, msg: m.NodeRegister, now: float, *, bound: bool = False) -> tuple[Message, list[Any]]:
+        removed = self.store.removals(msg.name)  # jobs removed while it was away: their checkpoints are not offered
+        if removed and msg.holdings:
+            gone = set(removed)
+            msg = dataclasses.replace(msg, holdings=[h for h in msg.holdings if h.job not in gone])
         known = self.pool.nodes.get(msg.name)
         restarted = known is not None and known.incarnation != msg.incarnation
         if restarted and bound and known is not None and not known.lost:
@@ -463,6 +494,7 @@ class Coordinator:
         self.peer_of[msg.name], self.node_of[peer] = peer, msg.name
         if restarted:
             self._relay(self.exports.node_restarted(now, msg.name))
+        actions += [Send(msg.name, m.JobRemove(job=job)) for job in removed]  # after the welcome, as every action
         return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness), actions
 
 

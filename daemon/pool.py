@@ -405,6 +405,18 @@ class Pool:
     def cancel(self, now: float, job: Job) -> list[Action]:
         return self._feed(job, js.CancelRequested(), now)
 
+    def remove(self, job_id: str) -> None:
+        """A finished job removed (`dpctl rm`): forgotten, and so are the checkpoints nodes held
+        of it (they are being deleted). Its late reports then change nothing, as a forgotten job's."""
+        assert job_id not in self.live, f"{job_id} has not finished"
+        if self.jobs.pop(job_id, None) is None:
+            self.forgotten = max(0, self.forgotten - 1)  # it was in the store only
+        elif job_id in self._finished:
+            self._finished.remove(job_id)
+        for node in self.nodes.values():
+            for key in [k for k in node.holdings if k[0] == job_id]:
+                del node.holdings[key]
+
     def _prepared(self, now: float, node: Node, msg: m.NodePrepared) -> list[Action]:
         job = self.live.get(msg.job)
         pend = job.pending if job else None

@@ -1,5 +1,7 @@
 """The coordinator's SQLite database (`<state>/coordinator.sqlite3`): nodes, jobs, metrics, events,
 samples and worker logs, so a restarted coordinator carries on and finished jobs stay queryable.
+`dpctl rm` deletes a finished job's rows and leaves one row per node in `removals` (job, node):
+the node still has to delete its folder of the job; the row goes when the node says it did.
 
 Writes are batched: the coordinator's loop handles every message that is waiting, then commits once
 (WAL, synchronous=NORMAL: a crash loses at most the last batch, never corrupts the file).
@@ -29,7 +31,15 @@ from dpool.daemon.plan import GroupPlan, Slot
 from dpool.daemon.records import Hold, Job, JobRef
 from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import get_logger
-from dpool.protocol.payloads import EventRow, JobStatus, LogLine, MetricRow, NodeRow, SampleRow
+from dpool.protocol.payloads import (
+    EventRow,
+    JobStatus,
+    LogLine,
+    MetricRow,
+    NodeRow,
+    RemovedRows,
+    SampleRow,
+)
 from dpool.protocol.schema import Invalid, compile_type
 
 SCHEMA = """
@@ -61,7 +71,11 @@ CREATE TABLE IF NOT EXISTS logs (
     generation INTEGER NOT NULL, text TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS logs_job ON logs (job, seq);
+CREATE TABLE IF NOT EXISTS removals (
+    job TEXT NOT NULL, node TEXT NOT NULL, t REAL NOT NULL, PRIMARY KEY (node, job)
+);
 """
+JOB_TABLES = ("metrics", "samples", "events", "logs")  # a job's rows besides its own, each with a `job` column
 
 
 def _json(value: Any) -> str:
@@ -277,8 +291,40 @@ class Store:
         return JobRef(id=jid, name=name, state=JobState(state), submitted_at=submitted, finished_at=finished)
 
     def has_job(self, job_id: str) -> bool:
+        """Whether the id is taken: by a job, or by a removed job some node has still to delete
+        (a new job under that id would lose its folder there)."""
         self._see_writes()
-        return self.db.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is not None
+        taken = "SELECT 1 FROM jobs WHERE id = ? UNION ALL SELECT 1 FROM removals WHERE job = ? LIMIT 1"
+        return self.db.execute(taken, (job_id, job_id)).fetchone() is not None
+
+    def remove_job(self, job_id: str, t: float, nodes: Sequence[str]) -> RemovedRows:
+        """Delete the job's rows (the job, its metrics, samples, events and logs; the pool's own
+        events stay) and note that each of `nodes` has to delete its folder of the job. Returns
+        how many rows of each kind went."""
+        self._see_writes()
+        counts = {"jobs": self.db.execute("SELECT count(*) FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]}
+        for table in JOB_TABLES:
+            counts[table] = self.db.execute(f"SELECT count(*) FROM {table} WHERE job = ?", (job_id,)).fetchone()[0]
+        self._write("DELETE FROM jobs WHERE id = ?", (job_id,))
+        for table in JOB_TABLES:
+            self._write(f"DELETE FROM {table} WHERE job = ?", (job_id,))
+        if nodes:
+            self._write("INSERT OR REPLACE INTO removals (job, node, t) VALUES (?, ?, ?)", [(job_id, n, t) for n in nodes], many=True)
+        return RemovedRows(**counts)
+
+    def removals(self, node: str) -> list[str]:
+        """The removed jobs whose folder `node` has still to delete, oldest first."""
+        self._see_writes()
+        return [job for (job,) in self.db.execute("SELECT job FROM removals WHERE node = ? ORDER BY t, job", (node,))]
+
+    def removed_on(self, job_id: str, node: str) -> None:
+        """`node` deleted its folder of the removed job."""
+        self._write("DELETE FROM removals WHERE job = ? AND node = ?", (job_id, node))
+
+    def node_names(self) -> list[str]:
+        """Every node this database has known (a node is never deleted from it)."""
+        self._see_writes()
+        return [name for (name,) in self.db.execute("SELECT name FROM nodes ORDER BY name")]
 
     def statuses(self, limit: int, *, skip: frozenset[str] | set[str] = frozenset(), only: str | None = None) -> list[JobStatus]:
         """The newest `limit` stored jobs' status objects (newest first), but those in `skip`; or

@@ -54,6 +54,7 @@ from dpool.protocol.payloads import (
     Port,
     Rank,
     RankSlot,
+    RemovedRows,
     RunningWorker,
     SampleRow,
     Seconds,
@@ -131,6 +132,8 @@ class MsgType(enum.StrEnum):
     EXPORT_DATA = "export.data"
     EXPORT_CLOSE = "export.close"
     EXPORT_CLOSED = "export.closed"
+    RM = "rm"
+    RM_REPLY = "rm.reply"
     # dpd (node agent) -> coordinator
     NODE_REGISTER = "node.register"
     NODE_REGISTERED = "node.registered"  # coordinator's reply
@@ -147,6 +150,7 @@ class MsgType(enum.StrEnum):
     NODE_WORKER_EXITED = "node.worker_exited"
     NODE_EXPORT_READY = "node.export_ready"  # answers export.prepare
     NODE_EXPORT_DATA = "node.export_data"  # answers export.fetch
+    NODE_REMOVED = "node.removed"  # answers job.remove
     # coordinator -> dpd
     COORD_HEARTBEAT = "coord.heartbeat"
     GROUP_PREPARE = "group.prepare"
@@ -155,6 +159,7 @@ class MsgType(enum.StrEnum):
     EXPORT_PREPARE = "export.prepare"
     EXPORT_FETCH = "export.fetch"
     EXPORT_RELEASE = "export.release"
+    JOB_REMOVE = "job.remove"
     # trainer -> its dpd (over ipc), and the one message back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -179,6 +184,7 @@ class ErrorCode(enum.StrEnum):
     NOT_FOUND = "not_found"
     BAD_JOB = "bad_job"
     BAD_REQUEST = "bad_request"  # values out of range (a read past a file's end), or a trainer refusing an export
+    NOT_FINISHED = "not_finished"  # `rm` of a job that has not finished (cancel it first)
     EXPORT_FAILED = "export_failed"  # the export could not be made or delivered (trainer crash, timeout, node lost)
     INTERNAL = "internal"
 
@@ -597,6 +603,32 @@ class ExportClosed(Message):
     export_id: ExportId
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class Rm(Message):
+    """Remove a finished job: its rows in the coordinator's database and, on every node, its run
+    dirs and checkpoints. A job that has not finished is refused (`not_finished`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RM
+    job: JobRef
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class RmReply(Message):
+    """`rows`: what was deleted from the database; `nodes`: the nodes told to delete the job's
+    folder now; `later`: the nodes the coordinator knows that are not connected, told when they
+    register again."""
+
+    TYPE: ClassVar[MsgType] = MsgType.RM_REPLY
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    job_id: JobId
+    state: Name
+    rows: RemovedRows
+    nodes: Annotated[list[NodeName], Items(ROWS_MAX)]
+    later: Annotated[list[NodeName], Items(ROWS_MAX)]
+
+
 def export_name_problem(name: Any) -> str | None:
     """None when `name` is a safe relative file name inside an export folder, else what is wrong.
 
@@ -806,6 +838,15 @@ class NodeExportData(Message):
     data: Chunk
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class NodeRemoved(Message):
+    """Answers job.remove: the node's folder of the job is gone (or it never had one)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_REMOVED
+    job: JobId
+
+
 # -- coordinator -> dpd ------------------------------------------------------------------------
 
 
@@ -891,6 +932,16 @@ class ExportRelease(Message):
     export_id: ExportId
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class JobRemove(Message):
+    """Delete this node's folder of a removed job (`STATE/jobs/JOB`: its run dirs and checkpoints),
+    once no worker of it runs here; answered `node.removed` when it is gone."""
+
+    TYPE: ClassVar[MsgType] = MsgType.JOB_REMOVE
+    job: JobId
+
+
 # -- trainer <-> its dpd -----------------------------------------------------------------------
 
 
@@ -951,19 +1002,20 @@ class WorkerStop(Message):
 FROM_CLIENT = frozenset({
     MsgType.SUBMIT, MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES,
     MsgType.LOGS, MsgType.CANCEL, MsgType.DRAIN, MsgType.UNDRAIN, MsgType.EXPORT, MsgType.EXPORT_READ,
-    MsgType.EXPORT_CLOSE,
+    MsgType.EXPORT_CLOSE, MsgType.RM,
 })
 FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is not MsgType.NODE_REGISTERED)
 TO_NODE = frozenset({
     MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
-    MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.ERROR,
+    MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
+    MsgType.ERROR,
 })
 FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t is not MsgType.WORKER_STOP)
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}
 TO_CLIENT = frozenset({
     MsgType.SUBMITTED, MsgType.STATUS_REPLY, MsgType.NODES_REPLY, MsgType.METRICS_REPLY, MsgType.EVENTS_REPLY,
     MsgType.SAMPLES_REPLY, MsgType.LOGS_REPLY, MsgType.CANCEL_REPLY, MsgType.DRAIN_REPLY, MsgType.UNDRAIN_REPLY,
-    MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.ERROR,
+    MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.RM_REPLY, MsgType.ERROR,
 })
 TO_WORKER = frozenset({MsgType.WORKER_STOP})
 

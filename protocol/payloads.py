@@ -278,6 +278,18 @@ class LogLine(Record):
     text: Annotated[str, Str(LOG_LINE_MAX)]
 
 
+@record
+@dataclass(frozen=True, slots=True)
+class RemovedRows(Record):
+    """What `dpctl rm` deleted from the coordinator's database: the job's rows of each table."""
+
+    jobs: Count
+    metrics: Count
+    samples: Count
+    events: Count
+    logs: Count
+
+
 EventScalar: TypeAlias = Text | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | None
 EventValue: TypeAlias = EventScalar | Annotated[list[EventScalar], Items(MAX_WORLD)]
 

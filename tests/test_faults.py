@@ -412,14 +412,19 @@ def test_a_job_id_that_is_a_path_is_refused_by_the_daemon(processes: Processes, 
         error, error_id = coord.recv(m.Error)
         assert isinstance(error, m.Error) and error_id == 7 and "is not a job id" in error.message
         coord.send(m.GroupStop(job="..", generation=0))
+        decoy = tmp_path / "decoy-fedcba" / "keep.txt"  # where STATE/jobs/../../decoy-fedcba leads
+        decoy.parent.mkdir()
+        decoy.write_text("not the daemon's")
+        coord.send(m.JobRemove(job="../../decoy-fedcba"))
         # What it still does for a real job id shows that it read all of the above.
         coord.send(m.GroupPrepare(job="real-abcdef", generation=1, slots=[0]))
         ok, _ = coord.recv(m.NodePrepared)
         assert isinstance(ok, m.NodePrepared) and ok.error is None and len(ok.ports) == 1
+        assert decoy.read_text() == "not the daemon's"
         assert dpd.proc.poll() is None
         assert not (tmp_path / "escape-abcdef").exists() and not (tmp_path / "state-x" / "jobs").exists()
         assert not list(tmp_path.rglob("*abcdef*"))
-        wait_for("the refusals logged", lambda: dpd.log.read_text().count("job_id.refused") == 4, 10)
+        wait_for("the refusals logged", lambda: dpd.log.read_text().count("job_id.refused") == 5, 10)
     finally:
         pool.stop()
         coord.close()

@@ -87,19 +87,19 @@ def test_the_client_key_cannot_register_and_a_node_key_cannot_send_client_reques
     client = connect("client")
     forbidden(client.register("a", slots=1), "node.register", "client key (client:client)")
     node = connect("node", "a")
-    for msg in (m.Submit(job=JOB, source="x.toml"), m.Cancel(job="x"), m.Drain(node="b"), m.Status()):
+    for msg in (m.Submit(job=JOB, source="x.toml"), m.Cancel(job="x"), m.Drain(node="b"), m.Status(), m.Rm(job="x")):
         forbidden(node.message(msg), str(msg.TYPE), "node key (node:a)")
     viewer = connect("client", "dash")  # a read-only client: it reads, and changes nothing
     assert isinstance(viewer.message(m.Status()), m.StatusReply) and isinstance(viewer.message(m.Nodes()), m.NodesReply)
-    for msg in (m.Submit(job=JOB, source="x.toml"), m.Cancel(job="x"), m.Drain(node="a"), m.Export(job="x")):
+    for msg in (m.Submit(job=JOB, source="x.toml"), m.Cancel(job="x"), m.Drain(node="a"), m.Export(job="x"), m.Rm(job="x")):
         forbidden(viewer.message(msg), str(msg.TYPE), "viewer key (viewer:dash)")
 
     assert coord.call(m.Nodes(), m.NodesReply).nodes == [] and coord.call(m.Status(), m.StatusReply).jobs == []
     seen = {(e["user"], e["type"]) for e in coord.events("auth.forbidden")}
     assert seen == {
         ("client:client", "node.register"),
-        *(("node:a", t) for t in ("submit", "cancel", "drain", "status")),
-        *(("viewer:dash", t) for t in ("submit", "cancel", "drain", "export")),
+        *(("node:a", t) for t in ("submit", "cancel", "drain", "status", "rm")),
+        *(("viewer:dash", t) for t in ("submit", "cancel", "drain", "export", "rm")),
     }
 
 
