@@ -49,7 +49,7 @@ from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, Serv
 from dpool.protocol.sockets import HWM, pending_with_users
 
 BATCH = 500  # frames handled between commits and ticks, at most
-BATCH_S = 0.05  # and for at most this long: a flood of registrations cannot hold back the ticks
+BATCH_S = 0.02  # and for at most this long: a flood of registrations cannot hold back the ticks
 BAD_FRAME_LOGS_PER_S = 5
 SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (rate-limited), with what it was
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
