@@ -549,7 +549,7 @@ class Pool:
     def _checkpoint(self, now: float, node: Node, msg: m.NodeCheckpoint) -> list[Action]:
         key = (msg.job, msg.slot)
         node.holdings[key] = max(msg.step, node.holdings.get(key, 0))
-        job = self.live.get(msg.job)
+        job = self.jobs.get(msg.job)  # also finished: a rank's last report may come after its exit
         if job is None or job.plan is None or job.plan.generation != msg.generation:
             return []
         got = job.saved.setdefault(msg.step, {})

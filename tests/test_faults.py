@@ -510,9 +510,9 @@ def test_a_full_disk_fails_that_rank_and_the_job_resumes_once_space_returns(proc
         # peer's, which the pool then takes as the failure).
         n1_log = pool.daemons["n1"].log
         wait_for("n1's rank exited for its checkpoint", lambda: [
-            e for e in log_lines(n1_log) if e.get("event") == "worker.exited" and e.get("job") == a and e.get("generation") == 1
+            e for e in log_lines(n1_log) if e.get("event") == "worker.exited" and e.get("job") == a
             and e.get("code") == EXIT_DISK and "not written" in (e.get("error") or "") and "no space left" in e["error"].lower()
-        ], 10)
+        ], 30)  # of whichever generation ran when the disk filled (a loaded machine may have restarted one)
         # n1 fails every start of A until it is set aside; A waits below workers.min.
         pool.wait_status(a, "job A queued", lambda s: s.state == "queued", timeout=60)
         n1 = next(n for n in pool.nodes() if n.name == "n1")
