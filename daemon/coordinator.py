@@ -342,12 +342,12 @@ class Coordinator:
                 return m.SamplesReply(job_id=job_id, rows=samples, cursor=cursor, more=more), []
             case m.Events(job=ref, after=after, limit=limit):
                 found, limit = self._job(ref), _page(limit)
-                events, cursor = self.store.events(found, after, limit)
-                return m.EventsReply(job_id=found.id, events=events, cursor=cursor, more=len(events) == limit), []
+                events, cursor, more = self.store.events(found, after, limit)
+                return m.EventsReply(job_id=found.id, events=events, cursor=cursor, more=more), []
             case m.Logs(job=ref, after=after, rank=rank, limit=limit):
                 found, limit = self._job(ref), _page(limit)
-                lines, cursor = self.store.logs(found.id, after, rank, limit)
-                return m.LogsReply(job_id=found.id, lines=lines, cursor=cursor, more=len(lines) == limit, state=str(found.state)), []
+                lines, cursor, more = self.store.logs(found.id, after, rank, limit)
+                return m.LogsReply(job_id=found.id, lines=lines, cursor=cursor, more=more, state=str(found.state)), []
             case m.Cancel(job=ref):
                 found = self._job(ref)
                 job = self.pool.live.get(found.id)

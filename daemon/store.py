@@ -87,6 +87,21 @@ BUSY_TIMEOUT_S = 0.2
 RETRY_S, RETRY_MAX_S = 0.5, 10.0
 PENDING_ROWS_MAX = 200_000
 LOGS_INSERT = "INSERT INTO logs "
+REPLY_BYTES = 2 << 20  # rows of one paged reply, by their stored size: half the message cap (MAX_BODY_BYTES)
+
+
+def _page(found: list[Any], limit: int, size: Callable[[Any], int]) -> tuple[list[Any], bool]:
+    """The rows of `found` (fetched with one more than `limit`) that one reply carries: at most
+    `limit`, and at most REPLY_BYTES of them by `size` (at least one): (rows, whether more follow).
+    A page of long log lines or large samples stays under the message size cap."""
+    kept: list[Any] = []
+    used = 0
+    for row in found[:limit]:
+        used += size(row)
+        if kept and used > REPLY_BYTES:
+            return kept, True
+        kept.append(row)
+    return kept, len(found) > limit
 
 
 def _read(convert: Callable[[Any], Any], text: str) -> Any:
@@ -379,8 +394,9 @@ class Store:
         found = self.db.execute(
             "SELECT row FROM metrics WHERE job = ? ORDER BY step, kind DESC LIMIT ? OFFSET ?", (job, limit + 1, after)
         ).fetchall()
-        rows = [r for (text,) in found[:limit] if (r := _read(_metric_row, text)) is not None]
-        return rows, after + min(limit, len(found)), len(found) > limit
+        kept, more = _page(found, limit, lambda r: len(r[0]))
+        rows = [r for (text,) in kept if (r := _read(_metric_row, text)) is not None]
+        return rows, after + len(kept), more
 
     def add_sample(self, job: str, generation: int, row: SampleRow) -> None:
         self._write(
@@ -394,27 +410,30 @@ class Store:
         found = self.db.execute(
             "SELECT row FROM samples WHERE job = ? ORDER BY step LIMIT ? OFFSET ?", (job, limit + 1, after)
         ).fetchall()
-        rows = [r for (text,) in found[:limit] if (r := _read(SampleRow.from_wire, text)) is not None]
-        return rows, after + min(limit, len(found)), len(found) > limit
+        kept, more = _page(found, limit, lambda r: len(r[0]))
+        rows = [r for (text,) in kept if (r := _read(SampleRow.from_wire, text)) is not None]
+        return rows, after + len(kept), more
 
     def add_event(self, job: str | None, t: float, kind: str, fields: dict[str, Any]) -> None:
         self._write("INSERT INTO events (job, t, kind, fields) VALUES (?, ?, ?, ?)", (job, t, kind, _json(fields)))
 
-    def events(self, job: JobRef, after: int, limit: int) -> tuple[list[EventRow], int]:
-        """The job's events and the pool's events during its life (node.joined, node.lost)."""
+    def events(self, job: JobRef, after: int, limit: int) -> tuple[list[EventRow], int, bool]:
+        """The job's events and the pool's events during its life (node.joined, node.lost):
+        (events, the next page's `after`, whether there is one)."""
         self._see_writes()
         end = job.finished_at if job.finished_at is not None else float("inf")
-        rows = self.db.execute(
+        found = self.db.execute(
             "SELECT seq, job, t, kind, fields FROM events WHERE seq > ? AND "
             "(job = ? OR (job IS NULL AND t >= ? AND t <= ?)) ORDER BY seq LIMIT ?",
-            (after, job.id, job.submitted_at, end, limit),
-        )
+            (after, job.id, job.submitted_at, end, limit + 1),
+        ).fetchall()
+        rows, more = _page(found, limit, lambda r: len(r[4]) + 64)
         out, cursor = [], after
         for seq, _job, t, kind, fields in rows:
             with contextlib.suppress(Invalid):  # one an older version wrote in a shape this one cannot carry
                 out.append(EventRow.from_wire({"t": round(t, 3), "kind": kind, **orjson.loads(fields)}))
             cursor = seq
-        return out, cursor
+        return out, cursor, more
 
     def add_logs(self, job: str, t: float, rank: int, generation: int, lines: list[str]) -> None:
         self._write(
@@ -423,19 +442,22 @@ class Store:
             many=True,
         )
 
-    def logs(self, job: str, after: int, rank: int | None, limit: int) -> tuple[list[LogLine], int]:
+    def logs(self, job: str, after: int, rank: int | None, limit: int) -> tuple[list[LogLine], int, bool]:
+        """Output lines `after`.. of the job (of one rank): (lines, the next page's `after`,
+        whether there is one)."""
         self._see_writes()
         if rank is None:
-            rows = self.db.execute(
-                "SELECT seq, t, rank, generation, text FROM logs WHERE job = ? AND seq > ? ORDER BY seq LIMIT ?", (job, after, limit)
-            )
+            found = self.db.execute(
+                "SELECT seq, t, rank, generation, text FROM logs WHERE job = ? AND seq > ? ORDER BY seq LIMIT ?", (job, after, limit + 1)
+            ).fetchall()
         else:
-            rows = self.db.execute(
+            found = self.db.execute(
                 "SELECT seq, t, rank, generation, text FROM logs WHERE job = ? AND seq > ? AND rank = ? ORDER BY seq LIMIT ?",
-                (job, after, rank, limit),
-            )
+                (job, after, rank, limit + 1),
+            ).fetchall()
+        rows, more = _page(found, limit, lambda r: len(r[4].encode()) + 48)
         out, cursor = [], after
         for seq, t, r, gen, text in rows:
             out.append(LogLine(seq=seq, t=round(t, 3), rank=r, generation=gen, text=text))
             cursor = seq
-        return out, cursor
+        return out, cursor, more

@@ -855,3 +855,33 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> 
     assert Record(None, "node.lost", 1.2, {"node": "a", "reason": "replaced by a new dpd process"}) in actions
     job = pool.jobs["j-1"]
     assert job.state is JobState.RECOVERING and not set(mine) & job.machine.live  # its ranks died with the old dpd
+
+
+def test_pages_of_long_log_lines_and_large_samples_stay_under_the_message_cap(tmp_path: Path) -> None:
+    """2,000 log lines of 8,000 characters (16 MB) and six 1 MiB samples: every page is a message
+    that can be sent, and paging through them returns each row once."""
+    from dpool.protocol.payloads import SampleRow
+
+    store = Store(tmp_path / "c.sqlite3")
+    store.add_logs("j", 1.0, 0, 1, [f"{i:05d} " + "x" * 7994 for i in range(2000)])
+    store.commit()
+    seen, after, pages = [], 0, 0
+    while True:
+        lines, after, more = store.logs("j", after, None, m.PAGE_LIMIT)
+        m.LogsReply(job_id="j", lines=lines, cursor=after, more=more, state="running").to_frames()  # raises when too large
+        seen += [int(x.text[:5]) for x in lines]
+        pages += 1
+        if not more:
+            break
+    assert seen == list(range(2000)) and pages > 1
+    for step in range(1, 7):
+        store.add_sample("j", 1, SampleRow(step=step, text="y" * (1 << 20)))
+    store.commit()
+    steps, after = [], 0
+    while True:
+        rows, after, more = store.samples("j", after, m.PAGE_LIMIT)
+        m.SamplesReply(job_id="j", rows=rows, cursor=after, more=more).to_frames()
+        steps += [r.step for r in rows]
+        if not more:
+            break
+    assert steps == [1, 2, 3, 4, 5, 6]

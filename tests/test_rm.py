@@ -65,7 +65,7 @@ def test_the_store_deletes_a_removed_jobs_rows_and_keeps_its_id_until_every_node
     assert [j.id for j, _ in store.load_jobs()] == ["kept-bbbbbb"]
     assert [s.id for s in store.statuses(10)] == ["kept-bbbbbb"]
     assert store.metrics("gone-aaaaaa", 0, 100) == ([], 0, False) and store.samples("gone-aaaaaa", 0, 100) == ([], 0, False)
-    assert store.logs("gone-aaaaaa", 0, None, 100) == ([], 0)
+    assert store.logs("gone-aaaaaa", 0, None, 100) == ([], 0, False)
     kept = store.find_job("kept-bbbbbb")
     assert kept is not None
     assert len(store.metrics("kept-bbbbbb", 0, 100)[0]) == 3 and len(store.logs("kept-bbbbbb", 0, None, 100)[0]) == 3
