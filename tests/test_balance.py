@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,51 @@ def test_balancer_median_shrugs_off_one_outlier():
     for t in ([1.0, 1.0], [1.0, 9.0], [1.0, 1.0], [1.0, 1.0]):  # one compile-time spike
         b.observe(t)
     assert b.propose() is None
+
+
+def simulate(machine: list[float], steps: int, noise: float = 0.0, seed: int = 0, slow=lambda step, rank: 1.0) -> list[list[int]]:
+    """The trainer loop's use of a Balancer (trainer/loop.py) on synthetic ranks: rank r trains
+    `machine[r]` sequences of 64 tokens a second, times `slow(step, r)`, each step off by up to
+    `noise` either way. The first step and the first under a new split compile (5x, 3x slower); a
+    proposal is announced in the next step's all_sum and used from the step after it. Returns the
+    shares each step used (1-based: [0] is step 1)."""
+    rng = random.Random(seed)
+    shares = [8, 8, 8][: len(machine)] if len(machine) == 3 else [24 // len(machine)] * len(machine)
+    b, announce, used, fresh = Balancer(shares), None, [], 5.0
+    for step in range(1, steps + 1):
+        used.append(shares)
+        secs = [fresh * s / (v * slow(step, r) * (1 + rng.uniform(-noise, noise))) for r, (s, v) in enumerate(zip(shares, machine, strict=True))]
+        fresh, new, announce = 1.0, announce, None  # `new` travels in this step's all_sum
+        if new and new != shares:
+            shares, fresh = new, 3.0
+            b.adopt(shares)
+        else:
+            b.observe(secs, [64 * s for s in shares])
+            announce = b.propose()
+    return used
+
+
+def test_balancer_jumps_to_the_proportional_split_at_once():
+    used = simulate([2.0, 1.0, 1.0], 40)
+    assert used[:4] == [[8, 8, 8]] * 4 and used[4] == [12, 6, 6], "proposed after 3 steps, used from step 5"
+    assert all(s == [12, 6, 6] for s in used[4:]), "and kept"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_balancer_under_noise_is_near_ideal_by_step_20_and_does_not_flap(seed):
+    used = simulate([2.0, 1.0, 1.0], 200, noise=0.10, seed=seed)
+    ideal = step_time([12, 6, 6], [2.0, 1.0, 1.0])
+    assert all(step_time(s, [2.0, 1.0, 1.0]) <= 1.05 * ideal for s in used[19:]), used[:25]
+    changes = [i + 1 for i in range(1, len(used)) if used[i] != used[i - 1]]
+    assert len(changes) <= 2 and all(c <= 20 for c in changes), changes
+
+
+def test_a_few_slow_steps_move_nothing_but_a_lasting_slowdown_does():
+    # Rank 0 is slowed to a third for 4 steps (another process on its machine), then for good from step 60.
+    used = simulate([2.0, 1.0, 1.0], 100, noise=0.05, slow=lambda step, r: 1 / 3 if r == 0 and (30 <= step < 34 or step >= 60) else 1.0)
+    assert all(s == [12, 6, 6] for s in used[4:60]), [(i + 1, s) for i, s in enumerate(used) if s != [12, 6, 6]][:5]
+    later = [i + 1 for i in range(60, len(used)) if used[i] != [12, 6, 6]]
+    assert later and later[0] <= 72 and used[-1] == [6, 9, 9], (later[:3], used[-1])
 
 
 def test_small_memory_machines_get_smaller_micro_batches():

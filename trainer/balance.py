@@ -20,7 +20,9 @@ from dpool.protocol.shares import apportion
 
 
 def step_time(shares: list[int], speeds: list[float]) -> float:
-    """Predicted step time: the slowest rank's share / its speed (sequences per second)."""
+    """Predicted step time: the slowest rank's share / its speed. Speeds are tokens per second, so
+    this is the step time over the pool's mean tokens per sequence: a constant that cancels in every
+    comparison of two splits."""
     return max(s / max(v, 1e-12) for s, v in zip(shares, speeds, strict=True))
 
 
@@ -28,15 +30,25 @@ def step_time(shares: list[int], speeds: list[float]) -> float:
 class Balancer:
     """Rank 0's view of the ranks' speeds; proposes new shares when they pay off.
 
-    `window` steps of timings are kept per share layout (timings measured under old shares are
-    dropped on a change); a proposal needs the predicted step time to drop by `min_gain`.
+    Fast first, then hard to move:
+    - The first proposal needs `window` steps of timings (the first step's compile time is one
+      outlier the median ignores) and jumps straight to the speed-proportional split.
+    - After a change, timings under the old split are dropped, the first step under the new one is
+      not learned from (it compiles its shapes), and the next proposal needs `hold` steps.
+    - A proposal must shorten the step (the slowest rank's time) by `min_gain` at the median speeds,
+      and be faster in all but a quarter of the kept steps one by one: a few slow steps of one
+      rank (another process on its machine) must not make shares flap.
+    Speeds are work (trained tokens) per second of each rank's own compute, measured before the
+    all_sum: a rank that waits for its peers does not look slow.
     """
 
     shares: list[int]
-    window: int = 4
+    window: int = 3
     min_gain: float = 0.10
+    hold: int = 8
     _rates: deque[list[float]] = field(default_factory=deque)
     _skip: int = 0  # steps not to learn from: the first under a new split compiles its new shapes
+    _changes: int = 0
 
     def observe(self, rank_seconds: list[float], rank_work: list[float] | None = None) -> None:
         """One step's compute seconds per rank, and the work each did in them (trained tokens;
@@ -46,11 +58,11 @@ class Balancer:
             return
         work = rank_work if rank_work is not None else self.shares
         self._rates.append([w / max(t, 1e-9) for w, t in zip(work, rank_seconds, strict=True)])
-        while len(self._rates) > self.window:
+        while len(self._rates) > max(self.window, self.hold):
             self._rates.popleft()
 
     def speeds(self) -> list[float] | None:
-        """Median work per second per rank over the window, or None until the window is full."""
+        """Median work per second per rank over the kept steps, or None until `window` are kept."""
         if len(self._rates) < self.window:
             return None
         out = []
@@ -61,13 +73,17 @@ class Balancer:
 
     def propose(self) -> list[int] | None:
         speeds = self.speeds()
-        if speeds is None or len(self.shares) == 1:
+        needed = self.window if self._changes == 0 else max(self.window, self.hold)
+        if speeds is None or len(self._rates) < needed or len(self.shares) == 1:
             return None
         new = apportion(speeds, sum(self.shares))
         if new == self.shares:
             return None
         if step_time(new, speeds) > (1 - self.min_gain) * step_time(self.shares, speeds):
             return None  # not worth it: timing noise must not make shares flap
+        faster = sum(step_time(new, row) < step_time(self.shares, row) for row in self._rates)
+        if faster < len(self._rates) - len(self._rates) // 4:
+            return None  # the median's gain comes from a few steps: wait for steadier evidence
         return new
 
     def adopt(self, shares: list[int]) -> None:
@@ -75,6 +91,7 @@ class Balancer:
         self.shares = list(shares)
         self._rates.clear()
         self._skip = 1
+        self._changes += 1
 
 
 # ---------------------------------------------------------------------------------------------
