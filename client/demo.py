@@ -297,7 +297,7 @@ class Demo:
             s.say(f"{len(nodes)} nodes registered: {', '.join(f'{x.name} ({x.platform}, mlx {x.mlx_version})' for x in nodes)}")
             reply = c.call(m.Submit(job=spec.to_dict(), source="demo-lm.toml" if a.lm else "demo.toml"), m.Submitted)
             self.run.job_id = reply.job_id
-            s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, checkpoint every {spec.checkpoint.every_steps} steps)")
+            s.say(f"submitted job {reply.job_id} ({spec.name}: {steps} steps, global batch {spec.train.global_batch}, {_every(spec.checkpoint.every_steps)})")
             st = self._follow(c, kill_at, every=max(1, steps // 20))
             if st.state != "succeeded":
                 raise DemoFailed(f"job {self.run.job_id} {st.state}: {st.error or 'no reason given'}; the workers' output is in {self.root}/state-node-*/jobs/{self.run.job_id}/slot-*/worker.log")
@@ -444,3 +444,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         print(f"dpctl demo: --steps {steps}: must be at least 2, so that a worker can be killed mid-run", file=sys.stderr)
         return EXIT_BAD_INPUT
     return Demo(a, sys.stdout).main()
+
+
+def _every(every: int | str) -> str:
+    return "checkpoint interval measured (auto)" if every == "auto" else f"checkpoint every {every} steps"

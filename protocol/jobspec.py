@@ -189,7 +189,13 @@ class TrainSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointSpec:
-    every_steps: int = _spec(_int(1), "a checkpoint every this many steps", 50)
+    every_steps: int | str = _spec(
+        lambda v: None
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_INT)
+        else "must be 'auto' (measured: checkpoints cost under 2% of the time) or an integer >= 1",
+        "'auto': as often as keeps checkpoint time under 2% of training time (measured); or every this many steps",
+        "auto",
+    )
     keep: int = _spec(_int(1, 1000), "newest checkpoints kept per rank", 3)
 
 

@@ -161,7 +161,8 @@ Shares: TypeAlias = Annotated[list[Count], Items(MAX_WORLD)]
 class TrainRow(Record):
     """A training step's metrics row (rank 0, every `log_every_steps`). `loss` and `grad_norm` are
     null when not finite (a diverged step); `shares` and `rank_tokens_per_s` (the split in force and
-    each rank's speed) are what the coordinator balances with."""
+    each rank's speed) are what the coordinator balances with; `checkpoint_every` is the interval in
+    force when `checkpoint.every_steps = "auto"` chose it."""
 
     TAG: ClassVar[tuple[str, str] | None] = ("kind", "train")
     kind: Annotated[str, OneOf("train")]
@@ -175,6 +176,7 @@ class TrainRow(Record):
     grad_norm: Number | None = field(default=None, metadata=OMIT_NONE)
     shares: Shares | None = field(default=None, metadata=OMIT_NONE)
     rank_tokens_per_s: Annotated[list[Annotated[float, Float(0.0)]], Items(MAX_WORLD)] | None = field(default=None, metadata=OMIT_NONE)
+    checkpoint_every: Count | None = field(default=None, metadata=OMIT_NONE)  # the interval "auto" chose
 
 
 @record

@@ -25,6 +25,7 @@ from dpool.trainer import checkpoint as ckpt
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
+from dpool.trainer.interval import TARGET, AutoInterval
 from dpool.trainer.step import Stepper, lr_at
 from dpool.trainer.task import build_task
 
@@ -226,6 +227,10 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     announce: list[int] | None = None
     metrics = MetricsLog(run_dir, start, enabled=rank == 0)
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
+    every = spec.checkpoint.every_steps
+    # "auto": rank 0 measures and decides, and its decision reaches every rank in the step's all_sum.
+    auto = AutoInterval(start, target=_overhead_target()) if every == "auto" and rank == 0 else None
+    copy_s: dict[int, float] = {}  # a checkpoint's host copy on the step path, until its write is done
     job_hash = spec.training_hash()
     gb = t.global_batch
 
@@ -247,11 +252,22 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                 # checkpoint that was written (its folder of this one is already removed).
                 log.error("checkpoint.failed", step=step, error=error)
                 raise ckpt.CheckpointWriteError(f"checkpoint of step {step} not written: {error}")
-            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3))
+            copied = copy_s.pop(step, 0.0)
+            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3), copy_s=round(copied, 4))
             for p in problems:
                 log.warning("checkpoint.prune_failed", problem=p)
             if link:
                 link.checkpoint(step=step, seconds=seconds)
+            if auto and auto.observe_checkpoint(seconds + copied):
+                retuned(step)
+
+    def retuned(step: int) -> None:
+        assert auto is not None and auto.interval is not None
+        step_s, cost = auto.step_time() or 0.0, auto.cost or 0.0
+        log.info(
+            "checkpoint.interval", step=step, every_steps=auto.interval, cost_s=round(cost, 4), step_s=round(step_s, 4),
+            overhead=round(cost / (auto.interval * step_s), 4) if step_s else None,
+        )
 
     if start == 0:
         evaluate(0)
@@ -260,9 +276,14 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     for step in range(start + 1, t.steps + 1):
         examples = task.examples(step, offset, share)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
-        stats = stepper.step(examples, lr, stop_requested=bool(link and link.stop_requested()), announce=announce)
+        stats = stepper.step(
+            examples, lr, stop_requested=bool(link and link.stop_requested()), announce=announce,
+            checkpoint=bool(auto and auto.due(step)),
+        )
         now = time.perf_counter()
         seconds, last = now - last, now
+        if auto and auto.observe_step(seconds):
+            retuned(step)
         if link:
             link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds)
         if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
@@ -272,12 +293,17 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                 "grad_norm": stats.grad_norm, "shares": shares,
                 "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(stats.rank_tokens, stats.rank_seconds, strict=True)],
             }
+            if auto and auto.interval is not None:
+                row["checkpoint_every"] = auto.interval
             metrics.append(metrics.metrics, row)
             if link:
                 link.metric(row)
             log.info("step.done", step=step, loss=round(stats.loss, 4), lr=f"{lr:.2e}", tokens_per_s=round(row["tokens_per_s"]))
-        # Every rank saves its own copy at the same steps (all ranks hold identical state).
-        if step % spec.checkpoint.every_steps == 0 or step == t.steps or stats.stop:
+        # Every rank saves its own copy at the same steps (all ranks hold identical state): a fixed
+        # interval is the same everywhere; "auto" is rank 0's decision, carried by the step's all_sum.
+        due = stats.checkpoint if every == "auto" else step % int(every) == 0
+        if due or step == t.steps or stats.stop:
+            t_copy = time.perf_counter()
             writer.submit(ckpt.Snapshot(
                 step=step,
                 model=ckpt.to_host(tree_flatten(model.trainable_parameters())),
@@ -289,6 +315,9 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                     "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
                 },
             ))
+            copy_s[step] = time.perf_counter() - t_copy
+            if auto:
+                auto.saved(step)
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
@@ -373,6 +402,17 @@ def _process_start() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()  # not Linux: start-up before this point is not counted
+
+
+def _overhead_target() -> float:
+    """The checkpoint budget of `every_steps = "auto"`: 2%, or DPOOL_CHECKPOINT_OVERHEAD (a fraction
+    in (0, 1]; tests and benches use it to checkpoint more often)."""
+    text = os.environ.get("DPOOL_CHECKPOINT_OVERHEAD", "")
+    try:
+        value = float(text) if text else TARGET
+    except ValueError:
+        value = TARGET
+    return value if 0 < value <= 1 else TARGET
 
 
 def _worker_link():

@@ -54,6 +54,7 @@ class StepStats:
     grad_norm: float  # before clipping
     stop: bool  # some rank was asked to checkpoint and stop after this step
     new_shares: list[int] | None  # rank 0 announced a new split, used from the next step on
+    checkpoint: bool = False  # rank 0 asked every rank to checkpoint after this step (every_steps = "auto")
 
 
 def dropout_keys(seed: int, idents: np.ndarray) -> np.ndarray:
@@ -136,7 +137,8 @@ class Stepper:
         return self.names, self._mean(sums, ctl_sum), ctl_sum
 
     def reduce_sums(
-        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None
+        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None,
+        checkpoint: bool = False,
     ) -> tuple[list[mx.array], mx.array]:
         """The pool's gradient sums (in `names` order) and the summed control vector."""
         t0 = time.perf_counter()
@@ -144,13 +146,15 @@ class Stepper:
         compute = time.perf_counter() - t0
         world, rank = self.group.size, self.group.rank
         # Control vector: [loss sum, tokens, stop flag, seconds of ranks 0..w-1, shares 0..w-1,
-        # tokens of ranks 0..w-1]. Summing it gives every rank the pool's totals, each rank's time
-        # and work in its own slots, and the split rank 0 announces (only rank 0 writes those
-        # slots; all zero: no change).
-        known = [0.0] * (3 + 3 * world)
+        # tokens of ranks 0..w-1, checkpoint flag]. Summing it gives every rank the pool's totals,
+        # each rank's time and work in its own slots, and what rank 0 announces: the split (only
+        # rank 0 writes those slots; all zero: no change) and whether this step checkpoints.
+        known = [0.0] * (4 + 3 * world)
         known[2], known[3 + rank] = float(stop_requested), compute
-        if announce and rank == 0:
-            known[3 + world : 3 + 2 * world] = [float(s) for s in announce]
+        if rank == 0:
+            known[3 + 3 * world] = float(checkpoint)
+            if announce:
+                known[3 + world : 3 + 2 * world] = [float(s) for s in announce]
         # The loss and token sums are still lazy: placed into their slots without a sync.
         control = mx.array(known, dtype=mx.float32).at[0].add(loss).at[1].add(tokens).at[3 + 2 * world + rank].add(tokens)
         assert [k for k, _ in flat] == self.names, "gradients come in the trainable parameters' order"
@@ -158,9 +162,11 @@ class Stepper:
         return summed[:-1], summed[-1]
 
     def step(
-        self, examples: list[Example], lr: float, stop_requested: bool = False, announce: list[int] | None = None
+        self, examples: list[Example], lr: float, stop_requested: bool = False, announce: list[int] | None = None,
+        checkpoint: bool = False,
     ) -> StepStats:
-        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce)
+        """One optimizer step; `checkpoint` (read on rank 0 only) asks every rank to checkpoint after it."""
+        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce, checkpoint)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         norm = self.apply(sums, ctl_sum)
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
@@ -170,8 +176,8 @@ class Stepper:
         announced = [round(x) for x in c[3 + world : 3 + 2 * world]]
         return StepStats(
             loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3 : 3 + world],
-            rank_tokens=[round(x) for x in c[3 + 2 * world :]], grad_norm=float(norm.item()),
-            stop=c[2] > 0, new_shares=announced if any(announced) else None,
+            rank_tokens=[round(x) for x in c[3 + 2 * world : 3 + 3 * world]], grad_norm=float(norm.item()),
+            stop=c[2] > 0, new_shares=announced if any(announced) else None, checkpoint=c[3 + 3 * world] > 0,
         )
 
     def eval_loss(self, examples: list[Example]) -> float:
