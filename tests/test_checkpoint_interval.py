@@ -213,3 +213,24 @@ def test_auto_ranks_agree_and_a_resume_is_exact(work, env):
     two_curve = losses(work / "two" / "r0")
     assert max(abs(a[s] - two_curve[s]) for s in range(1, 13)) <= 1e-4
     assert re.search(r'"event":"checkpoint.saved"', resumed.output(0))
+
+
+def test_the_cost_is_the_slowdown_of_the_steps_a_write_overlaps_per_token():
+    """The writer took the cores: the two steps during the write ran 0.3 s over what their tokens
+    take (batches of 100 and 200 tokens at 1 ms a token), against a host copy of 0.01 s. The cost is
+    the slowdown, and the interval follows it; steps during a write do not count as step times."""
+    auto = AutoInterval(0, target=0.02, first_after=2)
+    for tokens in (100, 200, 100, 200):
+        auto.observe_step(tokens * 0.001, tokens)
+    auto.saved(4)
+    auto.observe_step(100 * 0.001 + 0.1, 100, writing=True)
+    auto.observe_step(200 * 0.001 + 0.2, 200, writing=True)
+    auto.observe_checkpoint(0.01)
+    assert auto.cost == pytest.approx(0.3)
+    assert auto.step_time() == pytest.approx(0.15)  # the four steps without a write
+    assert auto.interval == 100  # ceil(0.3 / (0.02 * 0.15))
+    # A copy that costs more than any slowdown seen (a write that finished before the next step).
+    quick = AutoInterval(0, target=0.02, first_after=2)
+    quick.observe_step(0.1, 100)
+    quick.observe_checkpoint(0.004)
+    assert quick.cost == pytest.approx(0.004) and quick.interval == 2

@@ -1,8 +1,12 @@
 """`checkpoint.every_steps = "auto"`: checkpoint as often as an overhead budget allows (CheckFreq's idea).
 
-What a checkpoint costs is measured (the host copy on the step path plus the writer's wall time,
-which is what `checkpoint.saved` reports) and compared with the median step time; the interval is
-the fewest steps between checkpoints that keeps the cost under `TARGET` of the training time:
+What a checkpoint costs is what it takes from training: the host copy on the step path, and the
+slowdown of the steps that run while its writer thread writes (on a machine whose cores the step
+already uses, the writer takes them from the step: measured on two cores, the writer's own wall
+time understated the cost ~5x). The slowdown of such a step is its time above the median time per
+token of steps that ran with no write in flight, times its tokens (per token: batches of chat data
+vary in length). The cost is compared with the median step time; the interval is the fewest steps
+between checkpoints that keeps the cost under `TARGET` of the training time:
 
     interval = max(1, ceil(cost / (TARGET * step_time)))
 
@@ -11,7 +15,7 @@ model on a slow disk rarely. The first checkpoint comes `FIRST_AFTER` steps afte
 measure the cost; until that measurement is in, no other is taken (but the last step and a stop
 still save). Then the estimate follows the job: the cost is the mean of the last `COSTS`
 checkpoints without the slowest and the fastest (one slow fsync is not a trend), the step time the
-median of the last `WINDOW` steps,
+median of the last `WINDOW` steps without a write in flight,
 and the interval changes without thrashing:
 - it grows when the budget is exceeded (the need is above the interval);
 - it shrinks only when the interval is clearly too long: to ceil(need x HEADROOM), and only when
@@ -60,6 +64,8 @@ class AutoInterval:
         self.last = start  # the newest checkpoint taken (the resume step counts as one)
         self.interval: int | None = None
         self.times: deque[float] = deque(maxlen=window)
+        self.per_token: deque[float] = deque(maxlen=window)  # seconds per token of those steps
+        self._slowed = 0.0  # the slowdown of steps run while a write was in flight, since the last checkpoint finished
         self.costs: deque[float] = deque(maxlen=costs)
         self._measuring = False  # the first checkpoint was taken, its cost not yet seen
         self._held = 0  # steps since the interval last changed
@@ -85,17 +91,33 @@ class AutoInterval:
             return None
         return self.cost / (self.target * step)
 
-    def observe_step(self, seconds: float) -> bool:
-        """A step's wall time (without evaluation or checkpoint); True when the interval changed."""
+    def observe_step(self, seconds: float, tokens: int = 0, *, writing: bool = False) -> bool:
+        """A step's wall time (without evaluation), its tokens, and whether a checkpoint was being
+        copied or written meanwhile; True when the interval changed."""
         if seconds > 0 and math.isfinite(seconds):
-            self.times.append(seconds)
+            if writing:
+                self._slowed += max(0.0, seconds - self._expected(tokens))
+            else:
+                self.times.append(seconds)
+                if tokens > 0:
+                    self.per_token.append(seconds / tokens)
         self._held += 1
         return self._update()
 
+    def _expected(self, tokens: int) -> float:
+        """What a step of `tokens` takes with no write in flight (0 before any was timed)."""
+        if tokens > 0 and self.per_token:
+            return statistics.median(self.per_token) * tokens
+        return self.step_time() or 0.0
+
     def observe_checkpoint(self, seconds: float) -> bool:
-        """A finished checkpoint's cost in seconds; True when the interval changed."""
-        if seconds >= 0 and math.isfinite(seconds):
-            self.costs.append(seconds)
+        """A checkpoint finished; `seconds` is what of it was timed directly on the step path (the
+        host copy). Its cost is that or the slowdown of the steps it overlapped, whichever is more.
+        True when the interval changed."""
+        cost = max(seconds, self._slowed)
+        self._slowed = 0.0
+        if cost >= 0 and math.isfinite(cost):
+            self.costs.append(cost)
         self._measuring = False
         return self._update()
 

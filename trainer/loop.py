@@ -258,7 +258,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                 log.warning("checkpoint.prune_failed", problem=p)
             if link:
                 link.checkpoint(step=step, seconds=seconds)
-            if auto and auto.observe_checkpoint(seconds + copied):
+            if auto and auto.observe_checkpoint(copied):
                 retuned(step)
 
     def retuned(step: int) -> None:
@@ -273,7 +273,9 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         evaluate(0)
     stopped = False
     last = time.perf_counter()
+    aside = 0.0  # evaluation and sampling since the last step: not part of the next step's time for "auto"
     for step in range(start + 1, t.steps + 1):
+        writing = bool(copy_s)  # a checkpoint is being written while this step runs
         examples = task.examples(step, offset, share)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
         stats = stepper.step(
@@ -282,8 +284,9 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
         )
         now = time.perf_counter()
         seconds, last = now - last, now
-        if auto and auto.observe_step(seconds):
+        if auto and auto.observe_step(seconds - aside, stats.tokens, writing=writing):
             retuned(step)
+        aside = 0.0
         if link:
             link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds)
         if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
@@ -318,6 +321,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             copy_s[step] = time.perf_counter() - t_copy
             if auto:
                 auto.saved(step)
+        t_aside = time.perf_counter()
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
@@ -325,6 +329,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             metrics.append(metrics.samples, row)
             if link:
                 link.sample(row)
+        aside = time.perf_counter() - t_aside
         report_checkpoints(writer.completed())
         # Balance: rank 0 proposes from measured speeds; the split it announced in this step's
         # all_sum reached every rank together, and all switch from the next step on.
