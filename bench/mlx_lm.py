@@ -51,6 +51,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from dpool.protocol.jobfile import dump_job
+from dpool.protocol.jobspec import parse_job
+
 HERE = Path(__file__).resolve().parent
 # This file is named mlx_lm.py: with its folder on the import path, `import mlx_lm` would find it.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
@@ -72,36 +75,6 @@ ui.TrainUI.report_train = report_train
 sys.argv[0] = "mlx_lm"
 runpy.run_module("mlx_lm", run_name="__main__")
 """
-
-JOB = """\
-name = "bench-mlx-lm"
-[model]
-kind = "mlx_lm"
-path = "{model}"
-fine_tune = "lora"
-lora_rank = 8
-lora_scale = 20.0
-lora_layers = {layers}
-context = {context}
-[data]
-source = "{data}"
-mask_prompt = true
-[train]
-steps = {steps}
-global_batch = {batch}
-micro_batch = {micro}
-lr = {lr}
-warmup_steps = 0
-log_every_steps = 1
-[checkpoint]
-every_steps = {steps}
-[eval]
-every_steps = {steps}
-batches = 1
-sample_every_steps = {steps}
-sample_tokens = 1
-"""
-
 
 class RunFailed(RuntimeError):
     pass
@@ -260,11 +233,20 @@ def make_inputs(args, work: Path) -> None:
 
 
 def write_job(args, work: Path, world: int) -> Path:
+    """The LoRA job both sides train, as dpool's own writer writes job files."""
     job = work / f"job-{world}.toml"
-    job.write_text(JOB.format(
-        model=args.model_dir, data=args.data_dir, layers=args.layers, context=args.context,
-        steps=args.steps, batch=args.batch * world, micro=args.batch, lr=args.lr,
-    ))
+    s = args.steps
+    spec = parse_job({
+        "name": "bench-mlx-lm",
+        "model": {"kind": "mlx_lm", "path": str(args.model_dir), "fine_tune": "lora", "lora_rank": 8, "lora_scale": 20.0,
+                  "lora_layers": args.layers, "context": args.context},
+        "data": {"source": str(args.data_dir), "mask_prompt": True},
+        "train": {"steps": s, "global_batch": args.batch * world, "micro_batch": args.batch, "lr": float(args.lr),
+                  "warmup_steps": 0, "log_every_steps": 1},
+        "checkpoint": {"every_steps": s},
+        "eval": {"every_steps": s, "batches": 1, "sample_every_steps": s, "sample_tokens": 1},
+    }, source=str(job), base_dir=str(work))
+    job.write_text(dump_job(spec))
     return job
 
 

@@ -16,39 +16,16 @@ from pathlib import Path
 
 import pytest
 import ring
+from jobs import write_job
 
 from dpool.trainer import tinylm
 
-JOB = """\
-name = "{name}"
-[model]
-kind = "mlx_lm"
-path = "{model}"
-fine_tune = "{fine_tune}"
-lora_rank = 4
-lora_layers = 8
-lora_dropout = {dropout}
-context = {context}
-[data]
-source = "{data}"
-mask_prompt = {mask}
-[train]
-steps = {steps}
-global_batch = 12
-micro_batch = {micro}
-lr = {lr}
-warmup_steps = 1
-log_every_steps = 1
-[checkpoint]
-every_steps = {every}
-keep = 10
-[eval]
-every_steps = {eval_every}
-batches = 2
-sample_every_steps = {steps}
-sample_tokens = 8
-sample_prompt = "What is 2 + 3?"
-"""
+LM = {  # the base of this file's jobs: a tiny mlx-lm model fine-tuned on chat data
+    "model": {"kind": "mlx_lm", "lora_rank": 4, "lora_layers": 8},
+    "train": {"global_batch": 12, "warmup_steps": 1, "log_every_steps": 1},
+    "checkpoint": {"keep": 10},
+    "eval": {"batches": 2, "sample_tokens": 8, "sample_prompt": "What is 2 + 3?"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -72,12 +49,14 @@ def job(assets: Path, folder: Path, *, model: str = "llama", fine_tune: str = "l
         eval_every: int = 3, context: int = 160, name: str | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     name = name or f"{model}-{fine_tune}-{data}".replace("_", "-")
-    path = folder / f"{name}-s{steps}-m{micro}-e{every}-d{dropout}.toml"
-    path.write_text(JOB.format(
-        name=name, model=assets / model, fine_tune=fine_tune, data=assets / data, mask="true" if data != "text" else "false",
-        steps=steps, micro=micro, every=every, dropout=dropout, lr=lr, eval_every=eval_every, context=context,
-    ))
-    return path
+    return write_job(
+        folder, name, file=f"{name}-s{steps}-m{micro}-e{every}-d{dropout}.toml", base=LM,
+        model={"path": str(assets / model), "fine_tune": fine_tune, "lora_dropout": dropout, "context": context},
+        data={"source": str(assets / data), "mask_prompt": data != "text"},
+        train={"steps": steps, "micro_batch": micro, "lr": lr},
+        checkpoint={"every_steps": every},
+        eval={"every_steps": eval_every, "sample_every_steps": steps},
+    )
 
 
 def losses(run_dir: Path) -> dict[int, float]:
