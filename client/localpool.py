@@ -281,11 +281,37 @@ class LocalPool:
     def trainer_pids(self, node: str, job: str = "", generation: int | None = None) -> list[int]:
         """The training processes the daemon `node` runs (for `job`, of `generation`), found by the
         run dir under its state dir that their command line names, so that a trainer whose daemon
-        is gone is found too."""
+        is gone is found too. A warm trainer (`--warm`: started ahead of need, its rank given later)
+        counts once the coordinator lists its pid as a worker of the job (of `generation`), or
+        when the coordinator does not answer (then it cannot be told apart from a spare)."""
+        found = self._trainers(node, job)
+        mark = "" if generation is None else f" --generation {generation} "
+        cold = [p.pid for p in found if " --generation " in f"{p.args} " and mark in f"{p.args} "]
+        warm = [p.pid for p in found if " --warm" in f"{p.args} "]
+        if not warm:
+            return cold
+        ranked = self._worker_pids(job, generation)
+        return cold + [pid for pid in warm if ranked is None or pid in ranked]
+
+    def spare_pids(self, node: str, job: str = "") -> list[int]:
+        """The warm trainers `node` keeps ready (for `job`) that no generation has taken yet."""
+        warm = [p.pid for p in self._trainers(node, job) if " --warm" in f"{p.args} "]
+        ranked = self._worker_pids(job, None) or set()
+        return [pid for pid in warm if pid not in ranked]
+
+    def _trainers(self, node: str, job: str) -> list[ProcessInfo]:
         state_dir = self.daemons[node].state_dir if node in self.daemons else self.root / f"state-{node}"
         found = processes_with(f"{state_dir}{os.sep}jobs{os.sep}{job + os.sep if job else ''}")
-        mark = "" if generation is None else f" --generation {generation} "
-        return [p.pid for p in found if "dpool.trainer" in p.args and " --generation " in f"{p.args} " and mark in f"{p.args} "]
+        return [p for p in found if "dpool.trainer" in p.args]
+
+    def _worker_pids(self, job: str, generation: int | None) -> set[int] | None:
+        """The pids the coordinator lists as the job's (every running job's) workers; None when
+        it does not answer."""
+        try:
+            rows = self.call(m.Status(job=job or None), m.StatusReply).jobs
+        except Exception:
+            return None
+        return {w.pid for s in rows if generation is None or s.generation == generation for w in s.workers if w.pid is not None}
 
     def stop(self, timeout: float = STOP_TIMEOUT_S, report: Callable[[str], None] | None = None) -> list[Daemon]:
         """SIGTERM every daemon (each stops its trainers), wait up to `timeout` seconds, SIGKILL

@@ -13,6 +13,18 @@ group start (a full disk) is reported as that rank's exit with the reason, and a
 cannot be written only loses lines. A job id from the wire becomes a path only once it matches the
 job id pattern (`protocol/checkpoints.py`); any other is refused with a log line.
 
+Warm trainers: once a worker of a job has completed a few steps, its slot gets a spare: a second trainer of
+the same job started with `--warm`, which imports MLX, builds the model and data, says
+`worker.ready` and blocks. The next generation's `group.start` on that slot hands it `worker.go`
+(rank, generation, shares, hostfile) instead of starting a process, so a restart skips the
+interpreter, the imports and the build. A spare is invisible to the coordinator until then; it is
+stopped when its job finishes or is removed here, when its slot starts another job, and after
+`SPARE_IDLE_S` without a worker of its job on this node.
+
+State in memory: every trainer gets `DPOOL_MEMORY_DIR`, a folder of this node's `MemoryStore`
+(`daemon/memstore.py`) where it keeps the state of its last step; a restart resumes from there, and
+the folders are offered as holdings (`memory`) when this node registers.
+
 `job.remove` (`dpctl rm`) deletes the job's folder, `STATE/jobs/JOB`, once no worker of that job
 runs here: renamed at once into `STATE/removed/` (then `node.removed` answers), deleted there in a
 thread; what a stopped daemon left there is deleted at its next start.
@@ -55,6 +67,7 @@ from dpool.daemon.children import (
     trainer_env,
 )
 from dpool.daemon.exporter import Exporter, ExportError
+from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.sysinfo import node_info
 from dpool.protocol import messages as m
@@ -77,6 +90,12 @@ HELD_MAX = 20_000  # metric, sample and checkpoint reports kept while the coordi
 KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
 WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
 WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
+SPARE_IDLE_S = 120.0  # a spare with no worker of its job on this node for this long is stopped
+SPARE_LINES = 200  # output lines of a spare kept until it is used
+# A worker's spare starts once it has completed this many steps: not while its group starts, when
+# the machine's cores are what the group waits for (compiling, the first steps, the other ranks).
+SPARE_AFTER_STEPS = 3
+ENV_WARM = "DPOOL_WARM"  # "0": no spares (a cold start every generation; benches compare both)
 
 
 class Refused(Exception):
@@ -101,6 +120,10 @@ class Worker:
     lines: list[str] = field(default_factory=list)
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     error: str | None = None  # the last `error: ...` line it printed (the trainer's reason for exit 2)
+    warm: bool = False  # a spare: started with --warm, not yet given a rank (generation and rank mean nothing)
+    go: m.WorkerGo | None = None  # worker.go owed once it says worker.ready
+    idle_since: float | None = None  # a spare: since when no worker of its job runs on this node
+    steps: int = 0  # steps it reported
 
     @property
     def pid(self) -> int:
@@ -117,7 +140,7 @@ class Agent:
         state_dir: str | Path,
         slots: int,
         advertise: str,
-        heartbeat_s: float = 0.5,
+        heartbeat_s: float = 0.25,
         liveness: int = 6,
         stop_grace_s: float = 10.0,
         rejoin_round_s: float = 60.0,
@@ -150,11 +173,21 @@ class Agent:
         self._rejected_log = Throttle(lines=5, every=1.0)  # bad frames: dropped, said at most 5 times a second
         self._refused_log = Throttle(lines=5, every=1.0)  # job ids refused as paths
         self.removing: set[str] = set()  # removed jobs whose folder goes once their workers here have exited
+        self.spares: dict[int, Worker] = {}  # slot -> a warm trainer waiting for worker.go
+        self.spare_tasks: set[asyncio.Task[Any]] = set()
+        self.spares_starting: set[int] = set()
+        self.closing = False  # stopping every worker: no more spares
+        self.warm = os.environ.get(ENV_WARM, "1") != "0"
+        self.memory = MemoryStore(default_root(self.state_dir))
 
     # -- life ----------------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> int:
         (self.state_dir / "run").mkdir(parents=True, exist_ok=True)
+        try:
+            self.memory.prepare()
+        except OSError as e:
+            self.log.warning("memory_state.unavailable", path=str(self.memory.root), error=str(e))
         stale = self.exporter.clear_stale()
         if stale:
             self.log.info("export.stale_removed", count=stale)
@@ -474,30 +507,26 @@ class Agent:
             self.log.error("slot.busy", slot=slot, job=msg.job, running=old.job)
             self._report_exit(msg.job, msg.generation, rank, slot, 1, False)
             return
+        spare = self.spares.pop(slot, None)
+        if spare is not None:
+            if spare.job == msg.job and spare.proc.returncode is None and not spare.stopping:
+                self._go(spare, msg, hostfile, rank)
+                return
+            self._stop(spare, "now", "its slot starts another job")
         run_dir = self.state_dir / "jobs" / msg.job / f"slot-{slot}"
+        shares = ",".join(str(s) for s in msg.shares)
+        args = [str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation)]
+        if msg.resume_max is not None:
+            args += ["--resume-max", str(msg.resume_max)]
+        extra = {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)} if hostfile is not None else {}
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             self.log.error("worker.spawn_failed", job=msg.job, rank=rank, error=str(e))
             self._report_exit(msg.job, msg.generation, rank, slot, EXIT_DISK, False, clean(f"cannot make the run dir: {e}"))
             return
-        env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr)
-        if hostfile is not None:
-            env["MLX_RANK"], env["MLX_HOSTFILE"] = str(rank), str(hostfile)
-        shares = ",".join(str(s) for s in msg.shares)
-        cmd = trainer_command(str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation))
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                env=env,
-                cwd=str(run_dir),
-                start_new_session=True,  # its own process group: stopping it stops its children too
-                preexec_fn=die_with_parent(os.getpid()),
-                limit=1 << 20,
-            )
+            proc = await self._launch(msg.job, slot, run_dir, args, extra)
         except OSError as e:
             self.log.error("worker.spawn_failed", job=msg.job, rank=rank, error=str(e))
             self._report_exit(msg.job, msg.generation, rank, slot, 127, False, clean(f"cannot start the trainer: {e}"))
@@ -507,7 +536,80 @@ class Agent:
         self.awake.update(len(self.workers))  # the first trainer: the Mac stays awake from now
         w.tasks.append(asyncio.create_task(self._watch(w)))
         self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
-        self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid)
+        self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid, warm=False)
+
+    async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process:
+        env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, **extra)
+        if self.memory.root.is_dir():
+            env["DPOOL_MEMORY_DIR"] = str(self.memory.folder(job, slot))
+        return await asyncio.create_subprocess_exec(
+            *trainer_command(*args),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=env,
+            cwd=str(run_dir),
+            start_new_session=True,  # its own process group: stopping it stops its children too
+            preexec_fn=die_with_parent(os.getpid()),
+            limit=1 << 20,
+        )
+
+    # -- warm trainers -------------------------------------------------------------------------
+
+    def _go(self, spare: Worker, msg: m.GroupStart, hostfile: Path | None, rank: int) -> None:
+        """The slot's spare becomes the rank: told by worker.go (now, or once it is ready)."""
+        spare.warm, spare.generation, spare.rank, spare.idle_since = False, msg.generation, rank, None
+        go = m.WorkerGo(
+            rank=rank, generation=msg.generation, shares=list(msg.shares),
+            hostfile=str(hostfile) if hostfile is not None else None, resume_max=msg.resume_max,
+        )
+        if spare.peer is not None:
+            self._to_worker(spare.peer, go)
+        else:
+            spare.go = go
+        self.workers[spare.slot] = spare
+        self.awake.update(len(self.workers))
+        self._send(m.NodeWorkerStarted(job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid))
+        self.log.info("worker.started", job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid, warm=True, ready=spare.peer is not None)
+
+    async def _start_spare(self, job: str, slot: int) -> None:
+        """A warm trainer of `job` for `slot`, ready for its next generation."""
+        if not self.warm or self.closing or slot in self.spares or slot in self.spares_starting or job in self.removing:
+            return
+        run_dir = self.state_dir / "jobs" / job / f"slot-{slot}"
+        self.spares_starting.add(slot)
+        try:
+            proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {})
+        except OSError as e:
+            self.log.warning("spare.start_failed", job=job, slot=slot, error=str(e))
+            return
+        finally:
+            self.spares_starting.discard(slot)
+        w = Worker(job=job, generation=0, rank=0, slot=slot, run_dir=run_dir, proc=proc, warm=True)
+        w.tasks.append(asyncio.create_task(self._watch(w)))
+        if self.closing or slot in self.spares:
+            self._stop(w, "now", "not needed")
+            return
+        self.spares[slot] = w
+        self.log.info("spare.started", job=job, slot=slot, pid=proc.pid)
+
+    def _retire_spares(self, job: str, why: str) -> None:
+        for slot, spare in list(self.spares.items()):
+            if spare.job == job:
+                del self.spares[slot]
+                self._stop(spare, "now", why)
+
+    def _check_spares(self, now: float) -> None:
+        """Stop spares whose job has had no worker on this node for SPARE_IDLE_S."""
+        running = {w.job for w in self.workers.values()}
+        for slot, spare in list(self.spares.items()):
+            if spare.job in running:
+                spare.idle_since = None
+            elif spare.idle_since is None:
+                spare.idle_since = now
+            elif now - spare.idle_since >= SPARE_IDLE_S:
+                del self.spares[slot]
+                self._stop(spare, "now", f"no worker of its job here for {SPARE_IDLE_S:.0f} s")
 
     async def _watch(self, w: Worker) -> None:
         """Read the worker's output until EOF, then its exit status; report both. Whatever happens
@@ -519,14 +621,23 @@ class Agent:
             self.log.exception("worker.output_failed", job=w.job, rank=w.rank, pid=w.pid)
             self._stop(w, "now", "its output could not be read")  # it would block on a full pipe
         code = await w.proc.wait()
+        for t in w.tasks[1:]:
+            t.cancel()  # the SIGKILL timer, if any
+        if w.warm:  # a spare never used: nothing to report
+            if self.spares.get(w.slot) is w:
+                del self.spares[w.slot]
+            log = self.log.info if w.stopping else self.log.warning
+            log("spare.exited", job=w.job, slot=w.slot, pid=w.pid, code=code, stopped=w.stopping, error=w.error, output=w.lines[-5:] if not w.stopping else None)
+            return
         self._flush(w)
         if self.workers.get(w.slot) is w:
             del self.workers[w.slot]
         self.awake.update(len(self.workers))  # the last trainer: it may sleep again
-        for t in w.tasks[1:]:
-            t.cancel()  # the SIGKILL timer, if any
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
+        if code == 0:  # the job is done: what was kept for its restarts goes
+            self._retire_spares(w.job, "its job finished")
+            self.memory.remove(w.job, w.slot)
         if w.job in self.removing:
             self._remove_job(w.job)  # removed meanwhile: its folder goes once its last worker here is gone
 
@@ -535,6 +646,7 @@ class Agent:
         write that fails (a full disk) loses those lines from the file, said once per outage."""
         assert w.proc.stdout is not None
         failing = False
+        held: list[bytes] = []  # a spare's output, written to worker.log once it is used
         with RotatingFile(w.run_dir / "worker.log", WORKER_LOG_BYTES, WORKER_LOG_BACKUPS) as local:
             while True:
                 try:
@@ -543,6 +655,14 @@ class Agent:
                     raw = await w.proc.stdout.read(1 << 16)  # an endless line: take it in pieces
                 if not raw:
                     break
+                if w.warm:  # the slot's worker.log is its running worker's
+                    held = [*held[-SPARE_LINES + 1:], raw]
+                    text = raw.decode("utf-8", "replace").rstrip("\n")
+                    w.lines = [*w.lines[-SPARE_LINES + 1:], text[:LOG_LINE_MAX]]
+                    w.error = error_message(text, str(w.run_dir.parent / "job.toml")) or w.error
+                    continue
+                if held:
+                    raw, held = b"".join(held) + raw, []
                 try:
                     local.write(raw)
                     if failing:
@@ -553,8 +673,8 @@ class Agent:
                         failing = True
                         self.log.warning("worker.log_failed", job=w.job, rank=w.rank, path=str(local.path), error=str(e))
                 text = raw.decode("utf-8", "replace").rstrip("\n")
-                w.lines.append(text[:LOG_LINE_MAX])
-                w.error = error_message(text, str(w.run_dir.parent / "job.toml")) or w.error
+                w.lines.extend(line[:LOG_LINE_MAX] for line in text.split("\n"))
+                w.error = error_message(text.rsplit("\n", 1)[-1], str(w.run_dir.parent / "job.toml")) or w.error
                 if len(w.lines) >= LOG_BATCH_LINES:
                     self._flush(w)
 
@@ -589,7 +709,8 @@ class Agent:
             os.killpg(w.pid, sig)  # the worker's own group (start_new_session): it and its children
 
     async def _stop_all(self, why: str) -> None:
-        workers = list(self.workers.values())
+        self.closing = True
+        workers = list(self.workers.values()) + list(self.spares.values())
         for w in workers:
             self._stop(w, "now", why)
         if workers:
@@ -604,6 +725,8 @@ class Agent:
         """Delete this node's folder of a removed job (its id checked before): never while a worker
         of it runs here (then once the last one has exited). The folder is renamed out of `jobs/`
         at once (so it is no longer a holding) and deleted in a thread; then `node.removed`."""
+        self._retire_spares(job, "its job was removed")
+        self.memory.remove(job)
         running = sorted(w.rank for w in self.workers.values() if w.job == job)
         if running:
             if job not in self.removing:
@@ -639,6 +762,9 @@ class Agent:
                     out.append(Holding.from_wire({"job": job_dir.name, "slot": int(slot), "step": step}))
                 except Invalid:
                     continue
+        for job, slot, step in self.memory.holdings():
+            with contextlib.suppress(Invalid):
+                out.append(Holding.from_wire({"job": job, "slot": slot, "step": step, "memory": True}))
         return out[: m.HOLDINGS_MAX]
 
     # -- the workers' link ---------------------------------------------------------------------
@@ -659,6 +785,17 @@ class Agent:
                 self._on_worker(frames[0], msg)
 
     def _on_worker(self, peer: bytes, msg: Message) -> None:
+        if isinstance(msg, m.WorkerReady):
+            w = next((w for w in [*self.spares.values(), *self.workers.values()] if w.pid == msg.pid), None)
+            if w is None:
+                self.log.warning("worker.unknown", pid=msg.pid)
+                return
+            w.peer = peer
+            if w.go is not None:
+                self._to_worker(peer, w.go)
+                w.go = None
+            self.log.info("spare.ready", job=w.job, slot=w.slot, pid=w.pid, used=not w.warm)
+            return
         if isinstance(msg, m.WorkerHello):
             w = next((w for w in self.workers.values() if w.pid == msg.pid), None)
             if w is None:
@@ -675,12 +812,17 @@ class Agent:
         match msg:
             case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds):
                 self._send(m.NodeProgress(job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds))
+                w.steps += 1
+                if w.steps == SPARE_AFTER_STEPS and self.warm and not w.stopping and not w.stop_at_checkpoint:
+                    task = asyncio.create_task(self._start_spare(w.job, w.slot))  # the slot's next generation starts warm
+                    self.spare_tasks.add(task)
+                    task.add_done_callback(self.spare_tasks.discard)
             case m.WorkerMetric(row=row):
                 self._send(m.NodeMetric(job=w.job, generation=w.generation, row=row))
             case m.WorkerSample(row=row):
                 self._send(m.NodeSample(job=w.job, generation=w.generation, row=row))
-            case m.WorkerCheckpoint(step=step, seconds=seconds):
-                self._send(m.NodeCheckpoint(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, step=step, seconds=seconds))
+            case m.WorkerCheckpoint(step=step, seconds=seconds, memory=memory):
+                self._send(m.NodeCheckpoint(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, step=step, seconds=seconds, memory=memory))
             case _:
                 self.log.warning("message.unexpected", source="worker", type=str(msg.TYPE))
 
@@ -694,6 +836,10 @@ class Agent:
             await asyncio.sleep(LOG_FLUSH_S)  # batching interval for output lines
             for w in list(self.workers.values()):
                 self._flush(w)
+            now = time.monotonic()
+            self._check_spares(now)
+            for job in self.memory.sweep(now, {w.job for w in self.workers.values()}):
+                self.log.info("memory_state.removed", job=job, why="no worker of it here for a while")
             for export_id in self.exporter.expire(time.monotonic()):
                 self.log.info("export.expired", export=export_id)
 

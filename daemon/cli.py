@@ -180,7 +180,7 @@ def settings(args: argparse.Namespace) -> Settings:
     workers = int(pick("workers", 1))
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be an integer >= 1")
-    hb, liveness = float(pick("heartbeat_interval", 0.5)), int(pick("liveness", 6))
+    hb, liveness = float(pick("heartbeat_interval", 0.25)), int(pick("liveness", 6))
     if hb <= 0 or liveness < 2:
         raise UsageError(f"--heartbeat-interval {hb} / --liveness {liveness}: must be > 0 and >= 2")
     name = pick("name", None) or socket.gethostname().split(".")[0].lower()
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--state-dir", dest="state_dir", help=f"daemon state: run dirs, checkpoints, the coordinator's database (default {default_state_dir()})")
     run.add_argument("--insecure", action="store_true", default=None, help="allow a non-loopback control plane without CURVE keys")
     run.add_argument("--keys", help="CURVE key directory made by `dpctl keys init` (else $DPOOL_KEYS, else config); with it every control-plane socket uses CURVE")
-    run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.5)")
+    run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.25)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")

@@ -73,7 +73,7 @@ class Coordinator:
         addr: str,
         state_dir: str | Path,
         *,
-        heartbeat_s: float = 0.5,
+        heartbeat_s: float = 0.25,
         liveness: int = 6,
         clock: Callable[[], float] | None = None,
         keys: ServerKeys | None = None,
@@ -118,6 +118,8 @@ class Coordinator:
         now = self.clock()
         self.pool.remembered = self.store.held_nodes()
         for job, saved in self.store.load_jobs():
+            if saved.state not in js.TERMINAL:
+                job.logged = self.store.logged_steps(job.id)  # where a new generation may resume (Job.resume_max)
             self.pool.restore(job, saved, now)
         self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs), curve=self.keys is not None)
         self.ready.set()

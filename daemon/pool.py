@@ -183,7 +183,7 @@ class Pool:
                 node.drained_reported = True
             self.nodes[name] = node
         for h in msg.holdings:
-            node.holdings[(h.job, h.slot)] = h.step
+            node.add_holding(h.job, h.slot, h.step, h.memory)
         for e in msg.exited:
             refused = self.report_refused(name, "node.register exited", e.job, e.generation, e.rank)
             actions += [refused] if refused is not None else self._exited(now, node.name, e)
@@ -416,6 +416,8 @@ class Pool:
         for node in self.nodes.values():
             for key in [k for k in node.holdings if k[0] == job_id]:
                 del node.holdings[key]
+            for key in [k for k in node.resumable if k[0] == job_id]:
+                del node.resumable[key]
 
     def _prepared(self, now: float, node: Node, msg: m.NodePrepared) -> list[Action]:
         job = self.live.get(msg.job)
@@ -461,9 +463,10 @@ class Pool:
         # coordinator knows this generation was launched and never launches its number again.
         actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline), now), JobChanged(job.id)]
         doc = job.doc  # one job file, split and hostfile for every node's group.start: packed once
+        resume_max = job.resume_max()
         for node in plan.nodes():
             ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
-            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=shares, hostfile=hostfile)))
+            actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=shares, hostfile=hostfile, resume_max=resume_max)))
         actions.append(
             Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
         )
@@ -516,6 +519,7 @@ class Pool:
         if job is None or (job.plan is not None and generation < job.plan.generation):
             return []
         actions: list[Action] = []
+        job.logged[row.kind] = max(row.step, job.logged.get(row.kind, 0))
         if isinstance(row, TrainRow):
             if row.loss is not None:
                 job.loss = row.loss
@@ -547,10 +551,9 @@ class Pool:
         return [Record(job.id, "rebalanced", now, fields), JobChanged(job.id)]
 
     def _checkpoint(self, now: float, node: Node, msg: m.NodeCheckpoint) -> list[Action]:
-        key = (msg.job, msg.slot)
-        node.holdings[key] = max(msg.step, node.holdings.get(key, 0))
+        node.add_holding(msg.job, msg.slot, msg.step, msg.memory)
         job = self.jobs.get(msg.job)  # also finished: a rank's last report may come after its exit
-        if job is None or job.plan is None or job.plan.generation != msg.generation:
+        if msg.memory or job is None or job.plan is None or job.plan.generation != msg.generation:
             return []
         got = job.saved.setdefault(msg.step, {})
         got[msg.rank] = msg.seconds
@@ -655,7 +658,7 @@ class Pool:
         return actions
 
     def _free_slots(self, job: Job) -> list[FreeSlot]:
-        return [FreeSlot(n.name, i, n.holdings.get((job.id, i))) for n in self.nodes.values() for i in n.free()]
+        return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in self.nodes.values() for i in n.free()]
 
     def _grow(self, now: float) -> list[Action]:
         """A running job below workers.max, with healthy slots free: checkpoint and restart wider.

@@ -92,7 +92,16 @@ class Node:
     lost_blames: int = 0  # of those, failures for its missing heartbeats (taken back if it returns alive)
     reason: str | None = None  # shown in `dpctl nodes`: why it is lost, drained or set aside
     used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
-    holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step
+    holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step on disk
+    # (job, slot) -> newest step it can resume from: on disk or kept in memory (outlives a trainer, not the machine)
+    resumable: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def add_holding(self, job: str, slot: int, step: int, memory: bool) -> None:
+        """A checkpoint (or a kept state, `memory`) of `job` at `step` in `slot`."""
+        key = (job, slot)
+        if not memory:
+            self.holdings[key] = max(step, self.holdings.get(key, 0))
+        self.resumable[key] = max(step, self.resumable.get(key, 0))
 
     @property
     def slots(self) -> int:
@@ -173,7 +182,19 @@ class Job:
     shares: tuple[int, ...] | None = None  # the split in force, when the trainer rebalanced the plan's
     speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
     placed: dict[int, tuple[str, ...]] = field(default_factory=dict)  # generation -> the node of each rank (the newest few)
+    logged: dict[str, int] = field(default_factory=dict)  # metric kind ("train", "eval") -> newest step recorded
     _doc: dict[str, Any] | None = None
+
+    def resume_max(self) -> int:
+        """The latest step a new generation may resume from and leave no gap in the recorded
+        metrics: the step before the next train row (every `train.log_every_steps`) and the next
+        evaluation (every `eval.every_steps`) that were not recorded. Rows of the last steps can
+        be lost with the coordinator, or with rank 0's node, while the state of those steps lives
+        on in the survivors' memory; those steps are then trained again."""
+        caps = []
+        for kind, every in (("train", self.spec.train.log_every_steps), ("eval", self.spec.eval.every_steps)):
+            caps.append((self.logged.get(kind, 0) // every + 1) * every - 1)
+        return max(0, min(caps))
 
     @property
     def doc(self) -> dict[str, Any]:

@@ -387,6 +387,12 @@ class Store:
             (job, row.kind, row.step, generation, _json(row.to_wire())),
         )
 
+    def logged_steps(self, job: str) -> dict[str, int]:
+        """The newest step of each kind of the job's metrics ("train", "eval")."""
+        self._see_writes()
+        rows = self.db.execute("SELECT kind, MAX(step) FROM metrics WHERE job = ? GROUP BY kind", (job,)).fetchall()
+        return {str(kind): int(step) for kind, step in rows}
+
     def metrics(self, job: str, after: int, limit: int) -> tuple[list[MetricRow], int, bool]:
         """Rows `after`.. of the job's metrics, at most `limit`: (rows, the next page's `after`,
         whether there is one)."""

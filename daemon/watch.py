@@ -13,9 +13,10 @@ How long to wait after step s was reported before calling the group stalled:
   (`recovery.step_timeout_factor`, default 8): a step would have to get 8x slower than its own
   recent median, for the whole allowance, to be called stalled. The median ignores the odd slow
   step (a checkpoint copy, a garbage collection).
-- `floor` (`recovery.step_timeout_floor_s`, default 3 s): tiny steps (milliseconds) would otherwise
-  give sub-second deadlines that scheduling noise on a loaded machine trips. 3 s is the heartbeat
-  expiry: a machine that cannot run a 10 ms step within 3 s would lose its heartbeats too.
+- `floor` (`recovery.step_timeout_floor_s`, default 2 s): tiny steps (milliseconds) would otherwise
+  give sub-second deadlines that scheduling noise on a loaded machine trips. 2 s is just above the
+  heartbeat expiry (1.5 s): a machine that cannot run a 10 ms step within 2 s would lose its
+  heartbeats too.
 - `extra(s)`: after step s the trainer may evaluate (every `eval.every_steps`) and rank 0 may
   generate a sample (every `eval.sample_every_steps`) before step s+1; the others wait for it in
   the next all_sum. Their cost is measured the first time (the allowance then is the generous

@@ -215,7 +215,7 @@ class RecoverySpec:
     max_restarts: int = _spec(_int(0), "crash restarts allowed before the job fails (membership changes are free)", 10)
     start_timeout_s: float = _spec(_float(1.0), "deadline for a group's start and first step", 120.0)
     step_timeout_floor_s: float = _spec(
-        _float(0.5), "the per-step progress deadline never goes below this (3 s: the heartbeat expiry)", 3.0
+        _float(0.5), "the per-step progress deadline never goes below this (2 s: just above the heartbeat expiry)", 2.0
     )
     step_timeout_factor: float = _spec(
         _float(1.0), "a group is stalled when no step completes within this many times its median step time", 8.0

@@ -160,13 +160,15 @@ class MsgType(enum.StrEnum):
     EXPORT_FETCH = "export.fetch"
     EXPORT_RELEASE = "export.release"
     JOB_REMOVE = "job.remove"
-    # trainer -> its dpd (over ipc), and the one message back
+    # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
     WORKER_METRIC = "worker.metric"
     WORKER_SAMPLE = "worker.sample"
     WORKER_CHECKPOINT = "worker.checkpoint"
     WORKER_STOP = "worker.stop"
+    WORKER_READY = "worker.ready"
+    WORKER_GO = "worker.go"
 
 
 class ErrorCode(enum.StrEnum):
@@ -773,7 +775,9 @@ class NodeSample(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class NodeCheckpoint(Message):
-    """Rank `rank`'s step-`step` checkpoint is durable on this node (in slot `slot`'s run dir)."""
+    """Rank `rank`'s step-`step` checkpoint is durable on this node (in slot `slot`'s run dir);
+    `memory`: it is the state kept in memory after every step (it outlives the trainer, not the
+    machine): a holding to resume from, not a checkpoint of the job's record."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_CHECKPOINT
     job: JobId
@@ -782,6 +786,7 @@ class NodeCheckpoint(Message):
     slot: SlotIndex
     step: Step
     seconds: Seconds
+    memory: bool = False
 
 
 @message
@@ -872,7 +877,8 @@ class GroupPrepare(Message):
 class GroupStart(Message):
     """Phase 2: start the node's ranks. `ranks`: which slot runs which rank on this node;
     `hostfile`: one ["ip:port"] per rank of the whole group; `shares`: sequences per rank (index =
-    rank)."""
+    rank); `resume_max`: resume from no later step than this (the coordinator's record of the
+    job's metrics would otherwise have a gap)."""
 
     TYPE: ClassVar[MsgType] = MsgType.GROUP_START
     SHARED: ClassVar[frozenset[str]] = frozenset({"spec", "shares", "hostfile"})
@@ -882,6 +888,7 @@ class GroupStart(Message):
     ranks: Annotated[list[RankSlot], Items(MAX_SLOTS)]
     shares: Shares
     hostfile: Annotated[list[Annotated[list[Annotated[str, Str(300)]], Items(16)]], Items(MAX_WORLD)]
+    resume_max: Step | None = None
 
 
 @message
@@ -986,6 +993,7 @@ class WorkerCheckpoint(Message):
     TYPE: ClassVar[MsgType] = MsgType.WORKER_CHECKPOINT
     step: Step
     seconds: Seconds
+    memory: bool = False
 
 
 @message
@@ -994,6 +1002,30 @@ class WorkerStop(Message):
     """dpd -> trainer: checkpoint at the next step boundary, then exit 75."""
 
     TYPE: ClassVar[MsgType] = MsgType.WORKER_STOP
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerReady(Message):
+    """A warm trainer (`--warm`): MLX imported, the job's model and data built; waiting for
+    `worker.go`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_READY
+    pid: Pid
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerGo(Message):
+    """dpd -> warm trainer: join generation `generation` as rank `rank`. `hostfile`: the path of
+    the group's ring hostfile on this machine (None: a group of one)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_GO
+    rank: Rank
+    generation: Generation
+    shares: Shares
+    hostfile: Annotated[str, Str(4096)] | None = None
+    resume_max: Step | None = None
 
 
 # Who accepts what: a receiver names the types it takes, and a frame of another type is refused
@@ -1010,14 +1042,14 @@ TO_NODE = frozenset({
     MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
     MsgType.ERROR,
 })
-FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t is not MsgType.WORKER_STOP)
+FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t not in (MsgType.WORKER_STOP, MsgType.WORKER_GO))
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}
 TO_CLIENT = frozenset({
     MsgType.SUBMITTED, MsgType.STATUS_REPLY, MsgType.NODES_REPLY, MsgType.METRICS_REPLY, MsgType.EVENTS_REPLY,
     MsgType.SAMPLES_REPLY, MsgType.LOGS_REPLY, MsgType.CANCEL_REPLY, MsgType.DRAIN_REPLY, MsgType.UNDRAIN_REPLY,
     MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.RM_REPLY, MsgType.ERROR,
 })
-TO_WORKER = frozenset({MsgType.WORKER_STOP})
+TO_WORKER = frozenset({MsgType.WORKER_STOP, MsgType.WORKER_GO})
 
 
 # ---------------------------------------------------------------------------------------------

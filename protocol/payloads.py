@@ -114,11 +114,13 @@ class ExitedWorker(Record):
 @record
 @dataclass(frozen=True, slots=True)
 class Holding(Record):
-    """The newest checkpoint step of one slot's run dir of a job (node.register's `holdings`)."""
+    """The newest checkpoint step of one slot's run dir of a job (node.register's `holdings`);
+    `memory`: the newest step of the state kept in memory (it resumes a group, it is not exported)."""
 
     job: JobId
     slot: SlotIndex
     step: Step
+    memory: bool = False
 
 
 @record

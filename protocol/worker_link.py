@@ -3,8 +3,9 @@
 The daemon sets `DPOOL_WORKER_ADDR` (a ZeroMQ address it listens on) when it starts a trainer;
 `WorkerLink.from_env()` connects a DEALER there, or returns None when the trainer runs by hand. Every
 send is non-blocking into a bounded queue: when the daemon is slow or gone, reports are dropped
-(and counted) rather than ever slowing a training step. The one message back, `worker.stop`, is
-read by `stop_requested()`, a non-blocking poll.
+(and counted) rather than ever slowing a training step. Two messages come back: `worker.stop`, read
+by `stop_requested()`, a non-blocking poll; and, for a warm trainer (started ahead of need, its
+model and data built), `worker.go`, which `wait_go()` blocks on after `worker.ready`.
 
 A trainer must not outlive its daemon (nobody would stop it, and its slot would be given to another
 worker). On Linux the daemon asks the kernel to SIGKILL it (PR_SET_PDEATHSIG); on macOS there is no
@@ -29,9 +30,11 @@ from dpool.protocol.messages import (
     MsgType,
     ProtocolError,
     WorkerCheckpoint,
+    WorkerGo,
     WorkerHello,
     WorkerMetric,
     WorkerProgress,
+    WorkerReady,
     WorkerSample,
     decode,
 )
@@ -101,8 +104,8 @@ class WorkerLink:
             self._said.add(what)
             print(f"dpool: a {what} row was not sent to the daemon: {e}", file=sys.stderr, flush=True)
 
-    def checkpoint(self, *, step: int, seconds: float) -> None:
-        self._send(WorkerCheckpoint(step=step, seconds=float(seconds)))
+    def checkpoint(self, *, step: int, seconds: float, memory: bool = False) -> None:
+        self._send(WorkerCheckpoint(step=step, seconds=float(seconds), memory=memory))
 
     def _send(self, msg: Message) -> None:
         frames = msg.to_frames(self._next_id)
@@ -122,6 +125,26 @@ class WorkerLink:
                 if not self._closed.wait(ORPHAN_GRACE_S):
                     os._exit(EXIT_ORPHANED)  # stuck where no step boundary comes: leave now
                 return
+
+    def wait_go(self) -> WorkerGo | None:
+        """A warm trainer: say `worker.ready`, then block until `worker.go` (None: stop instead,
+        by `worker.stop` or because the daemon is gone). Blocking in poll uses no CPU while the
+        group this trainer may join trains on the same machine."""
+        self._send(WorkerReady(pid=os.getpid()))
+        while not self.orphaned:
+            if not self._sock.poll(int(ORPHAN_CHECK_S * 1000)):
+                continue
+            for frames in pending(self._sock):
+                try:
+                    msg, _ = decode(frames, TO_WORKER)
+                except ProtocolError:
+                    continue
+                if isinstance(msg, WorkerGo):
+                    return msg
+                if msg.TYPE is MsgType.WORKER_STOP:
+                    self._stop = True
+                    return None
+        return None
 
     def stop_requested(self) -> bool:
         """True once the daemon asked this worker to checkpoint at the next step boundary and exit

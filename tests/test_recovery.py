@@ -31,11 +31,12 @@ JOB_TIMEOUT = 240.0
 TOL = 1e-3
 
 
-def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS) -> Path:
-    """A job twice as deep and wide as the tests' TINY, with a checkpoint every 4 steps."""
+def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS, every: int | str = 4) -> Path:
+    """A job twice as deep and wide as the tests' TINY, with a checkpoint every 4 steps (`every`:
+    "auto" is the default setting)."""
     return write_job(
         dir, name, workers={"min": lo, "max": hi}, model={"layers": 2, "dim": 64},
-        train={"steps": steps, "global_batch": 12}, checkpoint={"every_steps": 4},
+        train={"steps": steps, "global_batch": 12}, checkpoint={"every_steps": every},
     )
 
 
@@ -109,6 +110,29 @@ def test_sigkill_of_a_trainer_resumes_from_the_checkpoint(pool: Pool, tmp_path: 
     assert resumed and resumed[0]["generation"] >= 2 and resumed[0]["cause"] == "failure"
     assert 0 <= resumed[0]["steps_recomputed"] < 4 + 6  # at most a checkpoint interval (plus steps in flight)
     assert kinds(events, "job.failed") == []
+
+
+def test_with_default_settings_a_killed_trainer_costs_at_most_one_step_and_warm_trainers_take_over(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    """Every slot keeps a warm trainer once its worker runs; the next generation is those very
+    processes (the killed one's slot too), resumed from the state of the last step kept in memory,
+    whatever the checkpoint interval on disk."""
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "warm", every="auto"))
+    mid_run(pool, job)
+    spares = {n: wait_for(f"a warm trainer on {n}", lambda n=n: pool.spare_pids(n, job), 60, every=0.05) for n in ("n0", "n1", "n2")}
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGKILL)
+    status = pool.wait_status(job, "generation 2 running", lambda s: s.generation >= 2 and s.state == "running", timeout=120, every=0.05)
+    if status.generation == 2:  # (a later generation, after some other hiccup, proves nothing about these spares)
+        assert sorted(w.pid for w in status.workers) == sorted(p for pids in spares.values() for p in pids)
+    events = pool.finish(job, reference)
+    resumed = kinds(events, "group.resumed")
+    assert resumed[0]["cause"] == "failure" and resumed[0]["steps_recomputed"] <= 1, resumed
+    started = [line for line in pool.dpctl("logs", job).stdout.splitlines() if "trainer.started" in line and '"generation":2' in line]
+    assert len(started) == 3 and all('"warm":true' in line for line in started), started
+    # From memory; or, where the killed rank had not kept that last step, rank 0's copy sent to all.
+    assert all('"restored":"memory"' in line or '"restored":"broadcast"' in line for line in started), started
+    wait_for("no warm trainer left once the job is done", lambda: not any(pool.spare_pids(n, job) for n in spares), 30)
 
 
 def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool: Pool, tmp_path: Path, reference: Any) -> None:

@@ -24,7 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, help="where metrics, samples and checkpoints go; {rank} is replaced by the rank")
     parser.add_argument("--shares", help="sequences of each global batch per rank, comma-separated (default: equal)")
     parser.add_argument("--generation", type=int, default=1, help="group (re)start count, recorded in metrics")
+    parser.add_argument(
+        "--resume-max", type=int, metavar="STEP",
+        help="resume from no checkpoint (or state kept in memory) past STEP: the daemon's record of the metrics has no gap then",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--warm", action="store_true",
+        help="build the model and data, then wait for the daemon's worker.go (rank, generation, shares, hostfile): "
+        "a trainer a dpd keeps ready for the next generation",
+    )
     parser.add_argument(
         "--export", metavar="OUT",
         help="train nothing: write the newest checkpoint of --run-dir (or --step N) to OUT, as `dpctl export` does "
@@ -34,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.step is not None and not args.export:
         parser.error("--step goes with --export")
+    if args.warm and (args.export or args.shares):
+        parser.error("--warm takes its shares from worker.go, and does not export")
 
     # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
     reexec_with_openblas("dpool.trainer", argv)
@@ -53,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             step, files = loop.export(spec, Path(args.run_dir), Path(args.export), args.step, source=args.job)
             print(f"exported step {step} of {spec.name} to {args.export}: {', '.join(files)}")
             return loop.EXIT_DONE
-        return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job)
+        return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max)
     except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT

@@ -103,8 +103,24 @@ def to_host(flat: list[tuple[str, mx.array]]) -> dict[str, tuple[np.ndarray, str
     return out
 
 
-def _write_safetensors(path: Path, arrays: dict[str, tuple[np.ndarray, str]]) -> tuple[int, str]:
-    """Write the safetensors format (8-byte header size, JSON header, raw little-endian data)."""
+def host_views(flat: list[tuple[str, mx.array]]) -> dict[str, tuple[np.ndarray, str]]:
+    """As `to_host`, without the copy: numpy views of the (evaluated, immutable) arrays, which they
+    keep alive, and so out of MLX's reach to reuse, until the views are dropped. For the state kept
+    in memory after every step, where a copy on the step path would cost more than the write."""
+    bf16 = {k: v.view(mx.uint16) for k, v in flat if v.dtype == mx.bfloat16}
+    if bf16:
+        mx.eval(list(bf16.values()))
+    out = {}
+    for k, v in flat:
+        a = np.asarray(bf16.get(k, v))
+        out[k] = (a, "BF16" if k in bf16 else _ST_DTYPES[a.dtype])
+    return out
+
+
+def _write_safetensors(path: Path, arrays: dict[str, tuple[np.ndarray, str]], durable: bool = True) -> tuple[int, str | None]:
+    """Write the safetensors format (8-byte header size, JSON header, raw little-endian data);
+    `durable`: with its sha256, fsynced (a copy in memory is neither: it never outlives the
+    machine, and it is read back by the machine that wrote it)."""
     header: dict[str, Any] = {}
     offset = 0
     for name, (a, dtype) in arrays.items():
@@ -113,14 +129,16 @@ def _write_safetensors(path: Path, arrays: dict[str, tuple[np.ndarray, str]]) ->
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    h = hashlib.sha256()
+    h = hashlib.sha256() if durable else None
     with open(path, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw, *(np.ascontiguousarray(a).tobytes() for a, _ in arrays.values())):
+        for chunk in (struct.pack("<Q", len(raw)), raw, *(memoryview(np.ascontiguousarray(a)).cast("B") for a, _ in arrays.values())):
             f.write(chunk)
-            h.update(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return path.stat().st_size, h.hexdigest()
+            if h is not None:
+                h.update(chunk)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    return path.stat().st_size, h.hexdigest() if h is not None else None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -131,9 +149,10 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int) -> tuple[Path, list[str]]:
+def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, durable: bool = True) -> tuple[Path, list[str]]:
     """Write one checkpoint atomically and prune; returns its folder and any pruning problems.
-    Raises OSError with nothing changed but a `.tmp-` folder removed again."""
+    Raises OSError with nothing changed but a `.tmp-` folder removed again. Not `durable` (the
+    state kept in memory): no checksums and no fsync; the manifest, written last, says so."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, snap.step)
@@ -143,23 +162,28 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int) -> tuple[Path, li
         tmp.mkdir()
         files = {}
         for name, arrays in (("model.safetensors", snap.model), ("optimizer.safetensors", snap.optimizer)):
-            size, digest = _write_safetensors(tmp / name, arrays)
+            size, digest = _write_safetensors(tmp / name, arrays, durable)
             files[name] = {"bytes": size, "sha256": digest}
         manifest = {**snap.manifest, "format": FORMAT_VERSION, "step": snap.step, "files": files}
+        if not durable:
+            manifest["memory"] = True
         with open(tmp / MANIFEST, "wb") as f:
             f.write(json.dumps(manifest, indent=1, sort_keys=True).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        _move_into_place(tmp, final)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if durable:
+            _fsync_dir(tmp)
+        _move_into_place(tmp, final, durable)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
+    if durable:
+        _fsync_dir(root)
     return final, prune(run_dir, keep, newest=snap.step)
 
 
-def _move_into_place(tmp: Path, final: Path) -> None:
+def _move_into_place(tmp: Path, final: Path, durable: bool = True) -> None:
     """Rename `tmp` to `final`; an existing `final` (the same step saved again) is renamed aside
     first and deleted only once the new one is in place, or put back when that rename fails."""
     if not final.exists():
@@ -173,7 +197,8 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     except BaseException:
         os.rename(old, final)
         raise
-    _fsync_dir(final.parent)
+    if durable:
+        _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)  # the new copy is in place: what is left, clean_partial takes
 
 
@@ -261,6 +286,10 @@ def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
             raise CheckpointError(f"{path}: missing") from None
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: {size} bytes, manifest says {want['bytes']} (truncated?)")
+        if want.get("sha256") is None:
+            if manifest.get("memory") is True:
+                continue  # the state kept in memory: complete once its manifest exists, sizes checked
+            raise CheckpointError(f"{path}: the manifest has no checksum for it")
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -270,9 +299,12 @@ def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
     return manifest
 
 
-def newest_valid(run_dir: Path, job_hash: str, log) -> tuple[int, dict[str, Any]] | None:
-    """The newest checkpoint that verifies; damaged ones are reported and skipped, other jobs' refused."""
+def newest_valid(run_dir: Path, job_hash: str, log, at_most: int | None = None) -> tuple[int, dict[str, Any]] | None:
+    """The newest checkpoint (at or below `at_most`) that verifies; damaged ones are reported and
+    skipped, other jobs' refused."""
     for step in listed_steps(run_dir):
+        if at_most is not None and step > at_most:
+            continue
         try:
             return step, verify(run_dir, step, job_hash)
         except CheckpointMismatch:
@@ -304,21 +336,23 @@ def check_trained(weights: dict[str, mx.array], model, run_dir: Path, step: int)
 class CheckpointWriter:
     """One background thread that writes snapshots in order; results are collected by the loop."""
 
-    def __init__(self, run_dir: Path, keep: int):
-        self.run_dir, self.keep = run_dir, keep
+    def __init__(self, run_dir: Path, keep: int, durable: bool = True):
+        self.run_dir, self.keep, self.durable = run_dir, keep, durable
+        self.pending = 0  # submitted, not yet collected
         self._todo: queue.Queue[Snapshot | None] = queue.Queue()
         self._done: queue.Queue[tuple[int, float, str | None, list[str]]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def submit(self, snap: Snapshot) -> None:
+        self.pending += 1
         self._todo.put(snap)
 
     def _run(self) -> None:
         while (snap := self._todo.get()) is not None:
             t0 = time.perf_counter()
             try:
-                _, problems = write_checkpoint(self.run_dir, snap, self.keep)
+                _, problems = write_checkpoint(self.run_dir, snap, self.keep, self.durable)
                 self._done.put((snap.step, time.perf_counter() - t0, None, problems))
             except Exception as e:  # a full disk: reported (the trainer exits with it), the older ones kept
                 self._done.put((snap.step, time.perf_counter() - t0, str(e) or type(e).__name__, []))
@@ -330,6 +364,7 @@ class CheckpointWriter:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
+                self.pending -= len(out)
                 return out
 
     def close(self) -> list[tuple[int, float, str | None, list[str]]]:

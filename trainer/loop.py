@@ -26,6 +26,7 @@ from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_mem
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import TARGET, AutoInterval
+from dpool.trainer.memstate import MemoryState, memory_dir
 from dpool.trainer.step import Stepper, lr_at
 from dpool.trainer.task import build_task
 
@@ -91,39 +92,56 @@ class MetricsLog:
 
 
 def _restore(
-    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log
+    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
 ) -> tuple[int, str]:
-    """Agree on the resume step (rank 0's newest valid checkpoint) and get that state everywhere.
+    """Agree on the resume step (rank 0's newest valid checkpoint, on disk or kept in memory) and
+    get that state everywhere.
 
-    Ranks that hold the same verified checkpoint load it from disk; otherwise rank 0 broadcasts
-    weights and optimizer state over the collective, so a node that never saw the job needs nothing
-    but the job file.
+    Ranks that hold the same step (verified, on disk or in memory) load it; otherwise rank 0
+    broadcasts weights and optimizer state over the collective, so a node that never saw the job
+    needs nothing but the job file. `at_most`: no step past it is resumed (the daemon's record of
+    the metrics ends there).
     """
     job_hash = spec.training_hash()
-    ckpt.clean_partial(run_dir)
-    found = ckpt.newest_valid(run_dir, job_hash, log) if group.rank == 0 else None
-    (step,) = group.broadcast_ints([found[0] if found else 0])
+    stores = [run_dir] + ([memory] if memory is not None else [])
+    for d in stores:
+        ckpt.clean_partial(d)
+    found = 0
+    if group.rank == 0:
+        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most)
+        kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
+        found = max(disk[0] if disk else 0, kept or 0)
+    (step,) = group.broadcast_ints([found])
     # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
     # ones this rank wrote in a group that went on without rank 0's): gone before anything is
     # written, so pruning keeps what this run writes and the pool never sees them as holdings.
-    dropped = ckpt.drop_above(run_dir, step, job_hash)
-    if dropped:
-        log.info("checkpoint.dropped", steps=dropped, resume_step=step)
-    have = 1
-    if step > 0 and group.rank != 0:
-        try:
-            ckpt.verify(run_dir, step, job_hash)
-        except ckpt.CheckpointMismatch:
-            raise
-        except ckpt.CheckpointError:
-            have = 0
-    (holders,) = group.sum_ints([have])
+    for d in stores:
+        dropped = ckpt.drop_above(d, step, job_hash)
+        if dropped:
+            log.info("checkpoint.dropped", steps=dropped, resume_step=step, memory=d is memory)
+    source = None
+    if step > 0:
+        for d in reversed(stores):  # memory first: the faster read
+            try:
+                ckpt.verify(d, step, job_hash)
+                source = d
+                break
+            except ckpt.CheckpointMismatch:
+                if d is memory:
+                    continue
+                raise
+            except ckpt.CheckpointError:
+                continue
+        if source is None and group.rank == 0:
+            raise ckpt.CheckpointError(f"{run_dir}: step {step} was valid a moment ago and is not now")
+    (holders,) = group.sum_ints([int(source is not None)])
     if step > 0 and holders < group.size:
         _check_same_layout(group, model, optimizer)
     local = holders == group.size
     if step > 0 and (local or group.rank == 0):
-        weights, opt_state = ckpt.load_arrays(run_dir, step)
-        ckpt.check_trained(weights, model, run_dir, step)
+        assert source is not None
+        weights, opt_state = ckpt.load_arrays(source, step)
+        ckpt.check_trained(weights, model, source, step)
         model.load_weights(list(weights.items()), strict=False)
         optimizer.state = tree_unflatten(list(opt_state.items()))
     if not local or step == 0:
@@ -138,8 +156,23 @@ def _restore(
             sent = group.broadcast([v for _, v in flat])
             optimizer.state = tree_unflatten([(k, v) for (k, _), v in zip(flat, sent, strict=True)])
     mx.eval(model.parameters(), optimizer.state)
-    how = "fresh" if step == 0 else ("local" if local else "broadcast")
+    if step == 0:
+        how = "fresh"
+    elif not local:
+        how = "broadcast"
+    else:
+        how = "memory" if source is memory else "local"
     return step, how
+
+
+def _newest_kept(memory: Path, job_hash: str, log, at_most: int | None) -> int | None:
+    """The newest state kept in memory that verifies (another job's is not this job's: skipped)."""
+    try:
+        found = ckpt.newest_valid(memory, job_hash, log, at_most)
+    except ckpt.CheckpointMismatch as e:
+        log.warning("memory_state.skipped", reason=str(e))
+        return None
+    return found[0] if found else None
 
 
 def _check_same_layout(group: Group, model, optimizer) -> None:
@@ -173,7 +206,13 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
             )
 
 
-def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int, source: str = "job file") -> int:
+def run(
+    spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int, source: str = "job file",
+    warm: bool = False, resume_max: int | None = None,
+) -> int:
+    """Train one rank. `warm`: build the model and data first, then wait for the daemon's
+    `worker.go` (rank, generation, shares, hostfile) before joining the group: a trainer the daemon
+    starts ahead of need, so that a restart finds one ready."""
     marks = {"process": time.time() - _process_start()}  # start-up phases, logged: a restart pays them
     t_mark = time.perf_counter()
 
@@ -186,6 +225,23 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     # Paths first, before joining the group: a worker that lacks them fails its start at once,
     # with a message that names the path (its dpd adds the node), and the job fails.
     check_paths(spec, source)
+    link = _worker_link()
+    task = None
+    if warm:
+        if link is None or "{rank}" in run_dir_arg:
+            raise UsageError("--warm needs a daemon (DPOOL_WORKER_ADDR) and a --run-dir without {rank}")
+        task = build_task(spec, _cache_dir(Path(run_dir_arg)))
+        mark("model_and_data")
+        go = link.wait_go()
+        if go is None:
+            return EXIT_STOPPED  # not needed after all: stopped while waiting
+        marks["warm_wait"] = round(time.perf_counter() - t_mark, 3)
+        t_mark = time.perf_counter()
+        os.environ.pop("MLX_RANK", None)
+        os.environ.pop("MLX_HOSTFILE", None)
+        if go.hostfile is not None:
+            os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(go.rank), go.hostfile  # MLX reads them at init
+        shares_arg, generation, resume_max = ",".join(str(n) for n in go.shares), go.generation, go.resume_max
     group = Group()
     mark("group")
     rank, world = group.rank, group.size
@@ -193,17 +249,23 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     shares = parse_shares(shares_arg, world, spec.train.global_batch)
     run_dir = Path(run_dir_arg.replace("{rank}", str(rank)))
     run_dir.mkdir(parents=True, exist_ok=True)
-    link = _worker_link()
     t = spec.train
 
-    task = build_task(spec, Path(os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache"))
-    mark("model_and_data")
+    if task is None:
+        task = build_task(spec, _cache_dir(run_dir))
+        mark("model_and_data")
     _same_everywhere(group, task.fingerprints, spec)
     model = task.model
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
     optimizer.init(model.trainable_parameters())
-    start, how = _restore(spec, run_dir, group, model, optimizer, log)
+    memory = memory_dir()
+    start, how = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max)
     mark("restore")
+    kept = None
+    if memory is not None:
+        state_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
+        state_bytes += sum(v.nbytes for _, v in tree_flatten(optimizer.state))
+        kept = MemoryState(memory, state_bytes, machine_memory_bytes(), log)
     stepper = Stepper(task, optimizer, group, 1, t.grad_clip, t.seed)
     per_example = stepper.probe_bytes() if t.micro_batch == "auto" else 0
     free = machine_memory_bytes() - mx.get_active_memory()
@@ -218,7 +280,7 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, **task.describe(),
         blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=stepper.micro,
-        probe_bytes_per_example=per_example or None, startup_s=marks,
+        probe_bytes_per_example=per_example or None, startup_s=marks, warm=warm,
     )
     if link:
         link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
@@ -233,6 +295,19 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
     copy_s: dict[int, float] = {}  # a checkpoint's host copy on the step path, until its write is done
     job_hash = spec.training_hash()
     gb = t.global_batch
+
+    def manifest(step: int) -> dict[str, Any]:
+        return {
+            "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares,
+            "generation": generation, "kind": spec.model.kind,
+            "rng": {"seed": t.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
+            "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
+        }
+
+    def report_kept(done: list[tuple[int, float]]) -> None:
+        if link:
+            for step, seconds in done:
+                link.checkpoint(step=step, seconds=seconds, memory=True)
 
     def evaluate(step: int) -> None:
         # Held-out examples in chunks of a global batch; each rank scores its share of each chunk.
@@ -311,16 +386,13 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                 step=step,
                 model=ckpt.to_host(tree_flatten(model.trainable_parameters())),
                 optimizer=ckpt.to_host(tree_flatten(optimizer.state)),
-                manifest={
-                    "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares,
-                    "generation": generation, "kind": spec.model.kind,
-                    "rng": {"seed": t.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
-                    "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
-                },
+                manifest=manifest(step),
             ))
             copy_s[step] = time.perf_counter() - t_copy
             if auto:
                 auto.saved(step)
+        if kept is not None and step < t.steps:
+            kept.offer(step, model, optimizer, manifest(step))  # a failure from here on recomputes no step before it
         t_aside = time.perf_counter()
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
@@ -331,6 +403,8 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
                 link.sample(row)
         aside = time.perf_counter() - t_aside
         report_checkpoints(writer.completed())
+        if kept is not None:
+            report_kept(kept.completed())
         # Balance: rank 0 proposes from measured speeds; the split it announced in this step's
         # all_sum reached every rank together, and all switch from the next step on.
         announce = None
@@ -351,6 +425,8 @@ def run(spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int
             break
         last = time.perf_counter()  # evaluation, sampling and logging are not the step's time
     report_checkpoints(writer.close())
+    if kept is not None:
+        report_kept(kept.close())
     if link:
         link.close()
     if stopped:
@@ -407,6 +483,10 @@ def _process_start() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()  # not Linux: start-up before this point is not counted
+
+
+def _cache_dir(run_dir: Path) -> Path:
+    return Path(os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache")
 
 
 def _overhead_target() -> float:

@@ -1,0 +1,218 @@
+"""The state kept in memory after every step (trainer/memstate.py), and warm trainers (`--warm`).
+
+Real trainer processes and real files: a trainer killed mid-run resumes from the state of its last
+completed step, not from its last checkpoint on disk, and trains the same curve; the format's
+checks refuse a copy cut short. The pool-level scenarios (a warm spare takes the next generation)
+are in test_recovery.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+import ring
+import zmq
+from jobs import SMALL, write_job
+
+from dpool.protocol import messages as m
+from dpool.protocol.checkpoints import listed_steps
+from dpool.trainer import checkpoint as ckpt
+from dpool.trainer.memstate import MemoryState
+
+STEPS = 24
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw) -> None:
+        self.lines.append((event, kw))
+
+    info = warning
+
+
+def snapshot(step: int, value: float) -> ckpt.Snapshot:
+    w = {"w": mx.full((64,), value, dtype=mx.float32), "b": mx.full((3,), value, dtype=mx.bfloat16)}
+    mx.eval(w)
+    views = ckpt.host_views(list(w.items()))
+    return ckpt.Snapshot(step=step, model=views, optimizer=views, manifest={"job_hash": "h"})
+
+
+def test_a_copy_in_memory_verifies_by_size_and_a_cut_one_does_not(tmp_path: Path) -> None:
+    ckpt.write_checkpoint(tmp_path, snapshot(3, 1.5), keep=2, durable=False)
+    manifest = ckpt.verify(tmp_path, 3, "h")
+    assert manifest["memory"] is True and all(f["sha256"] is None for f in manifest["files"].values())
+    weights, _ = ckpt.load_arrays(tmp_path, 3)
+    assert weights["w"].tolist() == [1.5] * 64 and weights["b"].dtype == mx.bfloat16
+    with open(ckpt.step_dir(tmp_path, 3) / "model.safetensors", "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ckpt.CheckpointError, match="truncated"):
+        ckpt.verify(tmp_path, 3, "h")
+
+
+def test_a_disk_checkpoint_without_checksums_is_refused(tmp_path: Path) -> None:
+    ckpt.write_checkpoint(tmp_path, snapshot(4, 2.0), keep=2, durable=False)
+    path = ckpt.step_dir(tmp_path, 4) / "manifest.json"
+    doc = json.loads(path.read_text())
+    del doc["memory"]  # a manifest that claims to be on disk must carry its checksums
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ckpt.CheckpointError, match="no checksum"):
+        ckpt.verify(tmp_path, 4, "h")
+
+
+def small_state() -> tuple[nn.Module, optim.Optimizer]:
+    model = nn.Linear(8, 8)
+    opt = optim.AdamW(learning_rate=1e-3)
+    opt.init(model.trainable_parameters())
+    mx.eval(model.parameters(), opt.state)
+    return model, opt
+
+
+def written(kept: MemoryState) -> list[int]:
+    deadline = time.monotonic() + 10
+    while not (done := kept.completed()):
+        assert time.monotonic() < deadline, "the write never finished"
+        time.sleep(0.001)
+    return [s for s, _ in done]
+
+
+def test_memory_state_keeps_the_newest_two_and_never_queues_behind_a_write(tmp_path: Path) -> None:
+    model, opt = small_state()
+    kept = MemoryState(tmp_path, 10_000, 1 << 34, Log())
+    assert kept.offer(1, model, opt, {"job_hash": "h"})
+    assert not kept.offer(2, model, opt, {"job_hash": "h"}), "a write in progress: the next step skips its copy"
+    assert written(kept) == [1]
+    for step in (2, 3):
+        assert kept.offer(step, model, opt, {"job_hash": "h"})
+        assert written(kept) == [step]
+    assert kept.offer(4, model, opt, {"job_hash": "h"})
+    assert [s for s, _ in kept.close()] == [4], "a stopping trainer finishes the copy in progress"
+    assert listed_steps(tmp_path) == [4, 3]
+
+
+def test_memory_state_stays_off_when_it_would_not_fit(tmp_path: Path) -> None:
+    log = Log()
+    kept = MemoryState(tmp_path, 1 << 30, 4 << 30, log)  # 3 GiB of copies on a 4 GiB machine
+    model, opt = small_state()
+    assert not kept.offer(1, model, opt, {}) and kept.off and "machine's memory" in kept.off
+    assert log.lines[0][0] == "memory_state.off"
+
+
+def test_a_failed_write_turns_keeping_off_without_failing_the_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log()
+    kept = MemoryState(tmp_path, 10_000, 1 << 34, log)
+    model, opt = small_state()
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", full)
+    assert kept.offer(1, model, opt, {})
+    deadline = time.monotonic() + 10
+    while kept.writer is not None and time.monotonic() < deadline:
+        assert kept.completed() == []
+    assert kept.writer is None and "No space left" in (kept.off or "")
+    assert not kept.offer(2, model, opt, {})
+
+
+# -- real trainers ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A job that checkpoints to disk only at its end: what a kill loses is what memory saved."""
+    folder = tmp_path_factory.mktemp("warm")
+    return write_job(
+        folder, "kept", base=SMALL, train={"steps": STEPS, "global_batch": 12},
+        checkpoint={"every_steps": 1000}, eval={"every_steps": 1000, "batches": 1, "sample_every_steps": 1000},
+    )
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {"DPOOL_CACHE_DIR": str(tmp_path_factory.mktemp("tokens"))}
+
+
+@pytest.fixture(scope="module")
+def reference(job: Path, env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    work = tmp_path_factory.mktemp("reference")
+    ring.run(job, str(work / "run"), 1, work / "logs", env=env)
+    return {s: r["loss"] for s, r in ring.metrics(work / "run").items()}
+
+
+def test_a_killed_trainer_resumes_from_its_last_step_kept_in_memory(job: Path, env: dict[str, str], reference: dict[int, float], tmp_path: Path) -> None:
+    run_dir, memory = tmp_path / "run", tmp_path / "memory"
+    env = {**env, "DPOOL_MEMORY_DIR": str(memory)}
+    g = ring.start(job, str(run_dir), 1, tmp_path / "logs", env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while max(ring_steps(run_dir), default=0) < 10:  # step 10 logged: its state is being kept
+            assert g.procs[0].poll() is None and time.monotonic() < deadline, g.output(0)[-3000:]
+            time.sleep(0.01)
+        os.killpg(g.procs[0].pid, signal.SIGKILL)
+        g.procs[0].wait(timeout=10)
+    finally:
+        g.kill()
+    last = max(ring_steps(run_dir))
+    assert listed_steps(run_dir) == [], "no checkpoint on disk before the end: only memory can save the steps"
+    again = ring.run(job, str(run_dir), 1, tmp_path / "logs", env=env)
+    started = next(json.loads(line.split("] ", 1)[-1]) for line in again.output(0).splitlines() if "trainer.started" in line)
+    assert started["restored"] == "memory"
+    assert last - 1 <= started["resume_step"] <= last, (last, started)  # at most one step recomputed
+    curve = {s: r["loss"] for s, r in ring.metrics(run_dir).items()}
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    assert max(abs(curve[s] - reference[s]) for s in curve) == 0.0, "one rank, same steps: bit for bit"
+    assert listed_steps(run_dir) == [STEPS] and listed_steps(memory) != []
+
+
+def ring_steps(run_dir: Path) -> list[int]:
+    try:
+        return list(ring.metrics(run_dir))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path, env: dict[str, str], reference: dict[int, float], tmp_path: Path) -> None:
+    """The daemon's side played by a ROUTER socket: worker.ready arrives once the model and data
+    are built, nothing is trained before worker.go, and after it the trainer is the rank it was
+    told, with the shares and generation it was told."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{tmp_path}/w.sock"
+    sock.bind(addr)
+    run_dir = tmp_path / "run"
+    g = ring.start(job, str(run_dir), 1, tmp_path / "logs", env={**env, "DPOOL_WORKER_ADDR": addr}, extra_args=["--warm"])
+    try:
+        assert sock.poll(120_000), g.output(0)[-3000:]
+        peer, *frames = sock.recv_multipart()
+        ready, _ = m.decode(frames, m.FROM_WORKER)
+        assert isinstance(ready, m.WorkerReady) and ready.pid == g.procs[0].pid
+        assert not (run_dir / "metrics.jsonl").exists() and g.procs[0].poll() is None
+        sock.send_multipart([peer, *m.WorkerGo(rank=0, generation=7, shares=[12]).to_frames()])
+        hello = None
+        while hello is None:
+            assert sock.poll(120_000), g.output(0)[-3000:]
+            _, *frames = sock.recv_multipart()
+            msg, _ = m.decode(frames, m.FROM_WORKER)
+            hello = msg if isinstance(msg, m.WorkerHello) else None
+        assert (hello.rank, hello.generation, hello.world_size) == (0, 7, 1)
+        assert g.wait(300) == [0], g.output(0)[-3000:]
+    finally:
+        g.kill()
+        sock.close()
+        ctx.term()
+    rows = ring.metrics(run_dir)
+    assert {r["generation"] for r in rows.values()} == {7}
+    assert np.allclose([rows[s]["loss"] for s in sorted(rows)], [reference[s] for s in sorted(rows)], atol=0, rtol=0)
