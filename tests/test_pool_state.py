@@ -397,6 +397,39 @@ def test_checkpoint_step_counts_once_every_rank_saved_it() -> None:
     assert pool.nodes["a"].holdings == {("j", 0): 5, ("j", 1): 5}
 
 
+def test_state_kept_in_memory_places_rank_0_but_is_no_checkpoint_of_the_record() -> None:
+    pool = Driven()
+    join(pool, "a", 2)
+    prepare_all(pool, pool.submit(0.0, "j", spec(hi=2)))
+    pool.from_node(1.0, "a", m.NodeCheckpoint(job="j", generation=1, rank=1, slot=1, step=9, seconds=0.01, memory=True))
+    assert pool.jobs["j"].checkpoint_step is None and pool.nodes["a"].holdings == {}
+    assert pool.nodes["a"].resumable == {("j", 1): 9}
+    # A restart puts rank 0 on the slot that can resume from the newest step.
+    free = [FreeSlot("a", i, pool.nodes["a"].resumable.get(("j", i))) for i in (0, 1)]
+    assert choose_slots(free, 1, 2)[0] == Slot("a", 1)
+    # A node registering offers what it keeps in memory the same way.
+    refusal, _ = pool.registered(2.0, "b", "inc-b", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=12, memory=True)])
+    assert refusal is None and pool.nodes["b"].resumable == {("j", 0): 12} and pool.nodes["b"].holdings == {}
+
+
+def test_a_new_generation_never_resumes_past_a_gap_in_the_recorded_metrics() -> None:
+    pool = Driven()
+    join(pool, "a", 1)
+    job_spec = parse_job({
+        "name": "j", "model": {"layers": 1, "dim": 32, "heads": 2, "context": 32},
+        "train": {"steps": 100, "global_batch": 6, "log_every_steps": 5}, "eval": {"every_steps": 20},
+    })
+    out = prepare_all(pool, pool.submit(0.0, "j", job_spec))
+    (start,) = [s.msg for s in sends(out, m.GroupStart)]
+    assert isinstance(start, m.GroupStart) and start.resume_max == 4  # no row yet: the first is step 5's
+    job = pool.jobs["j"]
+    pool.metric(1.0, "j", 1, TrainRow(kind="train", step=35, loss=1.0, lr=0.1, tokens=1, tokens_per_s=1.0, world_size=1))
+    pool.metric(1.0, "j", 1, EvalRow(kind="eval", step=20, val_loss=1.0))
+    assert job.resume_max() == 39  # the eval row of step 40 is the next one due
+    pool.metric(1.0, "j", 1, EvalRow(kind="eval", step=40, val_loss=1.0))
+    assert job.resume_max() == 39  # train rows of steps 40.. are due
+
+
 # -- the store ---------------------------------------------------------------------------------
 
 
@@ -520,11 +553,11 @@ def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_t
 
 def test_a_stalled_group_is_detected_by_the_progress_deadline() -> None:
     pool = running_pool()
-    # Steps took 50 ms: the deadline is the 3 s floor after the last step (at 1.35).
+    # Steps took 50 ms: the deadline is the 2 s floor after the last step (at 1.35).
     for n in "abc":
-        pool.seen(4.3, n)
-    assert pool.tick(4.3) == [] or pool.jobs["j"].state is JobState.RUNNING
-    out = pool.tick(4.4)
+        pool.seen(3.3, n)
+    assert pool.tick(3.3) == [] or pool.jobs["j"].state is JobState.RUNNING
+    out = pool.tick(3.4)
     job = pool.jobs["j"]
     assert job.state is JobState.RECOVERING and job.machine.restarts == 1
     failed = records(out, "worker.failed")
