@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -200,6 +201,10 @@ def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path,
         ready, _ = m.decode(frames, m.FROM_WORKER)
         assert isinstance(ready, m.WorkerReady) and ready.pid == g.procs[0].pid
         assert not (run_dir / "metrics.jsonl").exists() and g.procs[0].poll() is None
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        lowered = sys.platform.startswith("linux") and os.geteuid() == 0  # where it can raise it back (trainer/priority.py)
+        if lowered:
+            assert os.getpriority(os.PRIO_PROCESS, ready.pid) == base + 10, "a spare builds at a low priority"
         sock.send_multipart([peer, *m.WorkerGo(rank=0, generation=7, shares=[12]).to_frames()])
         hello = None
         while hello is None:
@@ -208,6 +213,8 @@ def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path,
             msg, _ = m.decode(frames, m.FROM_WORKER)
             hello = msg if isinstance(msg, m.WorkerHello) else None
         assert (hello.rank, hello.generation, hello.world_size) == (0, 7, 1)
+        if lowered:
+            assert os.getpriority(os.PRIO_PROCESS, ready.pid) == base, "and trains at the usual one"
         assert g.wait(300) == [0], g.output(0)[-3000:]
     finally:
         g.kill()

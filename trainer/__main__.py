@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
     reexec_with_openblas("dpool.trainer", argv)
+    # A spare builds at a low priority while its node trains; at worker.go it trains at the usual one.
+    from dpool.trainer.priority import lower
+
+    at_go = lower() if args.warm else None
 
     from dpool.protocol.checkpoints import EXIT_DISK
     from dpool.protocol.jobspec import JobFileError, load_job
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             step, files = loop.export(spec, Path(args.run_dir), Path(args.export), args.step, source=args.job)
             print(f"exported step {step} of {spec.name} to {args.export}: {', '.join(files)}")
             return loop.EXIT_DONE
-        return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max)
+        return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max, at_go=at_go)
     except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT

@@ -11,6 +11,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,11 +209,12 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
 
 def run(
     spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int, source: str = "job file",
-    warm: bool = False, resume_max: int | None = None,
+    warm: bool = False, resume_max: int | None = None, at_go: Callable[[], None] | None = None,
 ) -> int:
     """Train one rank. `warm`: build the model and data first, then wait for the daemon's
     `worker.go` (rank, generation, shares, hostfile) before joining the group: a trainer the daemon
-    starts ahead of need, so that a restart finds one ready."""
+    starts ahead of need, so that a restart finds one ready; `at_go` runs once it is told to go
+    (the priority it built at is raised back)."""
     marks = {"process": time.time() - _process_start()}  # start-up phases, logged: a restart pays them
     t_mark = time.perf_counter()
 
@@ -235,6 +237,8 @@ def run(
         go = link.wait_go()
         if go is None:
             return EXIT_STOPPED  # not needed after all: stopped while waiting
+        if at_go is not None:
+            at_go()
         marks["warm_wait"] = round(time.perf_counter() - t_mark, 3)
         t_mark = time.perf_counter()
         os.environ.pop("MLX_RANK", None)
