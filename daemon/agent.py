@@ -176,6 +176,7 @@ class Agent:
         self.spares: dict[int, Worker] = {}  # slot -> a warm trainer waiting for worker.go
         self.spare_tasks: set[asyncio.Task[Any]] = set()
         self.spares_starting: set[int] = set()
+        self.warm_wanted: set[tuple[str, int]] = set()  # (job, slot) whose spare's readiness the coordinator awaits (job.warm)
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
         self.memory = MemoryStore(default_root(self.state_dir))
@@ -367,7 +368,7 @@ class Agent:
             self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
 
     async def _on_coordinator(self, msg: Message, msg_id: int = 0) -> None:
-        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare, m.JobRemove)) and not valid_job_id(msg.job):
+        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare, m.JobRemove, m.JobWarm)) and not valid_job_id(msg.job):
             self._refuse_job_id(msg, msg_id)
             return
         match msg:
@@ -392,6 +393,8 @@ class Agent:
                     task.add_done_callback(functools.partial(_forget, self.export_prepares, msg.export_id))
             case m.JobRemove(job=job):
                 self._remove_job(job)
+            case m.JobWarm():
+                await self._warm_job(msg)
             case m.ExportRelease(export_id=export_id):
                 preparing = self.export_prepares.get(export_id)
                 if preparing is not None:
@@ -404,7 +407,7 @@ class Agent:
             case _:
                 self.log.warning("message.unexpected", type=str(msg.TYPE))
 
-    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare | m.JobRemove, msg_id: int) -> None:
+    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare | m.JobRemove | m.JobWarm, msg_id: int) -> None:
         """A job id that is not one (`..`, `/`, ...) never becomes a path: a log line, and the
         answer the message asks for (a refused prepare, the ranks' exits, an error)."""
         why = f"job id {msg.job[:80]!r} is not a job id"
@@ -419,6 +422,8 @@ class Agent:
                     self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, why)
             case m.ExportPrepare():
                 self._send(m.Error(code=str(ErrorCode.BAD_REQUEST), message=f"node {self.name}: {why}"), msg_id)
+            case m.JobWarm():
+                self._send(m.NodeWarmed(job=msg.job, slots=[], error=why))
             case _:
                 pass  # group.stop, job.remove: it names no worker or folder of this node; nothing to answer
 
@@ -579,9 +584,13 @@ class Agent:
         run_dir = self.state_dir / "jobs" / job / f"slot-{slot}"
         self.spares_starting.add(slot)
         try:
+            run_dir.mkdir(parents=True, exist_ok=True)
             proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {})
         except OSError as e:
             self.log.warning("spare.start_failed", job=job, slot=slot, error=str(e))
+            if (job, slot) in self.warm_wanted:
+                self.warm_wanted.discard((job, slot))
+                self._send(m.NodeWarmed(job=job, slots=[], error=clean(f"cannot start a warm trainer in slot {slot}: {e}")))
             return
         finally:
             self.spares_starting.discard(slot)
@@ -592,6 +601,41 @@ class Agent:
             return
         self.spares[slot] = w
         self.log.info("spare.started", job=job, slot=slot, pid=proc.pid)
+
+    async def _warm_job(self, msg: m.JobWarm) -> None:
+        """job.warm: a spare of the job in each of these free slots, ahead of a group that will
+        include them; node.warmed says which are ready (now, or as each says worker.ready)."""
+        refused = None
+        if not self.warm:
+            refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
+        else:
+            try:
+                text = dump_job(parse_job(msg.spec, source=f"job {msg.job}"))
+                job_dir = self.state_dir / "jobs" / msg.job
+                job_dir.mkdir(parents=True, exist_ok=True)
+                _write_file(job_dir / "job.toml", text.encode())
+            except (JobFileError, ValueError, TypeError, OSError) as e:
+                refused = clean(f"cannot prepare job {msg.job} on node {self.name}: {e}")
+        if refused is not None:
+            self.log.warning("job.warm_refused", job=msg.job, error=refused)
+            self._send(m.NodeWarmed(job=msg.job, slots=[], error=refused))
+            return
+        ready = []
+        for slot in msg.slots:
+            if not 0 <= slot < self.slots or slot in self.workers:
+                continue  # taken meanwhile: the growth will not include it
+            spare = self.spares.get(slot)
+            if spare is not None and spare.job == msg.job and spare.peer is not None:
+                ready.append(slot)
+                continue
+            if spare is not None and spare.job != msg.job:
+                del self.spares[slot]
+                self._stop(spare, "now", f"its slot warms job {msg.job}")
+            self.warm_wanted.add((msg.job, slot))
+            await self._start_spare(msg.job, slot)
+        if ready:
+            self._send(m.NodeWarmed(job=msg.job, slots=ready))
+        self.log.info("job.warming", job=msg.job, slots=list(msg.slots), ready=ready)
 
     def _retire_spares(self, job: str, why: str) -> None:
         for slot, spare in list(self.spares.items()):
@@ -626,6 +670,9 @@ class Agent:
         if w.warm:  # a spare never used: nothing to report
             if self.spares.get(w.slot) is w:
                 del self.spares[w.slot]
+            if (w.job, w.slot) in self.warm_wanted:  # the coordinator waits for it: it need not
+                self.warm_wanted.discard((w.job, w.slot))
+                self._send(m.NodeWarmed(job=w.job, slots=[], error=clean(f"the warm trainer in slot {w.slot} exited with {code}: {w.error or 'no error line'}")))
             log = self.log.info if w.stopping else self.log.warning
             log("spare.exited", job=w.job, slot=w.slot, pid=w.pid, code=code, stopped=w.stopping, error=w.error, output=w.lines[-5:] if not w.stopping else None)
             return
@@ -795,6 +842,9 @@ class Agent:
                 self._to_worker(peer, w.go)
                 w.go = None
             self.log.info("spare.ready", job=w.job, slot=w.slot, pid=w.pid, used=not w.warm)
+            if (w.job, w.slot) in self.warm_wanted:
+                self.warm_wanted.discard((w.job, w.slot))
+                self._send(m.NodeWarmed(job=w.job, slots=[w.slot]))
             return
         if isinstance(msg, m.WorkerHello):
             w = next((w for w in self.workers.values() if w.pid == msg.pid), None)

@@ -426,7 +426,7 @@ class Coordinator:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 return []  # never answered: an error about an error would echo forever
             case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
-                  | m.NodeWorkerExited()):
+                  | m.NodeWorkerExited() | m.NodeWarmed()):
                 pass
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

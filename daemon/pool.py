@@ -44,6 +44,7 @@ from dpool.daemon.records import (
     Record,
     Refused,
     Send,
+    Warming,
 )
 from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
@@ -59,7 +60,7 @@ PLACED_KEPT = 8  # generations per job whose placement is remembered, to check r
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
-    | m.NodeCheckpoint | m.NodeWorkerExited
+    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed
 )
 
 RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited)  # each names its rank
@@ -302,7 +303,20 @@ class Pool:
                 return self._checkpoint(now, node, msg)
             case m.NodeWorkerExited():
                 return self._exited(now, name, msg)
+            case m.NodeWarmed():
+                return self._warmed(now, node, msg)
         return []
+
+    def _warmed(self, now: float, node: Node, msg: m.NodeWarmed) -> list[Action]:
+        """Warm trainers are ready on a node a growing job waits for (or, `error`, none will be:
+        the growth need not wait for them). The growth itself comes with the next admission."""
+        job = self.live.get(msg.job)
+        if job is None or job.warming is None:
+            return []
+        done = {(node.name, s) for s in msg.slots} if msg.error is None else {k for k in job.warming.waiting if k[0] == node.name}
+        job.warming.waiting -= done
+        fields = {"node": node.name, "slots": sorted(s for _, s in done)} | ({"error": msg.error} if msg.error else {})
+        return [Record(job.id, "group.warmed", now, fields)]
 
     def _heartbeat(self, now: float, node: Node, msg: m.NodeHeartbeat) -> list[Action]:
         """Free slots whose job is no longer using them and whose worker the node no longer has."""
@@ -666,7 +680,12 @@ class Pool:
         At most once per generation, and only once the generation has completed a step (a group
         that cannot get going is not made to start over for more workers).
         """
-        growable = [j for j in self.live.values() if self._may_grow(j)]
+        growable = []
+        for j in self.live.values():
+            if self._may_grow(j):
+                growable.append(j)
+            else:
+                j.warming = None  # it failed, finished or was reshaped meanwhile: a later growth asks again
         if not growable:
             return []
         free = sum(len(n.free()) for n in self.nodes.values())
@@ -676,12 +695,38 @@ class Pool:
             plan = job.plan
             assert plan is not None
             own = {(s.node, s.index) for s in plan.ranks}
-            if not any((name, i) not in own for name, n in self.nodes.items() for i in n.free()):
+            new = {(name, i) for name, n in self.nodes.items() for i in n.free() if (name, i) not in own}
+            if not new:
                 continue  # only this job's own slots are free (its ranks are exiting)
+            warm = self._warm(job, new, now)
+            if warm is not None:
+                return warm  # the slots go to one job: it waits, and so do the others
             job.grown_in = job.machine.generation
             actions: list[Action] = [Record(job.id, "group.growing", now, {"generation": job.machine.generation, "world_size": plan.world_size, "free_slots": free})]
             return actions + self._reshape(job, now, f"{free} free slot(s): growing from {plan.world_size} workers")  # the slots go to one job
         return []
+
+    def _warm(self, job: Job, new: set[tuple[str, int]], now: float) -> list[Action] | None:
+        """Before a growth: warm trainers of the job on the slots it adds (job.warm), while the
+        group trains on. The actions to wait with, or None once they are ready (or the wait is
+        over: `recovery.start_timeout_s`, what a cold start would be allowed)."""
+        w = job.warming
+        ask = new - w.asked if w is not None else new
+        if w is None:
+            w = job.warming = Warming(asked=set(), waiting=set(), deadline=now + job.spec.recovery.start_timeout_s)
+        if not ask:
+            if w.waiting & new and now < w.deadline:
+                return []
+            job.warming = None
+            return None
+        w.asked |= ask
+        w.waiting |= ask
+        by_node: dict[str, list[int]] = {}
+        for name, i in sorted(ask):
+            by_node.setdefault(name, []).append(i)
+        actions: list[Action] = [Record(job.id, "group.warming", now, {"nodes": sorted(by_node), "slots": len(ask)})]
+        doc = job.doc
+        return actions + [Send(name, m.JobWarm(job=job.id, spec=doc, slots=slots)) for name, slots in by_node.items()]
 
     @staticmethod
     def _may_grow(job: Job) -> bool:

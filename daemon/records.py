@@ -162,6 +162,17 @@ class JobRef:
 
 
 @dataclass(slots=True)
+class Warming:
+    """A growth that waits for warm trainers (job.warm) on the slots it adds, until `deadline`:
+    the running group trains on meanwhile, and the restart that takes the new slots in costs no
+    cold start."""
+
+    asked: set[tuple[str, int]]  # (node, slot) sent job.warm
+    waiting: set[tuple[str, int]]  # of those, not yet answered by node.warmed
+    deadline: float
+
+
+@dataclass(slots=True)
 class Job:
     id: str
     name: str
@@ -183,6 +194,7 @@ class Job:
     speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
     placed: dict[int, tuple[str, ...]] = field(default_factory=dict)  # generation -> the node of each rank (the newest few)
     logged: dict[str, int] = field(default_factory=dict)  # metric kind ("train", "eval") -> newest step recorded
+    warming: Warming | None = None  # a growth waiting for warm trainers on its new slots
     _doc: dict[str, Any] | None = None
 
     def resume_max(self) -> int:

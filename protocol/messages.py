@@ -151,6 +151,7 @@ class MsgType(enum.StrEnum):
     NODE_EXPORT_READY = "node.export_ready"  # answers export.prepare
     NODE_EXPORT_DATA = "node.export_data"  # answers export.fetch
     NODE_REMOVED = "node.removed"  # answers job.remove
+    NODE_WARMED = "node.warmed"  # answers job.warm
     # coordinator -> dpd
     COORD_HEARTBEAT = "coord.heartbeat"
     GROUP_PREPARE = "group.prepare"
@@ -160,6 +161,7 @@ class MsgType(enum.StrEnum):
     EXPORT_FETCH = "export.fetch"
     EXPORT_RELEASE = "export.release"
     JOB_REMOVE = "job.remove"
+    JOB_WARM = "job.warm"
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -852,6 +854,18 @@ class NodeRemoved(Message):
     job: JobId
 
 
+@message
+@dataclass(frozen=True, slots=True)
+class NodeWarmed(Message):
+    """Answers job.warm: a warm trainer of the job is ready in each of `slots` (`error`: none
+    will be, and why)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_WARMED
+    job: JobId
+    slots: SlotList
+    error: Text | None = None
+
+
 # -- coordinator -> dpd ------------------------------------------------------------------------
 
 
@@ -937,6 +951,19 @@ class ExportRelease(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.EXPORT_RELEASE
     export_id: ExportId
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class JobWarm(Message):
+    """Start a warm trainer of the job in each of `slots` (free ones), ahead of a group that will
+    include them: the running group trains on meanwhile. Answered by node.warmed."""
+
+    TYPE: ClassVar[MsgType] = MsgType.JOB_WARM
+    SHARED: ClassVar[frozenset[str]] = frozenset({"spec"})
+    job: JobId
+    spec: JobDoc
+    slots: SlotList
 
 
 @message
@@ -1040,7 +1067,7 @@ FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is
 TO_NODE = frozenset({
     MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
     MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
-    MsgType.ERROR,
+    MsgType.JOB_WARM, MsgType.ERROR,
 })
 FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t not in (MsgType.WORKER_STOP, MsgType.WORKER_GO))
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}

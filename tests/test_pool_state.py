@@ -588,6 +588,12 @@ def test_a_joining_node_grows_the_job_at_a_checkpoint_without_using_a_restart() 
     pool = running_pool(("a", "b"), hi=3)
     out = join(pool, "c", 1, now=2.0)
     job = pool.jobs["j"]
+    # First a warm trainer on c, while the group trains on; then the checkpoint-stop.
+    (warm,) = sends(out, m.JobWarm)
+    assert warm.node == "c" and warm.msg.slots == [0] and sends(out, m.GroupStop) == []  # type: ignore[attr-defined]
+    assert job.state is JobState.RUNNING and records(out, "group.warming") == [{"nodes": ["c"], "slots": 1}]
+    assert pool.tick(2.05) == [] or sends(pool.tick(2.05), m.GroupStop) == []
+    out = pool.from_node(2.08, "c", m.NodeWarmed(job="j", slots=[0])) + pool.schedule(2.08)
     stops = sends(out, m.GroupStop)
     assert sorted(s.node for s in stops) == ["a", "b"] and all(s.msg.mode == "checkpoint" for s in stops)  # type: ignore[attr-defined]
     assert job.state is JobState.RECOVERING
@@ -648,9 +654,28 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     out = restart(pool, out, 3.0, resume=8)
     assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
     out = pool.undrain(6.0, "c")
-    # The job grows back onto c at the next checkpoint boundary.
+    # The job grows back onto c at the next checkpoint boundary, once c has a warm trainer.
+    assert [s.node for s in sends(out, m.JobWarm)] == ["c"] and sends(out, m.GroupStop) == []
+    out = pool.from_node(6.5, "c", m.NodeWarmed(job="j", slots=[0])) + pool.schedule(6.5)
     assert sorted(s.node for s in sends(out, m.GroupStop)) == ["a", "b"]
     assert pool.jobs["j"].machine.restarts == 0
+
+
+def test_a_growth_waits_for_warm_trainers_no_longer_than_a_cold_start_may_take() -> None:
+    pool = running_pool(("a", "b"), hi=3, start_timeout=1.0)
+    assert sends(join(pool, "c", 1, now=2.0), m.JobWarm)  # c never answers
+    for n in "abc":
+        pool.seen(2.99, n)
+    assert sends(pool.tick(2.99), m.GroupStop) == []
+    assert sorted(s.node for s in sends(pool.tick(3.0), m.GroupStop)) == ["a", "b"]
+
+
+def test_a_node_that_cannot_warm_a_trainer_does_not_hold_the_growth_back() -> None:
+    pool = running_pool(("a", "b"), hi=3)
+    join(pool, "c", 1, now=2.0)
+    out = pool.from_node(2.1, "c", m.NodeWarmed(job="j", slots=[], error="warm trainers are off on node c"))
+    assert records(out, "group.warmed") == [{"node": "c", "slots": [0], "error": "warm trainers are off on node c"}]
+    assert sorted(s.node for s in sends(pool.schedule(2.1), m.GroupStop)) == ["a", "b"]
 
 
 def test_below_workers_min_the_job_waits_queued_and_resumes_when_a_node_returns() -> None:

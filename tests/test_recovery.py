@@ -27,6 +27,7 @@ from dpool.protocol.payloads import JobStatus
 pytestmark = pytest.mark.slow
 
 STEPS = 60
+LONG_STEPS = 200
 JOB_TIMEOUT = 240.0
 TOL = 1e-3
 
@@ -40,12 +41,10 @@ def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STE
     )
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The fault-free curve: the job file trained by one trainer process alone (started once, in
-    the background, and awaited when the first scenario compares against it)."""
-    root = tmp_path_factory.mktemp("reference")
-    job = job_file(root, "ref")
+def reference_run(root: Path, steps: int) -> Iterator[Any]:
+    """The fault-free curve of a job of `steps` steps: the job file trained by one trainer process
+    alone (started at once, in the background, and awaited when a scenario compares against it)."""
+    job = job_file(root, "ref", steps=steps)
     procs = Processes(root)
     proc = procs.start([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")], root / "trainer.log")
     cache: dict[int, float] = {}
@@ -63,6 +62,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         procs.stop_all()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from reference_run(tmp_path_factory.mktemp("reference"), STEPS)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A job long enough that a joining node's warm trainer is ready well before it ends."""
+    yield from reference_run(tmp_path_factory.mktemp("long-reference"), LONG_STEPS)
+
+
 class Pool(LocalPool):
     """A local pool of one-slot daemons."""
 
@@ -75,10 +85,10 @@ class Pool(LocalPool):
         final = self.wait_end(job, JOB_TIMEOUT, every=0.05)
         events = self.dpctl_json("events", job)
         assert final.state == "succeeded", (final, events, self.dpctl("logs", job).stdout[-3000:])
-        assert final.step == STEPS
-        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
-        assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
         ref = reference()
+        assert final.step == max(ref)
+        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
+        assert [r["step"] for r in rows] == list(range(1, max(ref) + 1))
         worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
         assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
         return events
@@ -176,12 +186,17 @@ def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool,
     assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
 
 
-def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path, reference: Any) -> None:
+def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path, long_reference: Any) -> None:
     pool.start(3)
-    job = pool.submit(job_file(tmp_path, "grow", hi=4))
+    job = pool.submit(job_file(tmp_path, "grow", hi=4, steps=LONG_STEPS))
     mid_run(pool, job, step=2)
     pool.start_daemon("n3")
-    events = pool.finish(job, reference)
+    events = pool.finish(job, long_reference)
+    # The group trained on while n3 warmed a trainer; only then did it stop to take n3 in.
+    warmed = kinds(events, "group.warmed")
+    assert kinds(events, "group.warming") and warmed and warmed[0]["node"] == "n3" and "error" not in warmed[0], events
+    grew = next(e for e in kinds(events, "group.starting") if "n3" in e["nodes"])
+    assert grew["t"] >= warmed[0]["t"]
     resumed = kinds(events, "group.resumed")
     assert resumed and all(e["steps_recomputed"] == 0 and e["cause"] == "membership" for e in resumed), events
     assert any(e["world_size"] == 4 for e in kinds(events, "group.started"))

@@ -352,7 +352,6 @@ def run(
         evaluate(0)
     stopped = False
     last = time.perf_counter()
-    aside = 0.0  # evaluation and sampling since the last step: not part of the next step's time for "auto"
     for step in range(start + 1, t.steps + 1):
         writing = bool(copy_s)  # a checkpoint is being written while this step runs
         examples = task.examples(step, offset, share)
@@ -363,9 +362,9 @@ def run(
         )
         now = time.perf_counter()
         seconds, last = now - last, now
-        if auto and auto.observe_step(seconds - aside, stats.tokens, writing=writing):
+        # `last` was taken after the previous step's evaluation, sampling and logging: `seconds` is the step alone.
+        if auto and auto.observe_step(seconds, stats.tokens, writing=writing):
             retuned(step)
-        aside = 0.0
         if link:
             link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds)
         if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
@@ -397,7 +396,6 @@ def run(
                 auto.saved(step)
         if kept is not None and step < t.steps:
             kept.offer(step, model, optimizer, manifest(step))  # a failure from here on recomputes no step before it
-        t_aside = time.perf_counter()
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
@@ -405,7 +403,6 @@ def run(
             metrics.append(metrics.samples, row)
             if link:
                 link.sample(row)
-        aside = time.perf_counter() - t_aside
         report_checkpoints(writer.completed())
         if kept is not None:
             report_kept(kept.completed())
