@@ -102,6 +102,18 @@ def test_memory_state_keeps_the_newest_two_and_never_queues_behind_a_write(tmp_p
     assert listed_steps(tmp_path) == [4, 3]
 
 
+def test_keeping_is_spaced_out_when_a_copy_costs_more_than_its_share_of_a_step(tmp_path: Path) -> None:
+    model, opt = small_state()
+    log = Log()
+    kept = MemoryState(tmp_path, 10_000, 1 << 34, log)
+    assert kept.offer(1, model, opt, {}, step_s=1e-6)  # a step far shorter than any write
+    assert written(kept) == [1] and kept.every > 1
+    assert log.lines[-1][0] == "memory_state.interval" and log.lines[-1][1]["every_steps"] == kept.every
+    assert not kept.offer(2, model, opt, {}, step_s=1e-6), "within the interval: skipped"
+    assert kept.offer(1 + kept.every, model, opt, {}, step_s=1e-6)
+    kept.close()
+
+
 def test_memory_state_stays_off_when_it_would_not_fit(tmp_path: Path) -> None:
     log = Log()
     kept = MemoryState(tmp_path, 1 << 30, 4 << 30, log)  # 3 GiB of copies on a 4 GiB machine

@@ -130,11 +130,13 @@ def _write_safetensors(path: Path, arrays: dict[str, tuple[np.ndarray, str]], du
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     h = hashlib.sha256() if durable else None
-    with open(path, "wb") as f:
+    # Not durable: a file left by an earlier copy is overwritten in place (`_reuse_oldest`).
+    with open(path, "r+b" if not durable and path.is_file() else "wb") as f:
         for chunk in (struct.pack("<Q", len(raw)), raw, *(memoryview(np.ascontiguousarray(a)).cast("B") for a, _ in arrays.values())):
             f.write(chunk)
             if h is not None:
                 h.update(chunk)
+        f.truncate()
         if durable:
             f.flush()
             os.fsync(f.fileno())
@@ -159,7 +161,8 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, durable: bool = T
     tmp = root / f".tmp-step-{snap.step}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir()
+        if durable or not _reuse_oldest(run_dir, keep, snap.step, tmp):
+            tmp.mkdir()
         files = {}
         for name, arrays in (("model.safetensors", snap.model), ("optimizer.safetensors", snap.optimizer)):
             size, digest = _write_safetensors(tmp / name, arrays, durable)
@@ -181,6 +184,22 @@ def write_checkpoint(run_dir: Path, snap: Snapshot, keep: int, durable: bool = T
     if durable:
         _fsync_dir(root)
     return final, prune(run_dir, keep, newest=snap.step)
+
+
+def _reuse_oldest(run_dir: Path, keep: int, step: int, tmp: Path) -> bool:
+    """The state kept in memory: the folder that pruning would delete after this write becomes
+    this write's `.tmp-` folder (its manifest first removed), and its files are overwritten in
+    place. In a RAM file system that halves a write's cost: the pages are already there."""
+    steps = [s for s in listed_steps(run_dir) if s < step]
+    if len(steps) < max(keep, 1):
+        return False
+    folder = step_dir(run_dir, steps[-1])  # the oldest
+    try:
+        (folder / MANIFEST).unlink(missing_ok=True)
+        os.rename(folder, tmp)
+    except OSError:
+        return False
+    return True
 
 
 def _move_into_place(tmp: Path, final: Path, durable: bool = True) -> None:
@@ -339,6 +358,7 @@ class CheckpointWriter:
     def __init__(self, run_dir: Path, keep: int, durable: bool = True):
         self.run_dir, self.keep, self.durable = run_dir, keep, durable
         self.pending = 0  # submitted, not yet collected
+        self.cpu_s: dict[int, float] = {}  # step -> the writer thread's CPU time for it (its cost to a busy machine)
         self._todo: queue.Queue[Snapshot | None] = queue.Queue()
         self._done: queue.Queue[tuple[int, float, str | None, list[str]]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
@@ -350,9 +370,10 @@ class CheckpointWriter:
 
     def _run(self) -> None:
         while (snap := self._todo.get()) is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _, problems = write_checkpoint(self.run_dir, snap, self.keep, self.durable)
+                self.cpu_s[snap.step] = time.thread_time() - c0
                 self._done.put((snap.step, time.perf_counter() - t0, None, problems))
             except Exception as e:  # a full disk: reported (the trainer exits with it), the older ones kept
                 self._done.put((snap.step, time.perf_counter() - t0, str(e) or type(e).__name__, []))

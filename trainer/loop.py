@@ -395,7 +395,7 @@ def run(
             if auto:
                 auto.saved(step)
         if kept is not None and step < t.steps:
-            kept.offer(step, model, optimizer, manifest(step))  # a failure from here on recomputes no step before it
+            kept.offer(step, model, optimizer, manifest(step), seconds)  # a failure from here on recomputes no step before it
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):

@@ -15,9 +15,14 @@ The format is the checkpoint's (`checkpoints/step-N/`), without checksums or fsy
 What it costs and how that stays small:
 - On the step path: numpy views of the arrays (no copy: they are immutable, and the views keep them
   alive until written).
-- Off it: one write per step into memory, by a thread. A write still running when the next step
-  ends makes that step skip its copy, so a slow write (a large model) never delays a step; the
-  kept state is then a few steps old, and a failure recomputes those few.
+- Off it: one write per step into memory, by a thread, into the files of the copy it replaces
+  (their pages are already there). A write still running when the next step ends makes that step
+  skip its copy, so a slow write never delays a step.
+- The write still takes CPU time from the step on a machine whose cores the ranks fill. So it is
+  kept at most `SHARE` of the step time, on average: with writes that take longer than that (a
+  large model, small steps), every `k`th step is kept, and a failure recomputes up to `k - 1`
+  steps more. `k` is 1 for models whose state writes in under 2% of a step (the trainer logs
+  `memory_state.interval` when it changes).
 - Memory: the newest two copies (`KEEP`) plus one being written. When three copies of the trained
   state would take more than `BUDGET` of the machine's memory, or more than the folder's free
   space, nothing is kept, and the trainer says so once (recovery then resumes from disk).
@@ -25,8 +30,11 @@ What it costs and how that stays small:
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import shutil
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +45,8 @@ from dpool.trainer import checkpoint as ckpt
 ENV_DIR = "DPOOL_MEMORY_DIR"
 KEEP = 2  # the newest copy and the one before (the newest may be cut short by a kill)
 BUDGET = 0.25  # of the machine's memory, for KEEP + 1 copies
+SHARE = 0.02  # of a step's time that keeping its state may take, on average
+RECENT = 8  # writes and steps whose median times set the interval
 
 
 def memory_dir() -> Path | None:
@@ -52,6 +62,10 @@ class MemoryState:
         self.root, self.log = root, log
         self.writer: ckpt.CheckpointWriter | None = None
         self.off: str | None = None  # why nothing is kept
+        self.every = 1  # keep every `every`th step
+        self.last = 0  # the step kept last
+        self.writes: collections.deque[float] = collections.deque(maxlen=RECENT)
+        self.steps: collections.deque[float] = collections.deque(maxlen=RECENT)
         need = (KEEP + 1) * state_bytes
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -70,10 +84,14 @@ class MemoryState:
         self.off = why
         self.log.warning("memory_state.off", reason=why, effect="a failure resumes from the newest checkpoint on disk")
 
-    def offer(self, step: int, model: Any, optimizer: Any, manifest: dict[str, Any]) -> bool:
-        """Keep the state after `step`, unless the previous write is still running; True if taken."""
-        if self.writer is None or self.writer.pending:
+    def offer(self, step: int, model: Any, optimizer: Any, manifest: dict[str, Any], step_s: float = 0.0) -> bool:
+        """Keep the state after `step` (which took `step_s`), unless the previous write is still
+        running or the interval says to skip it; True if taken."""
+        if step_s > 0:
+            self.steps.append(step_s)
+        if self.writer is None or self.writer.pending or step - self.last < self.every:
             return False
+        self.last = step
         self.writer.submit(ckpt.Snapshot(
             step=step,
             model=ckpt.host_views(tree_flatten(model.trainable_parameters())),
@@ -95,7 +113,19 @@ class MemoryState:
                 self.writer = None
                 break
             out.append((step, seconds))
+            self.writes.append(self.writer.cpu_s.pop(step, seconds))  # CPU time: what a busy machine pays
+        if out:
+            self._retune(out[-1][0])
         return out
+
+    def _retune(self, step: int) -> None:
+        if not self.steps or not self.writes:
+            return
+        write_s, step_s = statistics.median(self.writes), statistics.median(self.steps)
+        every = max(1, math.ceil(write_s / (SHARE * step_s)))
+        if every != self.every:
+            self.every = every
+            self.log.info("memory_state.interval", step=step, every_steps=every, write_s=round(write_s, 4), step_s=round(step_s, 4))
 
     def close(self) -> list[tuple[int, float]]:
         """Finish the write in progress (a stopped group's survivors keep their last step)."""
