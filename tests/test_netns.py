@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Processes
+from conftest import Processes, wait_for
 from test_recovery import STEPS, Pool, job_file, kinds, mid_run
 from test_recovery import reference as reference  # the fault-free curve fixture, shared
 
@@ -96,4 +96,25 @@ def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processe
     assert final is not None and final.step == STEPS
     # Every daemon stops on SIGTERM, the cut host's too; its trainer, which nothing reached, is
     # ended as a leftover.
+    assert pool.stop(timeout=30) == []
+
+
+def test_a_host_cut_off_past_its_heartbeats_and_back_rejoins_without_blame(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
+    """n2's link goes down long enough for the coordinator to lose it (1.5 s of silence), then
+    comes back: the same dpd, alive all along, registers again. Its loss was a membership change:
+    the restart it cost is given back, n2 is not blamed, and it takes work again."""
+    pool = NetnsPool(processes, tmp_path, hosts).start(3)
+    job = pool.submit(job_file(tmp_path, "netns-back"))
+    mid_run(pool, job)
+    _ip("link", "set", hosts["n2.link"], "down")
+    try:
+        wait_for("n2 lost", lambda: any(n.name == "n2" and n.state == "lost" for n in pool.nodes()), 30, every=0.05)
+    finally:
+        _ip("link", "set", hosts["n2.link"], "up")
+    wait_for("n2 back", lambda: any(n.name == "n2" and n.state != "lost" for n in pool.nodes()), 60, every=0.05)
+    events = pool.finish(job, reference)
+    (returned,) = kinds(events, "node.returned")
+    assert (returned["node"], returned["restarts"]) == ("n2", 0), events  # the restart it cost was given back
+    n2 = next(n for n in pool.nodes() if n.name == "n2")
+    assert n2.reason is None and n2.state in ("idle", "busy"), n2
     assert pool.stop(timeout=30) == []
