@@ -8,22 +8,58 @@ step exchanges travels in as few buffers as possible: one per dtype.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 
 import mlx.core as mx
 
+from dpool.protocol.logs import get_logger
+from dpool.trainer.colocate import (
+    BARRIER_ENV,
+    LocalBarrier,
+    barrier_address,
+    colocated,
+    read_hostfile,
+    split_blas_threads,
+)
+
 
 class Group:
-    """The MLX group, or a one-rank stand-in when the process runs alone."""
+    """The MLX group, or a one-rank stand-in when the process runs alone.
+
+    Built when the process learns its place: from MLX_RANK and MLX_HOSTFILE in os.environ at
+    construction (a warm trainer sets them after importing MLX), not at import."""
 
     def __init__(self) -> None:
-        if os.environ.get("MLX_HOSTFILE") and os.environ.get("MLX_RANK") is not None:
-            # Blocks until every peer has connected (the daemon's start-up deadline covers a peer
-            # that never comes).
-            self.group: mx.distributed.Group | None = mx.distributed.init(backend="ring", strict=True)
-            self.rank, self.size = self.group.rank(), self.group.size()
-        else:
-            self.group, self.rank, self.size = None, 0, 1
+        self.barrier: LocalBarrier | None = None
+        hostfile, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
+        if not hostfile or rank is None:
+            self.group: mx.distributed.Group | None = None
+            self.rank, self.size = 0, 1
+            return
+        hosts = read_hostfile(hostfile)
+        if not rank.isdigit() or int(rank) >= len(hosts):
+            raise RuntimeError(f"MLX_RANK={rank!r}: expected a rank of the {len(hosts)} in MLX_HOSTFILE {hostfile}")
+        here = colocated(hosts, int(rank))
+        chosen = split_blas_threads(len(here))
+        # Blocks until every peer has connected (the daemon's start-up deadline covers a peer
+        # that never comes).
+        self.group = mx.distributed.init(backend="ring", strict=True)
+        self.rank, self.size = self.group.rank(), self.group.size()
+        if len(here) > 1 and os.environ.get(BARRIER_ENV, "1") != "0":
+            self.barrier = LocalBarrier.join(barrier_address(hosts), self.rank, here)
+            weakref.finalize(self, self.barrier.close)
+        get_logger(rank=self.rank).info(
+            "group.joined", world_size=self.size, colocated_ranks=here, local_barrier=self.barrier is not None,
+            **chosen,
+        )
+
+    def wait_for_colocated(self) -> None:
+        """Before the step's all_sum: wait, asleep, until every rank on this machine is done
+        computing, so none spins in the ring's all_sum while a neighbour still needs the core
+        (trainer/colocate.py). Nothing to do for a rank alone on its machine."""
+        if self.barrier is not None:
+            self.barrier.wait()
 
     def all_sum(self, x: mx.array) -> mx.array:
         if self.group is None or self.size == 1:

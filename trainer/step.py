@@ -158,6 +158,9 @@ class Stepper:
         # The loss and token sums are still lazy: placed into their slots without a sync.
         control = mx.array(known, dtype=mx.float32).at[0].add(loss).at[1].add(tokens).at[3 + 2 * world + rank].add(tokens)
         assert [k for k, _ in flat] == self.names, "gradients come in the trainable parameters' order"
+        # The gradients are evaluated (grad_sums): ranks sharing this machine wait here, asleep,
+        # rather than spinning in the all_sum while a neighbour still computes (trainer/colocate.py).
+        self.group.wait_for_colocated()
         summed = self.group.all_sum_fused([g for _, g in flat] + [control])
         return summed[:-1], summed[-1]
 
