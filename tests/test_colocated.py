@@ -210,5 +210,6 @@ def test_three_ranks_on_one_machine_train_the_same_curve_with_and_without_the_ba
     if find_openblas() is not None and sys.platform == "linux":
         want = max(1, usable_cores() // 3)
         assert all(e["blas_threads"] == want for e in joined), joined
+    assert [e["start_delay_ms"] > 0 for e in sorted(joined, key=lambda e: e["rank"])] == [False, False, True], "only the last rank waits"
     assert sorted(with_barrier) == list(range(1, 7))
     assert with_barrier == without, "the barrier changed the loss curve"

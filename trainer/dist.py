@@ -8,6 +8,7 @@ step exchanges travels in as few buffers as possible: one per dtype.
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -23,12 +24,33 @@ from dpool.trainer.colocate import (
     split_blas_threads,
 )
 
+# The last rank calls the ring's init this long after the others (Group.__init__ says why).
+LAST_RANK_DELAY_S = 0.020
+
 
 class Group:
     """The MLX group, or a one-rank stand-in when the process runs alone.
 
     Built when the process learns its place: from MLX_RANK and MLX_HOSTFILE in os.environ at
-    construction (a warm trainer sets them after importing MLX), not at import."""
+    construction (a warm trainer sets them after importing MLX), not at import.
+
+    Start-up order. MLX's ring connects rank r to r + 1 (mlx/distributed/ring/ring.cpp): ranks
+    0..n-2 listen first, the last rank connects to rank 0 first, and a refused connect is retried
+    only after 1 s. Ranks that call init at the same moment (warm trainers, assigned at once) hit
+    that retry most of the time, because the last rank connects before rank 0 listens. So the last
+    rank calls init LAST_RANK_DELAY_S later. Measured on 2 cores (bench/ringstart.py, BENCHMARKS.md
+    "Ring start-up"; median / worst of 9 starts, from the moment the ranks were told to start):
+
+        3 ranks, all at once            1.04 / 1.09 s   (6 of 9 retried)
+        3 ranks, the last 5 ms later    0.05 / 0.06 s   (none)
+        3 ranks, the last 20 ms later   0.06 / 0.07 s   (none)
+        2 and 4 ranks, the last 20 ms later   0.04 / 0.05 s and 0.08 / 0.11 s   (none)
+
+    5 ms is enough on an idle machine, not on a busy one (two busy loops on the 2 cores): there
+    the last rank still came first in 3 of 9 starts at 5 ms, none at 20 ms (the retries left there
+    come from rank n-2 connecting before the last rank listens, which no delay can order). Rank 0
+    first and every other rank later is no faster and makes every rank wait. A rank alone never
+    waits."""
 
     def __init__(self) -> None:
         self.barrier: LocalBarrier | None = None
@@ -42,6 +64,9 @@ class Group:
             raise RuntimeError(f"MLX_RANK={rank!r}: expected a rank of the {len(hosts)} in MLX_HOSTFILE {hostfile}")
         here = colocated(hosts, int(rank))
         chosen = split_blas_threads(len(here))
+        # The last rank waits a little, so that rank 0 listens before it connects (see above).
+        delay = LAST_RANK_DELAY_S if len(hosts) > 1 and int(rank) == len(hosts) - 1 else 0.0
+        time.sleep(delay)
         # Blocks until every peer has connected (the daemon's start-up deadline covers a peer
         # that never comes).
         self.group = mx.distributed.init(backend="ring", strict=True)
@@ -51,7 +76,7 @@ class Group:
             weakref.finalize(self, self.barrier.close)
         get_logger(rank=self.rank).info(
             "group.joined", world_size=self.size, colocated_ranks=here, local_barrier=self.barrier is not None,
-            **chosen,
+            start_delay_ms=round(delay * 1000, 1), **chosen,
         )
 
     def wait_for_colocated(self) -> None:
