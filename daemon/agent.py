@@ -176,6 +176,7 @@ class Agent:
         self.spares: dict[int, Worker] = {}  # slot -> a warm trainer waiting for worker.go
         self.spare_tasks: set[asyncio.Task[Any]] = set()
         self.spares_starting: set[int] = set()
+        self.ended: set[str] = set()  # jobs over whose state in memory goes once their workers here have exited
         self.warm_wanted: set[tuple[str, int]] = set()  # (job, slot) whose spare's readiness the coordinator awaits (job.warm)
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
@@ -368,7 +369,7 @@ class Agent:
             self.log.warning("message.too_large", type=str(msg.TYPE), error=e.message)
 
     async def _on_coordinator(self, msg: Message, msg_id: int = 0) -> None:
-        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare, m.JobRemove, m.JobWarm)) and not valid_job_id(msg.job):
+        if isinstance(msg, (m.GroupPrepare, m.GroupStart, m.GroupStop, m.ExportPrepare, m.JobRemove, m.JobWarm, m.JobEnded)) and not valid_job_id(msg.job):
             self._refuse_job_id(msg, msg_id)
             return
         match msg:
@@ -395,6 +396,10 @@ class Agent:
                 self._remove_job(job)
             case m.JobWarm():
                 await self._warm_job(msg)
+            case m.JobEnded(job=job):
+                self._retire_spares(job, "its job ended")
+                self.ended.add(job)
+                self._forget_kept(job)
             case m.ExportRelease(export_id=export_id):
                 preparing = self.export_prepares.get(export_id)
                 if preparing is not None:
@@ -407,7 +412,7 @@ class Agent:
             case _:
                 self.log.warning("message.unexpected", type=str(msg.TYPE))
 
-    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare | m.JobRemove | m.JobWarm, msg_id: int) -> None:
+    def _refuse_job_id(self, msg: m.GroupPrepare | m.GroupStart | m.GroupStop | m.ExportPrepare | m.JobRemove | m.JobWarm | m.JobEnded, msg_id: int) -> None:
         """A job id that is not one (`..`, `/`, ...) never becomes a path: a log line, and the
         answer the message asks for (a refused prepare, the ranks' exits, an error)."""
         why = f"job id {msg.job[:80]!r} is not a job id"
@@ -637,6 +642,13 @@ class Agent:
             self._send(m.NodeWarmed(job=msg.job, slots=ready))
         self.log.info("job.warming", job=msg.job, slots=list(msg.slots), ready=ready)
 
+    def _forget_kept(self, job: str) -> None:
+        """An ended job's state in memory goes once no worker of it runs here."""
+        if job in self.ended and not any(w.job == job for w in self.workers.values()):
+            self.ended.discard(job)
+            self.memory.remove(job)
+            self.log.info("memory_state.removed", job=job, why="its job ended")
+
     def _retire_spares(self, job: str, why: str) -> None:
         for slot, spare in list(self.spares.items()):
             if spare.job == job:
@@ -685,6 +697,7 @@ class Agent:
         if code == 0:  # the job is done: what was kept for its restarts goes
             self._retire_spares(w.job, "its job finished")
             self.memory.remove(w.job, w.slot)
+        self._forget_kept(w.job)
         if w.job in self.removing:
             self._remove_job(w.job)  # removed meanwhile: its folder goes once its last worker here is gone
 

@@ -766,10 +766,21 @@ class Pool:
                 out.append(Record(job.id, action.kind, now, action.fields))
         if job.machine.terminal:
             out += self._release_pending(job)
+            if job.id in self.live:
+                out += self._ended(job)
             self._retire(job)
         if job.state is not before or out:
             out.append(JobChanged(job.id))
         return out
+
+    def _ended(self, job: Job) -> list[Action]:
+        """job.ended to the nodes that ran it lately or warmed a trainer of it: what they keep
+        for its restarts is no longer needed."""
+        names = {n for placed in job.placed.values() for n in placed}
+        if job.warming is not None:
+            names |= {n for n, _ in job.warming.asked}
+        job.warming = None
+        return [Send(n, m.JobEnded(job=job.id)) for n in sorted(names) if n in self.nodes and not self.nodes[n].lost]
 
     def _retire(self, job: Job) -> None:
         """A finished job leaves the live set; the oldest finished ones leave memory (the

@@ -162,6 +162,7 @@ class MsgType(enum.StrEnum):
     EXPORT_RELEASE = "export.release"
     JOB_REMOVE = "job.remove"
     JOB_WARM = "job.warm"
+    JOB_ENDED = "job.ended"
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -968,6 +969,16 @@ class JobWarm(Message):
 
 @message
 @dataclass(frozen=True, slots=True)
+class JobEnded(Message):
+    """The job is over (succeeded, failed or cancelled): what a node kept for its restarts (warm
+    trainers, the state in memory) goes; its checkpoints on disk stay. No answer."""
+
+    TYPE: ClassVar[MsgType] = MsgType.JOB_ENDED
+    job: JobId
+
+
+@message
+@dataclass(frozen=True, slots=True)
 class JobRemove(Message):
     """Delete this node's folder of a removed job (`STATE/jobs/JOB`: its run dirs and checkpoints),
     once no worker of it runs here; answered `node.removed` when it is gone."""
@@ -1067,7 +1078,7 @@ FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is
 TO_NODE = frozenset({
     MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
     MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
-    MsgType.JOB_WARM, MsgType.ERROR,
+    MsgType.JOB_WARM, MsgType.JOB_ENDED, MsgType.ERROR,
 })
 FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t not in (MsgType.WORKER_STOP, MsgType.WORKER_GO))
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}

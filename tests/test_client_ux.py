@@ -74,8 +74,9 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
     resumed = re.search(r"group\.resumed +generation 2 resumed from step (\d+): ([\d.]+)s after the failure, (\d+) steps recomputed", out)
     assert resumed, out
     from_step, recomputed = int(resumed.group(1)), int(resumed.group(3))
-    assert from_step % 10 == 0 and from_step <= killed_step  # demo.toml checkpoints every 10 steps
-    # Recomputed: the steps done since that checkpoint, at least up to the one the demo saw before killing.
+    # From the last step the survivors kept in memory, whatever demo.toml's checkpoint interval on
+    # disk: at most one step recomputed (the demo saw step `killed_step` before it killed).
+    assert killed_step - 1 <= from_step and recomputed <= 1
     assert killed_step <= from_step + recomputed <= killed_step + 5
 
     final = re.search(r"validation loss: ([\d.]+) at step 30 \(from ([\d.]+) at step 0\)", out)

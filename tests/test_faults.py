@@ -149,11 +149,11 @@ def test_a_failed_write_removes_its_tmp_folder_and_leaves_the_earlier_checkpoint
     ckpt.write_checkpoint(tmp_path, snap(5), keep=3)
     real = ckpt._write_safetensors
 
-    def full(path: Path, arrays: Any) -> Any:
+    def full(path: Path, arrays: Any, durable: bool = True) -> Any:
         if path.name == "optimizer.safetensors":
             path.write_bytes(b"half")
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real(path, arrays)
+        return real(path, arrays, durable)
 
     monkeypatch.setattr(ckpt, "_write_safetensors", full)
     writer = ckpt.CheckpointWriter(tmp_path, keep=3)

@@ -27,7 +27,7 @@ from dpool.protocol.payloads import JobStatus
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-LONG_STEPS = 200
+LONG_STEPS = 120
 JOB_TIMEOUT = 240.0
 TOL = 1e-3
 
@@ -140,8 +140,9 @@ def test_with_default_settings_a_killed_trainer_costs_at_most_one_step_and_warm_
     assert resumed[0]["cause"] == "failure" and resumed[0]["steps_recomputed"] <= 1, resumed
     started = [line for line in pool.dpctl("logs", job).stdout.splitlines() if "trainer.started" in line and '"generation":2' in line]
     assert len(started) == 3 and all('"warm":true' in line for line in started), started
-    # From memory; or, where the killed rank had not kept that last step, rank 0's copy sent to all.
-    assert all('"restored":"memory"' in line or '"restored":"broadcast"' in line for line in started), started
+    # From memory (or a checkpoint on disk of that very step), or, where the killed rank had not
+    # kept that last step, rank 0's copy sent to all.
+    assert all(any(f'"restored":"{how}"' in line for how in ("memory", "local", "broadcast")) for line in started), started
     wait_for("no warm trainer left once the job is done", lambda: not any(pool.spare_pids(n, job) for n in spares), 30)
 
 
@@ -212,8 +213,8 @@ def test_drain_moves_work_off_a_node_without_recomputing(pool: Pool, tmp_path: P
     assert r.returncode == 0 and "n2" in r.stdout, r.stderr
     events = pool.finish(job, reference)
     resumed = kinds(events, "group.resumed")
-    assert resumed and resumed[0]["steps_recomputed"] == 0 and resumed[0]["cause"] == "membership"
-    assert kinds(events, "node.drained") and kinds(events, "worker.failed") == []
+    assert resumed and resumed[0]["steps_recomputed"] == 0 and resumed[0]["cause"] == "membership", events
+    assert kinds(events, "node.drained") and kinds(events, "worker.failed") == [], events
     assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
     n2 = next(n for n in pool.nodes() if n.name == "n2")
     assert (n2.state, n2.reason) == ("idle", "drained")
