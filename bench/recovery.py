@@ -6,7 +6,8 @@ and against torchrun's and Ray Train's.
 A local pool of three one-slot daemons (n0 serves) trains a ~0.8M-parameter GPT (4 layers, dim
 128, 12 sequences of 64 tokens per step) with the default checkpoint settings (`every_steps =
 "auto"`), and one cycle of faults is injected per trial, each once the group has been training for
-a few steps at full strength:
+a few steps at full strength, and (but for the join) once every node keeps a warm trainer that is
+done building, as it does once a job has trained a while:
 
 1. SIGKILL of n1's trainer                -> first completed step of the next generation
 2. SIGSTOP of n1's trainer                -> failure detected (progress deadline), -> first step
@@ -159,6 +160,17 @@ def running(pool: LocalPool, job: str, world: int, steps: int = 5) -> JobStatus:
     )
 
 
+def steady(pool: LocalPool, job: str, names: Sequence[str]) -> None:
+    """Steady state, as a job that has trained a while is in: every node of the group keeps a
+    warm trainer that is done building (a fault in the first seconds after a restart, before
+    those are ready, pays part of a cold start; the trials say how much is left then)."""
+    wait_for(
+        f"warm trainers ready on {', '.join(names)}",
+        lambda: all(pool.spare_pids(n, job, ready=True) for n in names),
+        RUN_TIMEOUT_S, every=0.1,
+    )
+
+
 def trainer_pid(pool: LocalPool, job: str, node: str) -> int:
     """The pid of the trainer on `node` of the job's running generation: the status row's, else the
     one process whose command line names the node's run dir for the job."""
@@ -200,6 +212,7 @@ def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[floa
     # 1. a killed trainer
     with figure(f"{trial}, killed trainer"):
         running(pool, job, 3)
+        steady(pool, job, ("n0", "n1", "n2"))
         pid = trainer_pid(pool, job, "n1")
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -211,6 +224,7 @@ def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[floa
     # catches it and the daemon kills it (SIGKILL reaches a stopped process)
     with figure(f"{trial}, frozen trainer"):
         running(pool, job, 3)
+        steady(pool, job, ("n0", "n1", "n2"))
         pid = trainer_pid(pool, job, "n1")
         t0 = time.time()
         os.kill(pid, signal.SIGSTOP)
@@ -230,6 +244,7 @@ def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[floa
     # 3. a lost node (its dpd killed; its trainer dies with it)
     with figure(f"{trial}, lost node"):
         running(pool, job, 3)
+        steady(pool, job, ("n0", "n1"))
         t0 = time.time()
         pool.daemons["n2"].proc.send_signal(signal.SIGKILL)
         pool.daemons["n2"].proc.wait()

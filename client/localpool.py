@@ -17,6 +17,7 @@ ended by its process name.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -293,11 +294,21 @@ class LocalPool:
         ranked = self._worker_pids(job, generation)
         return cold + [pid for pid in warm if ranked is None or pid in ranked]
 
-    def spare_pids(self, node: str, job: str = "") -> list[int]:
-        """The warm trainers `node` keeps ready (for `job`) that no generation has taken yet."""
+    def spare_pids(self, node: str, job: str = "", *, ready: bool = False) -> list[int]:
+        """The warm trainers `node` keeps (for `job`) that no generation has taken yet; `ready`:
+        only those done building (their dpd logged `spare.ready`)."""
         warm = [p.pid for p in self._trainers(node, job) if " --warm" in f"{p.args} "]
         ranked = self._worker_pids(job, None) or set()
-        return [pid for pid in warm if pid not in ranked]
+        spares = [pid for pid in warm if pid not in ranked]
+        if ready and spares and node in self.daemons:
+            said = set()
+            with contextlib.suppress(OSError), open(self.daemons[node].log, "rb") as f:
+                for line in f:
+                    if b'"spare.ready"' in line:
+                        with contextlib.suppress(ValueError):
+                            said.add(int(json.loads(line).get("pid", 0)))
+            spares = [pid for pid in spares if pid in said]
+        return spares
 
     def _trainers(self, node: str, job: str) -> list[ProcessInfo]:
         state_dir = self.daemons[node].state_dir if node in self.daemons else self.root / f"state-{node}"
