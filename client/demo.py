@@ -182,6 +182,8 @@ def describe_event(e: EventRow, killed_at: float | None) -> str | None:
             f"{'' if f.get('cause', 'failure') == 'failure' else ' after a ' + str(f.get('cause')) + ' change'}: "
             f"{f.get('seconds_since_failure')}s after the failure, {f.get('steps_recomputed')} steps recomputed"
         )
+    if kind == "group.warming":
+        return f"group.warming    warm trainers on {', '.join(f.get('nodes', []))}, while the group trains on"
     if kind == "group.growing":
         return f"group.growing    generation {f.get('generation')}: {f.get('free_slots')} free slot(s), checkpoint and restart wider"
     if kind == "node.drained":
