@@ -1,5 +1,7 @@
 """Ranks that share a machine (trainer/colocate.py): who shares, how many BLAS threads each gets,
-the barrier before the step's all_sum, and that it leaves the loss curve bit for bit as it was."""
+the barrier before the step's all_sum (and that it leaves the loss curve bit for bit as it was),
+and the quiet ring of a group on one machine (exact sums in one-way pieces, a dead rank still
+fails the others)."""
 
 from __future__ import annotations
 
@@ -206,6 +208,7 @@ def test_three_ranks_on_one_machine_train_the_same_curve_with_and_without_the_ba
     without, joined_off = run_three(tmp_path, "free", {"OPENBLAS_NUM_THREADS": "", "DPOOL_LOCAL_BARRIER": "0"})
     assert sorted(e["rank"] for e in joined) == [0, 1, 2]
     assert all(e["colocated_ranks"] == [0, 1, 2] and e["local_barrier"] for e in joined)
+    assert all(e["quiet_ring_sockets"] == 2 for e in joined + joined_off), "each rank's left and right socket"
     assert not any(e["local_barrier"] for e in joined_off)
     if find_openblas() is not None and sys.platform == "linux":
         want = max(1, usable_cores() // 3)
@@ -213,3 +216,57 @@ def test_three_ranks_on_one_machine_train_the_same_curve_with_and_without_the_ba
     assert [e["start_delay_ms"] > 0 for e in sorted(joined, key=lambda e: e["rank"])] == [False, False, True], "only the last rank waits"
     assert sorted(with_barrier) == list(range(1, 7))
     assert with_barrier == without, "the barrier changed the loss curve"
+
+
+GROUP_SCRIPT = """
+import json, os, sys, time
+import mlx.core as mx
+from dpool.trainer.dist import Group
+g = Group()
+x = mx.arange(1_000_000, dtype=mx.float32) * (g.rank + 1)  # 4 MB: more than one one-way piece
+y = g.all_sum(x)
+exact = bool(mx.all(y == mx.arange(1_000_000, dtype=mx.float32) * 6).item())
+print(json.dumps({"rank": g.rank, "exact": exact, "one_way": g.one_way}), flush=True)
+if g.rank == 2:
+    os._exit(0)  # a rank that dies between two all_sums
+t = time.monotonic()
+try:
+    mx.eval(g.all_sum(x))
+    print(json.dumps({"rank": g.rank, "error": None}), flush=True)
+except RuntimeError as e:
+    print(json.dumps({"rank": g.rank, "error": str(e), "after_s": time.monotonic() - t}), flush=True)
+"""
+
+
+def run_group_script(tmp_path: Path, env: dict[int, dict[str, str]] | None = None) -> list[list[dict]]:
+    """Three ranks on this machine run GROUP_SCRIPT; `env` adds variables per rank."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(3)]))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", GROUP_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=ring.trainer_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), **(env or {}).get(r, {})}))
+        for r in range(3)
+    ]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out in outs]
+
+
+def test_a_group_on_one_machine_sums_exactly_in_one_way_pieces_and_a_dead_rank_still_fails_it(tmp_path):
+    # A peer that dies must still make the others raise (not wait forever) with the ring's sockets
+    # blocking and a buffer cut into several all_sums.
+    rows = run_group_script(tmp_path)
+    assert all(r[0]["exact"] and r[0]["one_way"] == 2 * 3 * 262_144 - 1 for r in rows), rows
+    for rank in (0, 1):
+        assert rows[rank][1]["error"] == "[ring] connection to a peer was lost", rows[rank]
+        assert rows[rank][1]["after_s"] < 10
+
+
+def test_one_rank_that_turns_the_quiet_ring_off_turns_it_off_for_all(tmp_path):
+    # Every rank must cut its all_sums alike, whatever its own environment says.
+    rows = run_group_script(tmp_path, env={1: {"DPOOL_QUIET_RING": "0"}})
+    assert all(r[0]["exact"] and r[0]["one_way"] is None for r in rows), rows

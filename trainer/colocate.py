@@ -1,17 +1,23 @@
-"""Ranks that share a machine: split its cores between their BLAS threads, and let them wait for
-each other asleep before the step's all_sum.
+"""Ranks that share a machine: split its cores between their BLAS threads, keep the ring's waits
+from spinning, and let the ranks wait for each other asleep before the step's all_sum.
 
-Co-located ranks fight twice (3 ranks of the demo GPT on 2 cores, BENCHMARKS.md "Ranks that share
-a machine"). Each rank's OpenBLAS starts one thread per core, so 3 ranks run 6 BLAS threads on 2
+Co-located ranks fight (3 ranks of the demo GPT on 2 cores, BENCHMARKS.md "Ranks that share a
+machine"). Each rank's OpenBLAS starts one thread per core, so 3 ranks run 6 BLAS threads on 2
 cores. And MLX's ring backend busy-polls its sockets while a rank waits in `all_sum`
-(mlx/distributed/ring/ring.cpp: `SocketThread::worker` loops on non-blocking send/recv), so a rank
-that finished its share burns a core that a peer still computing needs. So:
+(mlx/distributed/ring/ring.cpp: one `SocketThread` per socket loops on non-blocking send/recv), so
+a rank that finished its share burns a core that a peer still computing needs, and during the
+all_sum itself six spinning threads share two cores: a 3.4 MB all_sum of 3 local ranks took 50 to
+115 ms instead of 4. So:
 
 - `split_blas_threads`: each rank's OpenBLAS gets max(1, cores // ranks on this machine) threads,
   set at run time (`openblas_set_num_threads`), because a warm trainer imports MLX, and with it
   loads OpenBLAS, before it learns its rank and hostfile.
+- `quiet_ring`: when every rank of the group is on this machine, the ring's sockets become blocking
+  with a 1 ms timeout, and all_sums go one way round the ring (`one_way_bytes`): a waiting socket
+  thread sleeps in the kernel until its data comes (4 ms for that all_sum, as with a sleeping shim).
 - `LocalBarrier`: before the step's all_sum, co-located ranks wait for each other in a blocking
-  `recv` on a Unix-domain socket, so none of them spins in the ring while a neighbour computes.
+  `recv` on a Unix-domain socket, so none of them spins in the ring while a neighbour computes
+  (the only remedy where some of the ring's sockets lead to other machines).
 
 Co-located means: the ranks whose address in the ring hostfile (MLX_HOSTFILE, as `mlx.launch
 --backend ring` writes it: a JSON list of ["host:port", ...] per rank) names the same host.
@@ -36,6 +42,7 @@ from dpool.trainer.blas import MARK
 
 THREADS_ENV = "DPOOL_BLAS_THREADS"  # an explicit per-rank BLAS thread count (wins over the split)
 BARRIER_ENV = "DPOOL_LOCAL_BARRIER"  # "0" turns the barrier off (benchmarks, and to compare)
+QUIET_ENV = "DPOOL_QUIET_RING"  # "0" leaves the ring's sockets and all_sums as MLX makes them
 # Setting up the barrier waits at most this long for co-located peers: they are past the ring's
 # start-up already (that is what returned before we got here), so only a dead peer takes this long.
 JOIN_TIMEOUT_S = 60.0
@@ -127,6 +134,69 @@ def split_blas_threads(ranks_here: int, env: Mapping[str, str] = os.environ) -> 
     return {"blas_threads": got, "blas_threads_from": source}
 
 
+# MLX's ring all_sum (ring.cpp) runs both ways round the ring at once when a buffer holds at least
+# 2 * world * 256 KiB: then each socket thread both sends and receives, and a blocking receive
+# would hold up its send. Below that size each socket only sends or only receives.
+MLX_MIN_SEND = 262_144
+
+
+def one_way_bytes(world: int) -> int:
+    """The largest buffer MLX's ring all_sum sends one way round a ring of `world` ranks."""
+    return 2 * world * MLX_MIN_SEND - 1
+
+
+def quiet_ring(hosts: Sequence[Sequence[str]], rank: int, timeout_s: float = 0.001) -> int:
+    """Make this rank's ring sockets blocking, with a `timeout_s` timeout on each send and receive;
+    returns how many it changed (its left and right neighbours': 2 per address).
+
+    MLX's socket threads treat a timed-out call like a non-blocking one that would block (EAGAIN:
+    try again), so nothing else changes; the timeout is what keeps a thread that has both a send and
+    a receive queued (an all_sum two ways round) from waiting on one while the other could go. The
+    sockets are found by address: the left neighbour's connection was accepted on this rank's
+    address, the right neighbour's leads to its address. A socket MLX left blocking is left alone
+    (an MLX that does not poll)."""
+    mine, right = _endpoints(hosts[rank]), _endpoints(hosts[(rank + 1) % len(hosts)])
+    timeout = struct.pack("@ll", int(timeout_s), int(timeout_s % 1 * 1e6))  # struct timeval
+    changed = 0
+    for fd in _open_fds():
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue  # not a socket
+        try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            if s.getsockname()[:2] not in mine and s.getpeername()[:2] not in right:
+                continue
+            if os.get_blocking(fd):
+                continue
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeout)
+            os.set_blocking(fd, True)
+            changed += 1
+        except OSError:
+            continue  # a listening or unconnected socket has no peer
+        finally:
+            s.detach()  # the fd stays MLX's
+    return changed
+
+
+def _endpoints(addresses: Sequence[str]) -> set[tuple[str, int]]:
+    """The (ip, port) pairs a rank's hostfile addresses resolve to, as sockets report them."""
+    out = set()
+    for a in addresses:
+        host, _, port = a.rpartition(":")
+        with contextlib.suppress(OSError):
+            for *_, addr in socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM):
+                out.add((str(addr[0]), int(addr[1])))
+    return out
+
+
+def _open_fds() -> list[int]:
+    folder = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
 def barrier_address(hosts: Sequence[Sequence[str]]) -> str:
     """Where the co-located ranks of this group meet, the same for all of them and for no other
     group: named after the hostfile's content. The hostfile holds the ring ports of this
@@ -175,11 +245,12 @@ class LocalBarrier:
             raise RuntimeError("co-located barrier: closed")
         mark = bytes([self.round])
         self.round = (self.round + 1) % 256
+        peer = self.leader
         try:
             if self.rank == self.leader:
-                for r, s in self.peers.items():
-                    self._expect(s, r, mark)
-                for s in self.peers.values():
+                for peer, s in self.peers.items():
+                    self._expect(s, peer, mark)
+                for peer, s in self.peers.items():  # noqa: B007 (`peer` is named if the send fails)
                     s.sendall(mark)
             else:
                 s = self.peers[self.leader]
@@ -187,7 +258,7 @@ class LocalBarrier:
                 self._expect(s, self.leader, mark)
         except OSError as e:
             self.close()
-            raise RuntimeError(f"co-located barrier: a rank on this machine is gone ({e})") from None
+            raise RuntimeError(f"co-located barrier: rank {peer} on this machine closed its connection ({e})") from None
         except RuntimeError:
             self.close()  # the others learn at once, not when this process exits
             raise

@@ -17,9 +17,12 @@ import mlx.core as mx
 from dpool.protocol.logs import get_logger
 from dpool.trainer.colocate import (
     BARRIER_ENV,
+    QUIET_ENV,
     LocalBarrier,
     barrier_address,
     colocated,
+    one_way_bytes,
+    quiet_ring,
     read_hostfile,
     split_blas_threads,
 )
@@ -54,6 +57,7 @@ class Group:
 
     def __init__(self) -> None:
         self.barrier: LocalBarrier | None = None
+        self.one_way: int | None = None  # all_sums at most this many bytes each (trainer/colocate.py)
         hostfile, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
         if not hostfile or rank is None:
             self.group: mx.distributed.Group | None = None
@@ -71,12 +75,23 @@ class Group:
         # that never comes).
         self.group = mx.distributed.init(backend="ring", strict=True)
         self.rank, self.size = self.group.rank(), self.group.size()
-        if len(here) > 1 and os.environ.get(BARRIER_ENV, "1") != "0":
+        # Every rank must agree on both: the barrier's members wait for each other, and one-way
+        # all_sums must be cut alike everywhere. So one rank started with DPOOL_QUIET_RING=0 or
+        # DPOOL_LOCAL_BARRIER=0 turns it off for all (every rank calls this all_sum).
+        wants = [int(os.environ.get(env, "1") != "0") for env in (QUIET_ENV, BARRIER_ENV)]
+        quiet, barrier = (n == self.size for n in self.sum_ints(wants))
+        quieted = 0
+        if quiet and len(here) == self.size:
+            # The whole group on this machine (the same hostfile tells every rank so). The sockets
+            # are each rank's own business: one whose sockets stay as MLX made them only spins.
+            self.one_way = one_way_bytes(self.size)
+            quieted = quiet_ring(hosts, self.rank)
+        if barrier and len(here) > 1:
             self.barrier = LocalBarrier.join(barrier_address(hosts), self.rank, here)
             weakref.finalize(self, self.barrier.close)
         get_logger(rank=self.rank).info(
             "group.joined", world_size=self.size, colocated_ranks=here, local_barrier=self.barrier is not None,
-            start_delay_ms=round(delay * 1000, 1), **chosen,
+            quiet_ring_sockets=quieted, one_way_bytes=self.one_way, start_delay_ms=round(delay * 1000, 1), **chosen,
         )
 
     def wait_for_colocated(self) -> None:
@@ -89,7 +104,24 @@ class Group:
     def all_sum(self, x: mx.array) -> mx.array:
         if self.group is None or self.size == 1:
             return x
-        return mx.distributed.all_sum(x, group=self.group)
+        return self._ring_sum(x)
+
+    def _ring_sum(self, x: mx.array) -> mx.array:
+        """One all_sum, or, in a group on one machine, one per piece of at most `one_way` bytes:
+        each goes one way round the ring, so no socket thread both sends and receives and the
+        blocking sockets never hold a send up behind a receive (trainer/colocate.py).
+
+        Each piece is evaluated before the next is sent: when a peer dies, MLX fails the pending
+        all_sum and its socket threads end, and a second all_sum in the same evaluation would wait
+        for them forever; this way the first failure raises."""
+        if self.one_way is None or x.nbytes <= self.one_way:
+            return mx.distributed.all_sum(x, group=self.group)
+        flat, n = x.reshape(-1), self.one_way // x.itemsize
+        parts = []
+        for i in range(0, flat.size, n):
+            parts.append(mx.distributed.all_sum(flat[i : i + n], group=self.group))
+            mx.eval(parts[-1])
+        return mx.concatenate(parts).reshape(x.shape)
 
     def all_sum_fused(self, arrays: Sequence[mx.array]) -> list[mx.array]:
         """all_sum many arrays with one collective per dtype; returns them in the same shapes."""
@@ -101,7 +133,7 @@ class Group:
         out: list[mx.array | None] = [None] * len(arrays)
         for idx in by_dtype.values():
             flat = mx.concatenate([arrays[i].reshape(-1) for i in idx])
-            summed = mx.distributed.all_sum(flat, group=self.group)
+            summed = self._ring_sum(flat)
             offset = 0
             for i in idx:
                 n = arrays[i].size
