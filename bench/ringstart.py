@@ -98,7 +98,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     delays = [float(x) / 1000 for x in args.delays.split(",")]
     names = args.schedules.split(",")
-    rows = []
+    rows: list[dict] = []
     print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} cores; {args.busy} busy loops")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
