@@ -40,10 +40,12 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
 
 class LocalPool(localpool.LocalPool):
     """A local pool whose processes the test's `processes` fixture ends, with dpctl run as a user
-    runs it and waits on a job's status."""
+    runs it and waits on a job's status. Its daemons keep warm trainers only with `warm` (the
+    recovery scenarios): each costs about a CPU-second per slot and generation, which the tests
+    that are about something else need not pay on a 2-core machine."""
 
-    def __init__(self, procs: Processes, root: Path, **kw: Any) -> None:
-        super().__init__(root, procs=procs, **kw)
+    def __init__(self, procs: Processes, root: Path, *, warm: bool = False, env: dict[str, str] | None = None, **kw: Any) -> None:
+        super().__init__(root, procs=procs, env={"DPOOL_WARM": "1" if warm else "0", **(env or {})}, **kw)
 
     def wait_status(self, job: str, what: str, check: Callable[[JobStatus], Any], timeout: float = 120, every: float = 0.1) -> JobStatus:
         """The job's status once `check` holds for it; fail naming `what` after `timeout` seconds."""

@@ -57,7 +57,7 @@ def assets(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def pool(processes: Processes, tmp_path: Path) -> HomePool:
-    return HomePool(processes, tmp_path)
+    return HomePool(processes, tmp_path, warm=True)  # a killed worker: mlx-lm trainers kept warm too
 
 
 def reference_curve(assets: Path, tmp_path: Path) -> dict[int, float]:

@@ -74,7 +74,10 @@ def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 class Pool(LocalPool):
-    """A local pool of one-slot daemons."""
+    """A local pool of one-slot daemons, with warm trainers (the default of a real pool)."""
+
+    def __init__(self, procs: Processes, root: Path, **kw: Any) -> None:
+        super().__init__(procs, root, warm=True, **kw)
 
     def start(self, n: int) -> Pool:  # type: ignore[override]
         super().start(*[1] * n)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import sys
 from pathlib import Path
 
@@ -87,4 +88,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code not in (0, 75):
+        # A failed rank leaves at once, its `error:` line out: its daemon reports the exit while the
+        # group is being stopped, and a SIGTERM that came during a slow teardown (the daemon link's
+        # linger, MLX) would report the stop instead of this rank's own reason.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
