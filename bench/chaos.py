@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from dpool.client.jobtimes import JobTimes
-from dpool.client.localpool import LocalPool, LocalPoolError, processes_with, wait_for
+from dpool.client.localpool import LocalPool, LocalPoolError, wait_for
 from dpool.client.rpc import pages
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec, parse_job
@@ -472,10 +472,7 @@ def main() -> int:
         print(f"bench/chaos.py: {e}\n  the pool's logs and state are kept in {root}", file=sys.stderr)
         return 1
     finally:
-        pool.stop(report=lambda line: print(f"  stopping the pool: {line}", file=sys.stderr))
-        left = processes_with(f"{root}{os.sep}")
-        if left:
-            print(f"  still running under {root} after the pool stopped: {[p.pid for p in left]}", file=sys.stderr)
+        recovery.stop_pool(pool, root)
 
     orphans = attribute(chaos.actions, result["events"], chaos.first_step or 0.0)
     table, doc = summarize(free, result, chaos.actions, orphans, chaos.first_step)

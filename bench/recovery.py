@@ -196,6 +196,14 @@ def alive(pid: int) -> bool:
     return True
 
 
+def stop_pool(pool: LocalPool, root: Path) -> None:
+    """End the pool's daemons (and with them their trainers); say what still runs under `root`."""
+    pool.stop(report=lambda line: print(f"  stopping the pool: {line}", file=sys.stderr))
+    left = processes_with(f"{root}{os.sep}")
+    if left:
+        print(f"  still running under {root} after the pool stopped: {[p.pid for p in left]}", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def figure(what: str) -> Iterator[None]:
     """Name the figure in any timeout, so a failed run says which fault was not recovered."""
@@ -403,10 +411,7 @@ def main() -> int:
         print(f"bench/recovery.py: {e}\n  the pool's logs and state are kept in {root}", file=sys.stderr)
         return 1
     finally:
-        pool.stop(report=lambda line: print(f"  stopping the pool: {line}", file=sys.stderr))
-        left = processes_with(f"{root}{os.sep}")
-        if left:
-            print(f"  still running under {root} after the pool stopped: {[p.pid for p in left]}", file=sys.stderr)
+        stop_pool(pool, root)
 
     table, doc = report(fig, recomputed, overhead, args.trials)
     print()
