@@ -6,15 +6,16 @@ machine"). Each rank's OpenBLAS starts one thread per core, so 3 ranks run 6 BLA
 cores. And MLX's ring backend busy-polls its sockets while a rank waits in `all_sum`
 (mlx/distributed/ring/ring.cpp: one `SocketThread` per socket loops on non-blocking send/recv), so
 a rank that finished its share burns a core that a peer still computing needs, and during the
-all_sum itself six spinning threads share two cores: a 3.4 MB all_sum of 3 local ranks took 50 to
-115 ms instead of 4. So:
+all_sum itself six spinning threads share two cores: the demo's 3.4 MB all_sum of 3 local ranks
+entering it together took 56 to 123 ms, against 4 to 9 ms with a shim that sleeps 50 us whenever a
+socket would block. So:
 
 - `split_blas_threads`: each rank's OpenBLAS gets max(1, cores // ranks on this machine) threads,
   set at run time (`openblas_set_num_threads`), because a warm trainer imports MLX, and with it
   loads OpenBLAS, before it learns its rank and hostfile.
 - `quiet_ring`: when every rank of the group is on this machine, the ring's sockets become blocking
   with a 1 ms timeout, and all_sums go one way round the ring (`one_way_bytes`): a waiting socket
-  thread sleeps in the kernel until its data comes (4 ms for that all_sum, as with a sleeping shim).
+  thread sleeps in the kernel until its data comes (5 to 12 ms for that all_sum).
 - `LocalBarrier`: before the step's all_sum, co-located ranks wait for each other in a blocking
   `recv` on a Unix-domain socket, so none of them spins in the ring while a neighbour computes
   (the only remedy where some of the ring's sockets lead to other machines).
