@@ -226,7 +226,9 @@ g = Group()
 x = mx.arange(1_000_000, dtype=mx.float32) * (g.rank + 1)  # 4 MB: more than one one-way piece
 y = g.all_sum(x)
 exact = bool(mx.all(y == mx.arange(1_000_000, dtype=mx.float32) * 6).item())
-print(json.dumps({"rank": g.rank, "exact": exact, "one_way": g.one_way}), flush=True)
+print(json.dumps({"rank": g.rank, "exact": exact, "one_way": g.one_way, "barrier": g.barrier is not None}), flush=True)
+for _ in range(3):
+    g.wait_for_colocated()  # the step's barrier: only ranks that share a machine meet there
 if g.rank == 2:
     os._exit(0)  # a rank that dies between two all_sums
 t = time.monotonic()
@@ -238,10 +240,11 @@ except RuntimeError as e:
 """
 
 
-def run_group_script(tmp_path: Path, env: dict[int, dict[str, str]] | None = None) -> list[list[dict]]:
-    """Three ranks on this machine run GROUP_SCRIPT; `env` adds variables per rank."""
+def run_group_script(tmp_path: Path, env: dict[int, dict[str, str]] | None = None, hosts: tuple[str, ...] = ("127.0.0.1",) * 3) -> list[list[dict]]:
+    """Three ranks on this machine run GROUP_SCRIPT, rank r at address hosts[r] of the loopback;
+    `env` adds variables per rank."""
     hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(3)]))
+    hostfile.write_text(json.dumps([[f"{h}:{p}"] for h, p in zip(hosts, ring.free_ports(3), strict=True)]))
     procs = [
         subprocess.Popen([sys.executable, "-c", GROUP_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                          env=ring.trainer_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile), **(env or {}).get(r, {})}))
@@ -269,4 +272,13 @@ def test_a_group_on_one_machine_sums_exactly_in_one_way_pieces_and_a_dead_rank_s
 def test_one_rank_that_turns_the_quiet_ring_off_turns_it_off_for_all(tmp_path):
     # Every rank must cut its all_sums alike, whatever its own environment says.
     rows = run_group_script(tmp_path, env={1: {"DPOOL_QUIET_RING": "0"}})
+    assert all(r[0]["exact"] and r[0]["one_way"] is None for r in rows), rows
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 answers on Linux's loopback only")
+def test_in_a_group_across_machines_only_ranks_that_share_one_wait_for_each_other(tmp_path):
+    # 127.0.0.1 and 127.0.0.2 are two machines as far as the hostfile says: ranks 0 and 1 share
+    # one, rank 2 has the other to itself. The group is not on one machine: MLX's own all_sums.
+    rows = run_group_script(tmp_path, hosts=("127.0.0.1", "127.0.0.1", "127.0.0.2"))
+    assert [r[0]["barrier"] for r in rows] == [True, True, False], rows
     assert all(r[0]["exact"] and r[0]["one_way"] is None for r in rows), rows
