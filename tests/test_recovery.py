@@ -117,8 +117,10 @@ def test_sigkill_of_a_trainer_resumes_from_the_checkpoint(pool: Pool, tmp_path: 
     (victim,) = pool.trainer_pids("n1", job)
     os.kill(victim, signal.SIGKILL)
     events = pool.finish(job, reference)
-    failed = kinds(events, "worker.failed")
-    assert failed[0]["node"] == "n1" and failed[0]["reason"] == "exit" and failed[0]["code"] == -9
+    # Its peers' "connection lost" (exit 1) may reach the coordinator first; the kill is recorded
+    # all the same, and blamed on its node.
+    failed = [f for f in kinds(events, "worker.failed") if f.get("code") != 1]
+    assert failed[0]["node"] == "n1" and failed[0]["reason"] == "exit" and failed[0]["code"] == -9, kinds(events, "worker.failed")
     resumed = kinds(events, "group.resumed")
     assert resumed and resumed[0]["generation"] >= 2 and resumed[0]["cause"] == "failure"
     assert 0 <= resumed[0]["steps_recomputed"] < 4 + 6  # at most a checkpoint interval (plus steps in flight)
