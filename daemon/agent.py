@@ -590,7 +590,10 @@ class Agent:
         self.spares_starting.add(slot)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
-            proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {})
+            # A spare builds at a low priority where this node trains (its cores are the workers');
+            # on a node that runs none yet (one that joins), at the usual one.
+            low = "1" if self.workers else "0"
+            proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {"DPOOL_WARM_LOW": low})
         except OSError as e:
             self.log.warning("spare.start_failed", job=job, slot=slot, error=str(e))
             if (job, slot) in self.warm_wanted:

@@ -27,7 +27,7 @@ from dpool.protocol.payloads import JobStatus
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-LONG_STEPS = 120
+LONG_STEPS = 200
 JOB_TIMEOUT = 240.0
 TOL = 1e-3
 

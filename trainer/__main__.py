@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     # A spare builds at a low priority while its node trains; at worker.go it trains at the usual one.
     from dpool.trainer.priority import lower
 
-    at_go = lower() if args.warm else None
+    at_go = lower() if args.warm and os.environ.get("DPOOL_WARM_LOW", "1") != "0" else None
 
     from dpool.protocol.checkpoints import EXIT_DISK
     from dpool.protocol.jobspec import JobFileError, load_job

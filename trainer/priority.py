@@ -2,7 +2,8 @@
 
 A spare (`--warm`) starts while its node trains: its interpreter start, imports and model build
 take a core for a second or two, which the running ranks would lose on a machine with few cores.
-So it lowers its priority first, and raises it back at `worker.go`. Only where raising it back is
+So it lowers its priority first, and raises it back at `worker.go`. A spare on a node that runs no
+worker yet (a node that joins: its dpd sets DPOOL_WARM_LOW=0) builds at the usual priority. Only where raising it back is
 allowed, or the whole next generation would train at the low priority:
 
 - macOS: the process's background state (`PRIO_DARWIN_BG`), which a process may set and clear on
