@@ -2,7 +2,9 @@
 
 MLX has no broadcast; `all_sum(x if rank == 0 else zeros)` gives bit-identical copies. Small
 all_sums are latency-bound (DESIGN.md: ~0.07 GB/s at 4 KB, ~0.95 GB/s at 16 MB), so everything a
-step exchanges travels in as few buffers as possible: one per dtype.
+step exchanges travels in as few buffers as possible: one per dtype. Ranks that share a machine
+get their share of its cores, wait for each other asleep, and, when the whole group is on one
+machine, sum in pieces that go one way round the ring (trainer/colocate.py).
 """
 
 from __future__ import annotations
