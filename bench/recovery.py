@@ -216,14 +216,20 @@ def figure(what: str) -> Iterator[None]:
 # -- the fault cycle ----------------------------------------------------------------------------
 
 
+def signal_trainer(pool: LocalPool, job: str, sig: signal.Signals) -> tuple[int, float]:
+    """In steady state at full strength, `sig` to n1's trainer: (its pid, when it was sent)."""
+    running(pool, job, 3)
+    steady(pool, job, ("n0", "n1", "n2"))
+    pid = trainer_pid(pool, job, "n1")
+    t0 = time.time()
+    os.kill(pid, sig)
+    return pid, t0
+
+
 def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[float]], recomputed: dict[str, list[int]], trial: str) -> None:
     # 1. a killed trainer
     with figure(f"{trial}, killed trainer"):
-        running(pool, job, 3)
-        steady(pool, job, ("n0", "n1", "n2"))
-        pid = trainer_pid(pool, job, "n1")
-        t0 = time.time()
-        os.kill(pid, signal.SIGKILL)
+        pid, t0 = signal_trainer(pool, job, signal.SIGKILL)
         resumed = log.wait("group.resumed", t0)
         fig["kill_trainer"].append(resumed.t - t0)
         recomputed["kill_trainer"].append(int(resumed.fields["steps_recomputed"]))
@@ -231,11 +237,7 @@ def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[floa
     # 2. a frozen trainer: nothing exits, its peers wait inside all_sum; the progress deadline
     # catches it and the daemon kills it (SIGKILL reaches a stopped process)
     with figure(f"{trial}, frozen trainer"):
-        running(pool, job, 3)
-        steady(pool, job, ("n0", "n1", "n2"))
-        pid = trainer_pid(pool, job, "n1")
-        t0 = time.time()
-        os.kill(pid, signal.SIGSTOP)
+        pid, t0 = signal_trainer(pool, job, signal.SIGSTOP)
         try:
             fig["stop_detected"].append(log.wait("worker.failed", t0).t - t0)
             resumed = log.wait("group.resumed", t0)

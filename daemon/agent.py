@@ -92,6 +92,7 @@ WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
 WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
 SPARE_IDLE_S = 120.0  # a spare with no worker of its job on this node for this long is stopped
 SPARE_LINES = 200  # output lines of a spare kept until it is used
+SWEEP_S = 5.0  # how often idle spares and forgotten state in memory are looked for
 # A worker's spare starts once it has completed this many steps: not while its group starts, when
 # the machine's cores are what the group waits for (compiling, the first steps, the other ranks).
 SPARE_AFTER_STEPS = 3
@@ -523,7 +524,7 @@ class Agent:
                 self._go(spare, msg, hostfile, rank)
                 return
             self._stop(spare, "now", "its slot starts another job")
-        run_dir = self.state_dir / "jobs" / msg.job / f"slot-{slot}"
+        run_dir = self._run_dir(msg.job, slot)
         shares = ",".join(str(s) for s in msg.shares)
         args = [str(job_file), "--run-dir", str(run_dir), "--shares", shares, "--generation", str(msg.generation)]
         if msg.resume_max is not None:
@@ -547,6 +548,10 @@ class Agent:
         w.tasks.append(asyncio.create_task(self._watch(w)))
         self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
         self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid, warm=False)
+
+    def _run_dir(self, job: str, slot: int) -> Path:
+        """Where a trainer of `job` in `slot` runs, its spare too (`job` checked as a job id)."""
+        return self.state_dir / "jobs" / job / f"slot-{slot}"
 
     async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process:
         env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, **extra)
@@ -586,7 +591,7 @@ class Agent:
         """A warm trainer of `job` for `slot`, ready for its next generation."""
         if not self.warm or self.closing or slot in self.spares or slot in self.spares_starting or job in self.removing:
             return
-        run_dir = self.state_dir / "jobs" / job / f"slot-{slot}"
+        run_dir = self._run_dir(job, slot)
         self.spares_starting.add(slot)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -898,14 +903,17 @@ class Agent:
             self.wraw.send_multipart([peer, *msg.to_frames()], flags=zmq.NOBLOCK)
 
     async def _flush_loop(self) -> None:
+        next_sweep = 0.0
         while True:
             await asyncio.sleep(LOG_FLUSH_S)  # batching interval for output lines
             for w in list(self.workers.values()):
                 self._flush(w)
             now = time.monotonic()
-            self._check_spares(now)
-            for job in self.memory.sweep(now, {w.job for w in self.workers.values()}):
-                self.log.info("memory_state.removed", job=job, why="no worker of it here for a while")
+            if now >= next_sweep:  # listing the memory folders: not every batching interval
+                next_sweep = now + SWEEP_S
+                self._check_spares(now)
+                for job in self.memory.sweep(now, {w.job for w in self.workers.values()}):
+                    self.log.info("memory_state.removed", job=job, why="no worker of it here for a while")
             for export_id in self.exporter.expire(time.monotonic()):
                 self.log.info("export.expired", export=export_id)
 
