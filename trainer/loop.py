@@ -107,11 +107,14 @@ def _restore(
     stores = [run_dir] + ([memory] if memory is not None else [])
     for d in stores:
         ckpt.clean_partial(d)
-    found = 0
+    found, found_in = 0, None  # rank 0: the step it verified, and where (not verified twice)
     if group.rank == 0:
         disk = ckpt.newest_valid(run_dir, job_hash, log, at_most)
         kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
-        found = max(disk[0] if disk else 0, kept or 0)
+        if kept is not None and kept >= (disk[0] if disk else 0):
+            found, found_in = kept, memory  # memory first: the faster read
+        elif disk:
+            found, found_in = disk[0], run_dir
     (step,) = group.broadcast_ints([found])
     # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
     # ones this rank wrote in a group that went on without rank 0's): gone before anything is
@@ -120,8 +123,8 @@ def _restore(
         dropped = ckpt.drop_above(d, step, job_hash)
         if dropped:
             log.info("checkpoint.dropped", steps=dropped, resume_step=step, memory=d is memory)
-    source = None
-    if step > 0:
+    source = found_in
+    if step > 0 and source is None:
         for d in reversed(stores):  # memory first: the faster read
             try:
                 ckpt.verify(d, step, job_hash)
@@ -133,8 +136,6 @@ def _restore(
                 raise
             except ckpt.CheckpointError:
                 continue
-        if source is None and group.rank == 0:
-            raise ckpt.CheckpointError(f"{run_dir}: step {step} was valid a moment ago and is not now")
     (holders,) = group.sum_ints([int(source is not None)])
     if step > 0 and holders < group.size:
         _check_same_layout(group, model, optimizer)
