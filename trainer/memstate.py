@@ -21,7 +21,7 @@ What it costs and how that stays small:
 - The write still takes CPU time from the step on a machine whose cores the ranks fill. So it is
   kept at most `SHARE` of the step time, on average: with writes that take longer than that (a
   large model, small steps), every `k`th step is kept, and a failure recomputes up to `k - 1`
-  steps more. `k` is 1 for models whose state writes in under 2% of a step (the trainer logs
+  steps more. `k` is 1 for models whose state writes in under 10% of a step (the trainer logs
   `memory_state.interval` when it changes).
 - Memory: the newest two copies (`KEEP`) plus one being written. When three copies of the trained
   state would take more than `BUDGET` of the machine's memory, or more than the folder's free
@@ -45,7 +45,7 @@ from dpool.trainer import checkpoint as ckpt
 ENV_DIR = "DPOOL_MEMORY_DIR"
 KEEP = 2  # the newest copy and the one before (the newest may be cut short by a kill)
 BUDGET = 0.25  # of the machine's memory, for KEEP + 1 copies
-SHARE = 0.02  # of a step's time that keeping its state may take, on average
+SHARE = 0.10  # of a step's time that keeping its state may take, on average (its CPU time, in a thread)
 RECENT = 8  # writes and steps whose median times set the interval
 
 
