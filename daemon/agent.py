@@ -67,6 +67,13 @@ from dpool.daemon.children import (
     trainer_env,
 )
 from dpool.daemon.exporter import Exporter, ExportError
+from dpool.daemon.forkserver import (
+    LM_MODULES,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    zygote_command,
+)
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.sysinfo import node_info
@@ -114,7 +121,7 @@ class Worker:
     rank: int
     slot: int
     run_dir: Path
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     peer: bytes | None = None
     stopping: bool = False  # the daemon stopped (or is stopping) it
     stop_at_checkpoint: bool = False  # worker.stop is owed once its hello arrives
@@ -182,6 +189,8 @@ class Agent:
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
         self.memory = MemoryStore(default_root(self.state_dir))
+        self.forks = ForkServer(zygote_command(), trainer_env(), die_with_parent(os.getpid()))  # trainers forked pre-imported
+        self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -198,11 +207,13 @@ class Agent:
         if left.is_dir():  # what a previous process was deleting when it stopped
             shutil.rmtree(left, ignore_errors=True)
         wsock = self._bind_worker_socket()
+        self.forks.start()
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
         try:
             code = await self._control_loop(stopping)
         finally:
             await self._stop_all("dpd stopping")
+            await self.forks.close()
             self.awake.close()
             for t in list(self.export_tasks):
                 t.cancel()  # kills an export's trainer
@@ -484,7 +495,9 @@ class Agent:
     async def _start(self, msg: m.GroupStart) -> None:
         job_dir = self.state_dir / "jobs" / msg.job
         try:
-            text = dump_job(parse_job(msg.spec, source=f"job {msg.job}"))
+            spec = parse_job(msg.spec, source=f"job {msg.job}")
+            text = dump_job(spec)
+            self.kinds[msg.job] = spec.model.kind
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
             for r in msg.ranks:
@@ -547,16 +560,23 @@ class Agent:
         self.awake.update(len(self.workers))  # the first trainer: the Mac stays awake from now
         w.tasks.append(asyncio.create_task(self._watch(w)))
         self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
-        self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid, warm=False)
+        self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid, warm=False, forked=isinstance(proc, ForkedProcess))
 
     def _run_dir(self, job: str, slot: int) -> Path:
         """Where a trainer of `job` in `slot` runs, its spare too (`job` checked as a job id)."""
         return self.state_dir / "jobs" / job / f"slot-{slot}"
 
-    async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process:
+    async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:
+        """A trainer: forked from this dpd's zygote where it can be, else a new interpreter."""
         env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, **extra)
         if self.memory.root.is_dir():
             env["DPOOL_MEMORY_DIR"] = str(self.memory.folder(job, slot))
+        then = LM_MODULES if self.kinds.get(job) == "mlx_lm" else ()
+        try:
+            return await self.forks.spawn(args, env, str(run_dir), then)
+        except ForkServerError as e:
+            if self.forks.enabled and not self.closing:
+                self.log.info("worker.not_forked", job=job, slot=slot, why=str(e))
         return await asyncio.create_subprocess_exec(
             *trainer_command(*args),
             stdin=asyncio.subprocess.DEVNULL,
@@ -613,7 +633,7 @@ class Agent:
             self._stop(w, "now", "not needed")
             return
         self.spares[slot] = w
-        self.log.info("spare.started", job=job, slot=slot, pid=proc.pid)
+        self.log.info("spare.started", job=job, slot=slot, pid=proc.pid, forked=isinstance(proc, ForkedProcess))
 
     async def _warm_job(self, msg: m.JobWarm) -> None:
         """job.warm: a spare of the job in each of these free slots, ahead of a group that will
@@ -623,7 +643,9 @@ class Agent:
             refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
         else:
             try:
-                text = dump_job(parse_job(msg.spec, source=f"job {msg.job}"))
+                spec = parse_job(msg.spec, source=f"job {msg.job}")
+                text = dump_job(spec)
+                self.kinds[msg.job] = spec.model.kind
                 job_dir = self.state_dir / "jobs" / msg.job
                 job_dir.mkdir(parents=True, exist_ok=True)
                 _write_file(job_dir / "job.toml", text.encode())
@@ -795,6 +817,7 @@ class Agent:
         at once (so it is no longer a holding) and deleted in a thread; then `node.removed`."""
         self._retire_spares(job, "its job was removed")
         self.memory.remove(job)
+        self.kinds.pop(job, None)
         running = sorted(w.rank for w in self.workers.values() if w.job == job)
         if running:
             if job not in self.removing:

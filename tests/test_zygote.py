@@ -1,0 +1,160 @@
+"""Trainers forked from a dpd's zygote (trainer/zygote.py, daemon/forkserver.py): the same training
+as an exec'd trainer, the same process contract (own process group, exit codes, output, death with
+the daemon), requests the zygote refuses without dying, and the agent's use of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from conftest import LocalPool, Processes, wait_for
+from jobs import write_job
+
+from dpool.daemon.children import die_with_parent, trainer_command, trainer_env
+from dpool.daemon.forkserver import (
+    KILLED,
+    ForkedProcess,
+    ForkServer,
+    ForkServerError,
+    zygote_command,
+)
+
+
+def run(coro_fn: Callable[[ForkServer], Awaitable[Any]]) -> Any:
+    """`coro_fn(server)` with a started zygote, stopped afterwards."""
+
+    async def main() -> Any:
+        fs = ForkServer(zygote_command(), trainer_env(), die_with_parent(os.getpid()))
+        fs.start()
+        assert fs.ready is not None and await fs.ready, "the zygote did not get ready"
+        try:
+            return await coro_fn(fs)
+        finally:
+            for child in list(fs.children.values()):
+                os.killpg(child.pid, signal.SIGKILL)
+                await child.wait()
+            await fs.close()
+
+    return asyncio.run(main())
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if r.get("kind", "train") == "train" and "loss" in r]
+
+
+def test_a_forked_trainer_trains_exactly_the_curve_of_an_exec_d_one(tmp_path: Path) -> None:
+    job = write_job(tmp_path, "same", train={"steps": 8})
+    execd, forked = tmp_path / "exec", tmp_path / "fork"
+    done = subprocess.run(trainer_command(str(job), "--run-dir", str(execd)), env=trainer_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+    async def fork(fs: ForkServer) -> tuple[int, bytes]:
+        forked.mkdir()
+        child = await fs.spawn([str(job), "--run-dir", str(forked)], trainer_env(), str(forked))
+        return await child.wait(), await child.stdout.read()
+
+    code, out = run(fork)
+    assert code == 0, out[-2000:]
+    assert b'"trainer.started"' in out  # its output (stdout and stderr) came through the pipe
+    assert losses(forked) == losses(execd) and len(losses(execd)) == 8
+
+
+def test_a_forked_trainer_is_a_process_group_of_its_own_named_as_a_trainer_and_reports_its_death(tmp_path: Path) -> None:
+    job = write_job(tmp_path, "long", train={"steps": 100_000})
+
+    async def check(fs: ForkServer) -> None:
+        memory = tmp_path / "kept"  # where its environment says to keep its state in memory
+        child = await fs.spawn([str(job), "--run-dir", str(tmp_path / "run")], trainer_env(DPOOL_MEMORY_DIR=str(memory)), str(tmp_path))
+        assert isinstance(child, ForkedProcess) and child.returncode is None
+        proc = psutil.Process(child.pid)
+        assert os.getpgid(child.pid) == child.pid and os.getsid(child.pid) == child.pid
+        assert fs.proc is not None and proc.ppid() == fs.proc.pid
+        assert str(job) in " ".join(proc.cmdline()) and "dpool.trainer " in " ".join(proc.cmdline())
+        assert proc.cwd() == str(tmp_path)
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line, "the trainer's first output line"
+        for _ in range(600):  # its environment is the one asked for: it keeps its steps there
+            if any(memory.glob("checkpoints/step-*/manifest.json")):
+                break
+            await asyncio.sleep(0.1)
+        assert any(memory.glob("checkpoints/step-*/manifest.json")), sorted(memory.rglob("*"))
+        os.killpg(child.pid, signal.SIGKILL)
+        assert await asyncio.wait_for(child.wait(), 10) == KILLED == child.returncode
+
+    run(check)
+
+
+def test_a_bad_job_exits_2_with_its_error_line(tmp_path: Path) -> None:
+    async def check(fs: ForkServer) -> tuple[int, bytes]:
+        child = await fs.spawn([str(tmp_path / "missing.toml"), "--run-dir", str(tmp_path)], trainer_env(), str(tmp_path))
+        return await child.wait(), await child.stdout.read()
+
+    code, out = run(check)
+    assert code == 2 and b"error: " in out and b"missing.toml" in out, out
+
+
+def test_the_zygote_refuses_bad_requests_and_goes_on_forking(tmp_path: Path) -> None:
+    async def check(fs: ForkServer) -> None:
+        r, w = os.pipe()
+        try:
+            refused = [
+                await fs.request({"op": "spawn", "argv": "not a list", "env": {}, "cwd": str(tmp_path)}, [w]),
+                await fs.request({"op": "spawn", "argv": [], "env": {"A": 1}, "cwd": str(tmp_path)}, [w]),
+                await fs.request({"op": "spawn", "argv": [], "env": {}, "cwd": str(tmp_path / "nowhere")}, [w]),
+                await fs.request({"op": "spawn", "argv": [], "env": {}, "cwd": str(tmp_path)}, []),
+                await fs.request({"op": "spawn", "argv": [], "env": {}, "cwd": str(tmp_path)}, [w, w]),
+                await fs.request({"op": "explode"}, []),
+            ]
+        finally:
+            os.close(r)
+            os.close(w)
+        errors = [reply.get("error", "") for reply in refused]
+        assert all(errors) and not any("pid" in reply for reply in refused), refused
+        assert "argv" in errors[0] and "env" in errors[1] and "nowhere" in errors[2] and "one output pipe" in errors[3]
+        child = await fs.spawn(["--help"], trainer_env(), str(tmp_path))  # still serving
+        assert await child.wait() == 0 and b"usage:" in await child.stdout.read()
+
+    run(check)
+
+
+def test_children_of_a_killed_zygote_die_with_it_and_count_as_killed(tmp_path: Path) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the children's parent-death signal is Linux's")
+    job = write_job(tmp_path, "orphan", train={"steps": 100_000})
+
+    async def check(fs: ForkServer) -> None:
+        child = await fs.spawn([str(job), "--run-dir", str(tmp_path / "run")], trainer_env(), str(tmp_path))
+        assert fs.proc is not None
+        fs.proc.kill()
+        assert await asyncio.wait_for(child.wait(), 20) == KILLED
+        assert not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        with pytest.raises(ForkServerError):  # no new zygote at once: the agent execs meanwhile
+            await fs.spawn(["--help"], trainer_env(), str(tmp_path))
+
+    run(check)
+
+
+@pytest.mark.parametrize("zygote", ["1", "0"])
+def test_a_dpd_forks_its_trainers_unless_told_not_to(processes: Processes, tmp_path: Path, zygote: str) -> None:
+    pool = LocalPool(processes, tmp_path, env={"DPOOL_ZYGOTE": zygote})
+    pool.start(1)
+    job = pool.submit(write_job(tmp_path, "forked"))
+    assert pool.wait_end(job).state == "succeeded"
+    log = pool.daemons["n0"].log
+    started = [json.loads(line) for line in log.read_text().splitlines() if '"worker.started"' in line]
+    assert started and all(s["forked"] is (zygote == "1") for s in started), started
+    zygotes = [json.loads(line)["pid"] for line in log.read_text().splitlines() if '"zygote.ready"' in line]
+    assert len(zygotes) == (1 if zygote == "1" else 0), zygotes
+    pool.stop()
+    for pid in zygotes:  # it leaves with its dpd
+        wait_for(f"zygote {pid} gone", lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10)
