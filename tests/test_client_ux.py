@@ -146,14 +146,25 @@ def submit(pool: LocalPool, name: str, workers: int = 1) -> str:
 @pytest.mark.slow
 def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, tmp_path: Path) -> None:
     pool = LocalPool(processes, tmp_path).start(1)
+    # The job waits (its only node drained) until watch follows it: it trains in about a second.
+    assert pool.dpctl("drain", "n0").returncode == 0
     job = submit(pool, "watched")
 
     # Not a terminal: one line per change, until the job ends; exit 0 because it succeeded.
-    r = pool.dpctl("watch", job, timeout=120)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr
-    lines = r.stdout.splitlines()
-    steps = [int(s) for s in re.findall(r"step (\d+)/12", r.stdout)]
-    assert steps == sorted(steps) and steps[-1] == 12 and len(set(steps)) > 1, r.stdout
+    watching = subprocess.Popen([sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "watch", job], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert watching.stdout is not None
+    first, line = "", ""
+    while "queued" not in line:  # up to its status line, while nothing trains
+        line = watching.stdout.readline()
+        assert line, first
+        first += line
+    assert pool.dpctl("undrain", "n0").returncode == 0
+    rest, err = watching.communicate(timeout=120)
+    stdout = first + rest
+    assert watching.returncode == 0, stdout[-2000:] + err
+    lines = stdout.splitlines()
+    steps = [int(s) for s in re.findall(r"step (\d+)/12", stdout)]
+    assert steps == sorted(steps) and steps[-1] == 12 and len(set(steps)) > 1, stdout
     assert "succeeded" in lines[-1] and "val_loss" in lines[-1]
     assert any("group.started" in line for line in lines)
 
