@@ -31,7 +31,8 @@ from dpool.trainer.zygote import HEADER
 
 ENV_ZYGOTE = "DPOOL_ZYGOTE"  # "0": every trainer is a new interpreter
 START_TIMEOUT_S = 60.0  # for the zygote's imports, on a slow or busy machine
-REPLY_TIMEOUT_S = 5.0  # for a fork's pid
+READY_WAIT_S = 10.0  # a start waits this long for a zygote still importing, then execs
+REPLY_TIMEOUT_S = 60.0  # for a fork's pid: the zygote may be importing mlx-lm for the next ones
 SEND_TIMEOUT_S = 1.0
 RESTART_AFTER_S = 10.0  # a zygote that died is replaced no sooner than this
 GONE_POLL_S = 0.1  # how often the pids of a lost zygote's children are looked at
@@ -202,7 +203,13 @@ class ForkServer:
         if not self.enabled or self.closing:
             raise ForkServerError("forking is off")
         self.start()
-        if self.ready is None or not await asyncio.shield(self.ready) or self.sock is None:
+        if self.ready is None:
+            raise ForkServerError("no zygote")
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self.ready), READY_WAIT_S)
+        except TimeoutError:
+            raise ForkServerError(f"the zygote is not ready after {READY_WAIT_S:.0f} s") from None
+        if not ready or self.sock is None:
             raise ForkServerError("no zygote")
         later = [t for t in then if t not in self.preloaded]
         r, w = os.pipe()

@@ -188,7 +188,6 @@ class Zygote:
         # `ps` and the tools that look for trainers see what an exec'd trainer shows, not the zygote.
         setproctitle.setproctitle(" ".join([sys.executable, "-P", "-m", "dpool.trainer", *req["argv"]]))
         os.setsid()  # its own process group: the dpd signals the group, as for an exec'd trainer
-        os.close(set_up)  # the zygote may say this pid now
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
@@ -208,6 +207,7 @@ class Zygote:
         os.environ.clear()
         os.environ.update(env)
         sys.argv = ["-m dpool.trainer", *req["argv"]]
+        os.close(set_up)  # set up as asked: the zygote may say this pid now
         from dpool.trainer.__main__ import main as trainer_main
 
         return trainer_main(req["argv"])
