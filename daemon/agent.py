@@ -63,6 +63,7 @@ from dpool.daemon.children import (
     clean,
     die_with_parent,
     error_message,
+    is_stopped,
     trainer_command,
     trainer_env,
 )
@@ -89,6 +90,11 @@ from dpool.protocol.security import ClientKeys, curve_client
 from dpool.protocol.sockets import HWM, pending
 
 LOG_FLUSH_S = 0.2
+# A trainer whose process stays stopped (SIGSTOP, SIGTSTP, a terminal's job control) this long is
+# killed as failed: its group waits for it in all_sum and would only be freed by the progress
+# deadline, seconds later. A hang inside a running process is still the deadline's to find.
+ENV_STOPPED = "DPOOL_STOPPED_S"  # seconds; "0": leave stopped trainers to the progress deadline
+STOPPED_S = 0.5
 LOG_BATCH_LINES = 500
 LOG_LINE_MAX = 8192
 IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
@@ -132,6 +138,7 @@ class Worker:
     go: m.WorkerGo | None = None  # worker.go owed once it says worker.ready
     idle_since: float | None = None  # a spare: since when no worker of its job runs on this node
     steps: int = 0  # steps it reported
+    stopped_since: float | None = None  # since when its process is seen stopped (SIGSTOP, job control)
 
     @property
     def pid(self) -> int:
@@ -188,6 +195,7 @@ class Agent:
         self.warm_wanted: set[tuple[str, int]] = set()  # (job, slot) whose spare's readiness the coordinator awaits (job.warm)
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
+        self.stopped_s = _seconds(os.environ.get(ENV_STOPPED), STOPPED_S)
         self.memory = MemoryStore(default_root(self.state_dir))
         self.forks = ForkServer(zygote_command(), trainer_env(), die_with_parent(os.getpid()))  # trainers forked pre-imported
         self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
@@ -794,6 +802,19 @@ class Agent:
             self.log.warning("worker.killed", job=w.job, rank=w.rank, pid=w.pid, after_s=self.stop_grace_s)
             self._signal(w, signal.SIGKILL)
 
+    def _check_stopped(self, now: float) -> None:
+        if self.stopped_s <= 0:
+            return
+        for w in list(self.workers.values()):
+            if w.stopping or w.proc.returncode is not None or not is_stopped(w.pid):
+                w.stopped_since = None
+            elif w.stopped_since is None:
+                w.stopped_since = now
+            elif now - w.stopped_since >= self.stopped_s:
+                w.error = f"its process was stopped (SIGSTOP or job control) for {now - w.stopped_since:.1f} s; its group cannot step without it"
+                self.log.warning("worker.stopped_process", job=w.job, rank=w.rank, pid=w.pid, stopped_s=round(now - w.stopped_since, 2))
+                self._signal(w, signal.SIGKILL)  # not `stopping`: its exit is reported as a failure
+
     def _signal(self, w: Worker, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(w.pid, sig)  # the worker's own group (start_new_session): it and its children
@@ -932,6 +953,7 @@ class Agent:
             for w in list(self.workers.values()):
                 self._flush(w)
             now = time.monotonic()
+            self._check_stopped(now)
             if now >= next_sweep:  # listing the memory folders: not every batching interval
                 next_sweep = now + SWEEP_S
                 self._check_spares(now)
@@ -974,3 +996,12 @@ def _write_file(path: Path, data: bytes) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _seconds(text: str | None, default: float) -> float:
+    """A duration from the environment; the default when unset or not a number (said nowhere:
+    these knobs are for benches and tests)."""
+    try:
+        return float(text) if text is not None else default
+    except ValueError:
+        return default

@@ -15,6 +15,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+import psutil
+
 from dpool.protocol.messages import ERROR_LINE_MAX
 from dpool.trainer.blas import preload_env
 
@@ -88,3 +90,11 @@ def die_with_parent(parent: int) -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def is_stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP, SIGTTIN, SIGTTOU): it runs no code until continued."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.Error:
+        return False

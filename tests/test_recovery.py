@@ -149,6 +149,10 @@ def test_with_default_settings_a_killed_trainer_costs_at_most_one_step_and_warm_
     # kept that last step, rank 0's copy sent to all.
     assert all(any(f'"restored":"{how}"' in line for how in ("memory", "local", "broadcast")) for line in started), started
     wait_for("no warm trainer left once the job is done", lambda: not any(pool.spare_pids(n, job) for n in spares), 30)
+    # Those spares were forked from each dpd's pre-imported trainer, not started as interpreters.
+    for n, pids in spares.items():
+        started = {e["pid"]: e for e in map(json.loads, pool.daemons[n].log.read_text().splitlines()) if e.get("event") == "spare.started"}
+        assert all(started[pid]["forked"] for pid in pids), (n, started)
 
 
 def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool: Pool, tmp_path: Path, reference: Any) -> None:
@@ -164,17 +168,36 @@ def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool
     assert any(n.name == "n2" and n.state == "lost" for n in pool.nodes())
 
 
-def test_sigstop_of_a_trainer_is_caught_by_the_progress_deadline(pool: Pool, tmp_path: Path, reference: Any) -> None:
-    pool.start(3)
+def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes, tmp_path: Path, reference: Any) -> None:
+    """A rank that runs no code, as a deadlock would leave it (here SIGSTOP, with the dpds told
+    not to look at their trainers' process state): nothing exits, its peers spin inside all_sum,
+    and only the absence of step progress shows it."""
+    pool = Pool(processes, tmp_path, env={"DPOOL_STOPPED_S": "0"}).start(3)
     job = pool.submit(job_file(tmp_path, "stop-trainer"))
     mid_run(pool, job)
     (victim,) = pool.trainer_pids("n1", job)
-    os.kill(victim, signal.SIGSTOP)  # nothing exits: its peers spin inside all_sum
+    os.kill(victim, signal.SIGSTOP)
     events = pool.finish(job, reference)
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] == "stalled", failed
     assert kinds(events, "group.resumed")
     wait_for("the stopped trainer reaped", lambda: not alive(victim), 10)
+
+
+def test_a_stopped_trainer_is_killed_by_its_dpd_and_the_group_resumes(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    """SIGSTOP (or job control) shows in the process state: the trainer's dpd kills it after
+    0.5 s, long before the progress deadline, and says why."""
+    pool.start(3)
+    job = pool.submit(job_file(tmp_path, "stopped"))
+    mid_run(pool, job)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGSTOP)
+    events = pool.finish(job, reference)
+    failed = kinds(events, "worker.failed")
+    assert failed and failed[0]["reason"] != "stalled" and "stopped (SIGSTOP" in json.dumps(failed[0]), failed
+    resumed = kinds(events, "group.resumed")
+    assert resumed and resumed[0]["steps_recomputed"] <= 1, resumed
+    assert not alive(victim)
 
 
 def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool, tmp_path: Path, reference: Any) -> None:
