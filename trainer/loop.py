@@ -358,7 +358,7 @@ def run(
         examples = task.examples(step, offset, share)
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
         stats = stepper.step(
-            examples, lr, stop_requested=bool(link and link.stop_requested()), announce=announce,
+            examples, lr, stop_requested=link.stop_requested if link else False, announce=announce,
             checkpoint=bool(auto and auto.due(step)),
         )
         now = time.perf_counter()

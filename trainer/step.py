@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -21,6 +22,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from dpool.trainer.dist import Group
 from dpool.trainer.task import Example, MicroBatch, Task, pack
+
+StopFlag = bool | Callable[[], bool]  # whether this rank was asked to stop, or what tells it
 
 
 def masked_loss_sum(model: nn.Module, tokens: mx.array, lengths: mx.array) -> tuple[mx.array, mx.array]:
@@ -130,27 +133,30 @@ class Stepper:
         return tree_flatten(acc), total, tokens
 
     def reduce(
-        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None
+        self, examples: list[Example], stop_requested: StopFlag = False, announce: list[int] | None = None
     ) -> tuple[list[str], list[mx.array], mx.array]:
         """The pool's mean gradient (names, arrays) and the summed control vector, identical on every rank."""
         sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce)
         return self.names, self._mean(sums, ctl_sum), ctl_sum
 
     def reduce_sums(
-        self, examples: list[Example], stop_requested: bool = False, announce: list[int] | None = None,
+        self, examples: list[Example], stop_requested: StopFlag = False, announce: list[int] | None = None,
         checkpoint: bool = False,
     ) -> tuple[list[mx.array], mx.array]:
         """The pool's gradient sums (in `names` order) and the summed control vector."""
         t0 = time.perf_counter()
         flat, loss, tokens = self.grad_sums(examples)
         compute = time.perf_counter() - t0
+        # Read after the compute, just before the all_sum: a stop asked for during this step's
+        # micro batches still ends the group after this step, not the next.
+        stop = stop_requested() if callable(stop_requested) else stop_requested
         world, rank = self.group.size, self.group.rank
         # Control vector: [loss sum, tokens, stop flag, seconds of ranks 0..w-1, shares 0..w-1,
         # tokens of ranks 0..w-1, checkpoint flag]. Summing it gives every rank the pool's totals,
         # each rank's time and work in its own slots, and what rank 0 announces: the split (only
         # rank 0 writes those slots; all zero: no change) and whether this step checkpoints.
         known = [0.0] * (4 + 3 * world)
-        known[2], known[3 + rank] = float(stop_requested), compute
+        known[2], known[3 + rank] = float(stop), compute
         if rank == 0:
             known[3 + 3 * world] = float(checkpoint)
             if announce:
@@ -165,7 +171,7 @@ class Stepper:
         return summed[:-1], summed[-1]
 
     def step(
-        self, examples: list[Example], lr: float, stop_requested: bool = False, announce: list[int] | None = None,
+        self, examples: list[Example], lr: float, stop_requested: StopFlag = False, announce: list[int] | None = None,
         checkpoint: bool = False,
     ) -> StepStats:
         """One optimizer step; `checkpoint` (read on rank 0 only) asks every rank to checkpoint after it."""
