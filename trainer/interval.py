@@ -5,7 +5,9 @@ slowdown of the steps that run while its writer thread writes (on a machine whos
 already uses, the writer takes them from the step: measured on two cores, the writer's own wall
 time understated the cost ~5x). The slowdown of such a step is its time above the median time per
 token of steps that ran with no write in flight, times its tokens (per token: batches of chat data
-vary in length). The cost is compared with the median step time; the interval is the fewest steps
+vary in length). Step times are noisy, so that slowdown can come out near zero; the writer thread's
+own CPU time (hashing, copying, writing), plus the host copy, is the cost's floor. The cost is
+compared with the median step time; the interval is the fewest steps
 between checkpoints that keeps the cost under `TARGET` of the training time:
 
     interval = max(1, ceil(cost / (TARGET * step_time)))
@@ -111,9 +113,11 @@ class AutoInterval:
         return self.step_time() or 0.0
 
     def observe_checkpoint(self, seconds: float) -> bool:
-        """A checkpoint finished; `seconds` is what of it was timed directly on the step path (the
-        host copy). Its cost is that or the slowdown of the steps it overlapped, whichever is more.
-        True when the interval changed."""
+        """A checkpoint finished; `seconds` is what of it was timed directly: the host copy on the
+        step path and the writer thread's CPU time, which a machine whose cores the ranks fill pays
+        in full. Its cost is that or the slowdown of the steps it overlapped, whichever is more:
+        the slowdown alone, read from noisy step times, can come out near zero. True when the
+        interval changed."""
         cost = max(seconds, self._slowed)
         self._slowed = 0.0
         if cost >= 0 and math.isfinite(cost):

@@ -333,12 +333,13 @@ def run(
                 log.error("checkpoint.failed", step=step, error=error)
                 raise ckpt.CheckpointWriteError(f"checkpoint of step {step} not written: {error}")
             copied = copy_s.pop(step, 0.0)
-            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3), copy_s=round(copied, 4))
+            cpu = writer.cpu_s.pop(step, 0.0)  # the writer thread's CPU: hashing, copying, writing
+            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3), copy_s=round(copied, 4), cpu_s=round(cpu, 4))
             for p in problems:
                 log.warning("checkpoint.prune_failed", problem=p)
             if link:
                 link.checkpoint(step=step, seconds=seconds)
-            if auto and auto.observe_checkpoint(copied):
+            if auto and auto.observe_checkpoint(copied + cpu):
                 retuned(step)
 
     def retuned(step: int) -> None:
