@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,8 @@ from dpool.trainer.colocate import (
     split_threads,
     usable_cores,
 )
+from dpool.trainer.dist import Group
+from dpool.trainer.listening import listening_ports, wait_for_listeners
 
 HOSTS = [["127.0.0.1:5000"], ["10.0.0.2:5001"], ["127.0.0.1:5002"], ["[::1]:5003"], ["10.0.0.2:5004", "10.0.0.2:5005"]]
 
@@ -282,3 +285,51 @@ def test_in_a_group_across_machines_only_ranks_that_share_one_wait_for_each_othe
     rows = run_group_script(tmp_path, hosts=("127.0.0.1", "127.0.0.1", "127.0.0.2"))
     assert [r[0]["barrier"] for r in rows] == [True, True, False], rows
     assert all(r[0]["exact"] and r[0]["one_way"] is None for r in rows), rows
+
+
+# -- the ring's start-up order (trainer/listening.py, Group._start_order) --------------------------
+
+
+def _free_sockets(n: int) -> list[socket.socket]:
+    out = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        out.append(s)
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net/tcp is Linux's")
+def test_a_port_counts_as_listening_once_listen_is_called_not_when_bound():
+    (s,) = _free_sockets(1)
+    port = s.getsockname()[1]
+    try:
+        assert port not in (listening_ports() or set())
+        assert wait_for_listeners([port], 0.05) is False
+        s.listen()
+        assert port in (listening_ports() or set())
+        assert wait_for_listeners([port], 0.05) is True
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/net/tcp is Linux's")
+def test_the_last_rank_calls_init_only_once_the_ranks_on_its_machine_listen():
+    """Ranks 0 and 1 start listening 150 ms in: the last rank waits for both, not a fixed 20 ms;
+    ranks other than the last never wait."""
+    socks = _free_sockets(3)
+    hosts = [[f"127.0.0.1:{s.getsockname()[1]}"] for s in socks]
+    socks[2].close()  # the last rank's own port: MLX binds it
+    late = threading.Timer(0.15, lambda: [s.listen() for s in socks[:2]])
+    late.start()
+    try:
+        assert Group._start_order(hosts, 0, [0, 1, 2]) == 0.0
+        waited = Group._start_order(hosts, 2, [0, 1, 2])
+        assert 0.14 <= waited < 0.9, waited
+        # Already listening: no wait at all; a rank elsewhere: the fixed head start as well.
+        assert Group._start_order(hosts, 2, [0, 1, 2]) < 0.015
+        assert Group._start_order([*hosts[:2], ["10.9.9.9:5000"], hosts[2]], 3, [0, 1, 3]) >= 0.02
+    finally:
+        late.cancel()
+        for s in socks[:2]:
+            s.close()

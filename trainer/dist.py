@@ -28,9 +28,11 @@ from dpool.trainer.colocate import (
     read_hostfile,
     split_blas_threads,
 )
+from dpool.trainer.listening import wait_for_listeners
 
 # The last rank calls the ring's init this long after the others (Group.__init__ says why).
 LAST_RANK_DELAY_S = 0.020
+LISTEN_WAIT_S = 1.0  # the most the last rank waits for the ports of the ranks on its machine
 
 
 class Group:
@@ -55,7 +57,15 @@ class Group:
     the last rank still came first in 3 of 9 starts at 5 ms, none at 20 ms (the retries left there
     come from rank n-2 connecting before the last rank listens, which no delay can order). Rank 0
     first and every other rank later is no faster and makes every rank wait. A rank alone never
-    waits."""
+    waits.
+
+    In a pool the ranks are told to go by their daemons, and under load they reach init tens of
+    milliseconds apart: the recovery bench (3 ranks and their spares on 2 cores) retried in 9 of
+    21 generations with the fixed 20 ms, mostly rank 0 connecting to a rank 1 not yet in init.
+    So where the other ranks share its machine, the last rank calls init once their ports are
+    listening (trainer/listening.py, Linux); where any is elsewhere, it also waits the 20 ms. The
+    race left is rank n-2 connecting to the last rank in the moment between the last rank's own
+    connect and its listen, which nothing outside MLX can order."""
 
     def __init__(self) -> None:
         self.barrier: LocalBarrier | None = None
@@ -70,9 +80,7 @@ class Group:
             raise RuntimeError(f"MLX_RANK={rank!r}: expected a rank of the {len(hosts)} in MLX_HOSTFILE {hostfile}")
         here = colocated(hosts, int(rank))
         chosen = split_blas_threads(len(here))
-        # The last rank waits a little, so that rank 0 listens before it connects (see above).
-        delay = LAST_RANK_DELAY_S if len(hosts) > 1 and int(rank) == len(hosts) - 1 else 0.0
-        time.sleep(delay)
+        delay = self._start_order(hosts, int(rank), here)
         # Blocks until every peer has connected (the daemon's start-up deadline covers a peer
         # that never comes).
         self.group = mx.distributed.init(backend="ring", strict=True)
@@ -95,6 +103,19 @@ class Group:
             "group.joined", world_size=self.size, colocated_ranks=here, local_barrier=self.barrier is not None,
             quiet_ring_sockets=quieted, one_way_bytes=self.one_way, start_delay_ms=round(delay * 1000, 1), **chosen,
         )
+
+    @staticmethod
+    def _start_order(hosts: list[list[str]], rank: int, here: list[int]) -> float:
+        """The last rank waits until the others listen (see above); the seconds it waited. Ranks
+        on this machine are looked at (Linux); for any other, it waits LAST_RANK_DELAY_S."""
+        if len(hosts) < 2 or rank != len(hosts) - 1:
+            return 0.0
+        t0 = time.monotonic()
+        ports = [int(a.rpartition(":")[2]) for r in here if r != rank for a in hosts[r]]
+        seen = wait_for_listeners(ports, LISTEN_WAIT_S) if ports else None
+        if seen is not True or len(here) < len(hosts):
+            time.sleep(max(0.0, LAST_RANK_DELAY_S - (time.monotonic() - t0)))
+        return time.monotonic() - t0
 
     def wait_for_colocated(self) -> None:
         """Before the step's all_sum: wait, asleep, until every rank on this machine is done
