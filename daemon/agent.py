@@ -486,6 +486,9 @@ class Agent:
         try:
             for _ in msg.slots:
                 s = socket.socket(socket.AF_INET6 if ":" in self.advertise else socket.AF_INET, socket.SOCK_STREAM)
+                # As MLX binds it: a co-located last rank probing whether this port listens yet
+                # (trainer/listening.py) then sees a reserved port as not listening, not as taken.
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 s.bind((self.advertise, 0))
                 holders.append(s)
         except OSError as e:

@@ -111,8 +111,8 @@ class Group:
         if len(hosts) < 2 or rank != len(hosts) - 1:
             return 0.0
         t0 = time.monotonic()
-        ports = [int(a.rpartition(":")[2]) for r in here if r != rank for a in hosts[r]]
-        seen = wait_for_listeners(ports, LISTEN_WAIT_S) if ports else None
+        peers = [(a.rpartition(":")[0].strip("[]"), int(a.rpartition(":")[2])) for r in here if r != rank for a in hosts[r]]
+        seen = wait_for_listeners(peers, LISTEN_WAIT_S) if peers else None
         if seen is not True or len(here) < len(hosts):
             time.sleep(max(0.0, LAST_RANK_DELAY_S - (time.monotonic() - t0)))
         return time.monotonic() - t0

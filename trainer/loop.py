@@ -238,8 +238,12 @@ def run(
         go = link.wait_go()
         if go is None:
             return EXIT_STOPPED  # not needed after all: stopped while waiting
-        if at_go is not None:
+        if at_go is not None and go.rank == len(go.shares) - 1:
+            # The last rank takes its priority back before the ring's init, the others after it:
+            # the last one must listen right after its first connect, before the chain of connects
+            # it sets off comes back round to it (trainer/dist.py), or MLX retries after 1 s.
             at_go()
+            at_go = None
         marks["warm_wait"] = round(time.perf_counter() - t_mark, 3)
         t_mark = time.perf_counter()
         os.environ.pop("MLX_RANK", None)
@@ -248,6 +252,8 @@ def run(
             os.environ["MLX_RANK"], os.environ["MLX_HOSTFILE"] = str(go.rank), go.hostfile  # MLX reads them at init
         shares_arg, generation, resume_max = ",".join(str(n) for n in go.shares), go.generation, go.resume_max
     group = Group()
+    if at_go is not None:
+        at_go()
     mark("group")
     rank, world = group.rank, group.size
     log = get_logger(job=spec.name, rank=rank, generation=generation)
