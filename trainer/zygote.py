@@ -55,11 +55,16 @@ PRELOAD = (
     "mlx.nn",
     "mlx.optimizers",
     "numpy",
+    "numpy.random",
     "dpool.trainer.__main__",
     "dpool.trainer.loop",
+    "dpool.trainer.gpt_task",
+    "dpool.trainer.model",
     "dpool.trainer.tinylm",
     "dpool.trainer.lm",
     "dpool.trainer.colocate",
+    "dpool.trainer.listening",
+    "dpool.trainer.priority",
     "dpool.protocol.worker_link",
 )
 # macOS: nothing that may touch Metal, Accelerate or other frameworks before the fork.
