@@ -27,6 +27,7 @@ from dpool.trainer.colocate import (
     quiet_ring,
     read_hostfile,
     split_blas_threads,
+    usable_cores,
 )
 from dpool.trainer.listening import wait_for_listeners
 
@@ -70,6 +71,7 @@ class Group:
     def __init__(self) -> None:
         self.barrier: LocalBarrier | None = None
         self.one_way: int | None = None  # all_sums at most this many bytes each (trainer/colocate.py)
+        self.ranks_here = 1  # ranks of this group on this machine, this one included
         hostfile, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
         if not hostfile or rank is None:
             self.group: mx.distributed.Group | None = None
@@ -79,6 +81,7 @@ class Group:
         if not rank.isdigit() or int(rank) >= len(hosts):
             raise RuntimeError(f"MLX_RANK={rank!r}: expected a rank of the {len(hosts)} in MLX_HOSTFILE {hostfile}")
         here = colocated(hosts, int(rank))
+        self.ranks_here = len(here)
         chosen = split_blas_threads(len(here))
         delay = self._start_order(hosts, int(rank), here)
         # Blocks until every peer has connected (the daemon's start-up deadline covers a peer
@@ -116,6 +119,11 @@ class Group:
         if seen is not True or len(here) < len(hosts):
             time.sleep(max(0.0, LAST_RANK_DELAY_S - (time.monotonic() - t0)))
         return time.monotonic() - t0
+
+    def crowding(self) -> float:
+        """How many times over this machine's cores pay for work that every rank here does at
+        once (a checkpoint's write): its ranks per core, at least 1."""
+        return max(1.0, self.ranks_here / usable_cores())
 
     def wait_for_colocated(self) -> None:
         """Before the step's all_sum: wait, asleep, until every rank on this machine is done

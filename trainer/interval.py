@@ -6,7 +6,8 @@ already uses, the writer takes them from the step: measured on two cores, the wr
 time understated the cost ~5x). The slowdown of such a step is its time above the median time per
 token of steps that ran with no write in flight, times its tokens (per token: batches of chat data
 vary in length). Step times are noisy, so that slowdown can come out near zero; the writer thread's
-own CPU time (hashing, copying, writing), plus the host copy, is the cost's floor. The cost is
+own CPU time (hashing, copying, writing), times the ranks per core of its machine (they all write at
+the same step), plus the host copy, is the cost's floor. The cost is
 compared with the median step time; the interval is the fewest steps
 between checkpoints that keeps the cost under `TARGET` of the training time:
 

@@ -345,7 +345,9 @@ def run(
                 log.warning("checkpoint.prune_failed", problem=p)
             if link:
                 link.checkpoint(step=step, seconds=seconds)
-            if auto and auto.observe_checkpoint(copied + cpu):
+            # Every rank here writes its copy at the same step: on cores the ranks fill, each
+            # rank's step pays for its neighbours' writers too.
+            if auto and auto.observe_checkpoint(copied + cpu * group.crowding()):
                 retuned(step)
 
     def retuned(step: int) -> None:
