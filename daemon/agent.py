@@ -94,7 +94,7 @@ LOG_FLUSH_S = 0.2
 # killed as failed: its group waits for it in all_sum and would only be freed by the progress
 # deadline, seconds later. A hang inside a running process is still the deadline's to find.
 ENV_STOPPED = "DPOOL_STOPPED_S"  # seconds; "0": leave stopped trainers to the progress deadline
-STOPPED_S = 0.5
+STOPPED_S = 0.25
 LOG_BATCH_LINES = 500
 LOG_LINE_MAX = 8192
 IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS

@@ -186,7 +186,7 @@ def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes,
 
 def test_a_stopped_trainer_is_killed_by_its_dpd_and_the_group_resumes(pool: Pool, tmp_path: Path, reference: Any) -> None:
     """SIGSTOP (or job control) shows in the process state: the trainer's dpd kills it after
-    0.5 s, long before the progress deadline, and says why."""
+    0.25 s, long before the progress deadline, and says why."""
     pool.start(3)
     job = pool.submit(job_file(tmp_path, "stopped"))
     mid_run(pool, job)
