@@ -28,7 +28,7 @@ from jobs import SMALL, write_job
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import listed_steps
 from dpool.trainer import checkpoint as ckpt
-from dpool.trainer.memstate import MemoryState
+from dpool.trainer.memstate import MemoryState, finish_writes
 
 STEPS = 24
 
@@ -100,6 +100,17 @@ def test_memory_state_keeps_the_newest_two_and_never_queues_behind_a_write(tmp_p
     assert kept.offer(4, model, opt, {"job_hash": "h"})
     assert [s for s, _ in kept.close()] == [4], "a stopping trainer finishes the copy in progress"
     assert listed_steps(tmp_path) == [4, 3]
+
+
+def test_a_failing_trainer_lets_its_last_kept_step_land_before_it_leaves(tmp_path: Path) -> None:
+    """The trainer's failure exit (`python -m dpool.trainer` returning other than 0 or 75) calls
+    finish_writes: the copy in flight is on disk, complete, once it returns."""
+    model, opt = small_state()
+    kept = MemoryState(tmp_path, 10_000, 1 << 34, Log())
+    assert kept.offer(7, model, opt, {"job_hash": "h"})
+    finish_writes()
+    assert listed_steps(tmp_path) == [7]
+    assert ckpt.verify(tmp_path, 7, "h")["step"] == 7  # whole: every file of it verifies
 
 
 def test_keeping_is_spaced_out_when_a_copy_costs_more_than_its_share_of_a_step(tmp_path: Path) -> None:

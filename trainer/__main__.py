@@ -15,7 +15,16 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, err
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    code = _main(sys.argv[1:] if argv is None else argv)
+    memstate = sys.modules.get("dpool.trainer.memstate")  # loaded once training was set up
+    if code not in (0, 75) and memstate is not None:
+        # Failing (a peer lost, a disk full): the state of the last completed step, if it is being
+        # kept in memory right now, lands first, so the restart recomputes no more than one step.
+        memstate.finish_writes()
+    return code
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dpool.trainer",
         description="Run one rank of a dpool job: alone, or as one rank of an MLX ring group "

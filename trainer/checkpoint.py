@@ -388,6 +388,12 @@ class CheckpointWriter:
                 self.pending -= len(out)
                 return out
 
+    def finish(self, timeout_s: float) -> None:
+        """Let the writes already submitted land, waiting at most `timeout_s` (a failing rank's
+        last act; their results are not collected)."""
+        self._todo.put(None)
+        self._thread.join(timeout_s)
+
     def close(self) -> list[tuple[int, float, str | None, list[str]]]:
         """Finish every pending write (a checkpoint that was promised must land before exit)."""
         self._todo.put(None)

@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 import statistics
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ KEEP = 2  # the newest copy and the one before (the newest may be cut short by a
 BUDGET = 0.25  # of the machine's memory, for KEEP + 1 copies
 SHARE = 0.10  # of a step's time that keeping its state may take, on average (its CPU time, in a thread)
 RECENT = 8  # writes and steps whose median times set the interval
+FINISH_S = 2.0  # the most a failing rank waits for its last state to land
 
 
 def memory_dir() -> Path | None:
@@ -79,6 +81,7 @@ class MemoryState:
             self._turn_off(f"{KEEP + 1} copies of the trained state ({need >> 20} MiB) exceed the free space of {root} ({free >> 20} MiB)")
         else:
             self.writer = ckpt.CheckpointWriter(root, KEEP, durable=False)
+            _LIVE.add(self)
 
     def _turn_off(self, why: str) -> None:
         self.off = why
@@ -134,3 +137,17 @@ class MemoryState:
         done = [(s, t) for s, t, error, _ in self.writer.close() if not error]
         self.writer = None
         return done
+
+
+_LIVE: weakref.WeakSet[MemoryState] = weakref.WeakSet()  # those whose writer thread runs
+
+
+def finish_writes(timeout_s: float = FINISH_S) -> None:
+    """A failing rank's last act, before it leaves: the state of its last completed step, if it
+    is being written, lands (within `timeout_s`), so the restart resumes from that step rather
+    than the one before."""
+    for kept in list(_LIVE):
+        writer, kept.writer = kept.writer, None  # keeps nothing more: the rank is leaving
+        _LIVE.discard(kept)
+        if writer is not None:
+            writer.finish(timeout_s)
