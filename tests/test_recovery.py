@@ -105,6 +105,16 @@ def mid_run(pool: Pool, job: str, step: int = 6) -> JobStatus:
     return pool.wait_status(job, f"job {job} at step {step}", lambda s: s.state == "running" and s.step >= step, timeout=120, every=0.05)
 
 
+def signal_mid_run(pool: Pool, tmp_path: Path, name: str, sig: signal.Signals) -> tuple[str, int]:
+    """Submit job `name` on the started pool, and once it is mid-run send `sig` to n1's trainer:
+    the job and the trainer's pid."""
+    job = pool.submit(job_file(tmp_path, name))
+    mid_run(pool, job)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, sig)
+    return job, victim
+
+
 @pytest.fixture
 def pool(processes: Processes, tmp_path: Path) -> Pool:
     return Pool(processes, tmp_path)
@@ -112,10 +122,7 @@ def pool(processes: Processes, tmp_path: Path) -> Pool:
 
 def test_sigkill_of_a_trainer_resumes_from_the_checkpoint(pool: Pool, tmp_path: Path, reference: Any) -> None:
     pool.start(3)
-    job = pool.submit(job_file(tmp_path, "kill-trainer"))
-    mid_run(pool, job)
-    (victim,) = pool.trainer_pids("n1", job)
-    os.kill(victim, signal.SIGKILL)
+    job, _ = signal_mid_run(pool, tmp_path, "kill-trainer", signal.SIGKILL)
     events = pool.finish(job, reference)
     # Its peers' "connection lost" (exit 1) may reach the coordinator first; the kill is recorded
     # all the same, and blamed on its node.
@@ -173,10 +180,7 @@ def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes,
     not to look at their trainers' process state): nothing exits, its peers spin inside all_sum,
     and only the absence of step progress shows it."""
     pool = Pool(processes, tmp_path, env={"DPOOL_STOPPED_S": "0"}).start(3)
-    job = pool.submit(job_file(tmp_path, "stop-trainer"))
-    mid_run(pool, job)
-    (victim,) = pool.trainer_pids("n1", job)
-    os.kill(victim, signal.SIGSTOP)
+    job, victim = signal_mid_run(pool, tmp_path, "stop-trainer", signal.SIGSTOP)
     events = pool.finish(job, reference)
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] == "stalled", failed
@@ -188,10 +192,7 @@ def test_a_stopped_trainer_is_killed_by_its_dpd_and_the_group_resumes(pool: Pool
     """SIGSTOP (or job control) shows in the process state: the trainer's dpd kills it after
     0.25 s, long before the progress deadline, and says why."""
     pool.start(3)
-    job = pool.submit(job_file(tmp_path, "stopped"))
-    mid_run(pool, job)
-    (victim,) = pool.trainer_pids("n1", job)
-    os.kill(victim, signal.SIGSTOP)
+    job, victim = signal_mid_run(pool, tmp_path, "stopped", signal.SIGSTOP)
     events = pool.finish(job, reference)
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] != "stalled" and "stopped (SIGSTOP" in json.dumps(failed[0]), failed

@@ -57,6 +57,13 @@ def host_of(address: str) -> str:
     return host
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """A hostfile entry as a socket address: "10.0.0.2:5000" -> ("10.0.0.2", 5000), "[::1]:5000"
+    -> ("::1", 5000)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 def read_hostfile(path: str) -> list[list[str]]:
     """The ring hostfile: one list of "host:port" addresses per rank."""
     try:
@@ -186,9 +193,9 @@ def _endpoints(addresses: Sequence[str]) -> set[tuple[str, int]]:
     """The (ip, port) pairs a rank's hostfile addresses resolve to, as sockets report them."""
     out = set()
     for a in addresses:
-        host, _, port = a.rpartition(":")
+        host, port = split_address(a)
         with contextlib.suppress(OSError):
-            for *_, addr in socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM):
+            for *_, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
                 out.add((str(addr[0]), int(addr[1])))
     return out
 
@@ -357,11 +364,19 @@ def _left(deadline: float, members: list[int], conns: dict[int, socket.socket]) 
     return left
 
 
-def _recv_exactly(s: socket.socket, n: int) -> bytes:
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    """`n` bytes from a stream socket; EOFError when the peer closes first."""
     data = b""
     while len(data) < n:
         chunk = s.recv(n - len(data))
         if not chunk:
-            raise RuntimeError("co-located barrier: a rank on this machine closed its connection while joining")
+            raise EOFError(f"the peer closed the connection after {len(data)} of {n} bytes")
         data += chunk
     return data
+
+
+def _recv_exactly(s: socket.socket, n: int) -> bytes:
+    try:
+        return recv_exactly(s, n)
+    except EOFError:
+        raise RuntimeError("co-located barrier: a rank on this machine closed its connection while joining") from None

@@ -26,6 +26,7 @@ from dpool.trainer.colocate import (
     one_way_bytes,
     quiet_ring,
     read_hostfile,
+    split_address,
     split_blas_threads,
     usable_cores,
 )
@@ -114,7 +115,7 @@ class Group:
         if len(hosts) < 2 or rank != len(hosts) - 1:
             return 0.0
         t0 = time.monotonic()
-        peers = [(a.rpartition(":")[0].strip("[]"), int(a.rpartition(":")[2])) for r in here if r != rank for a in hosts[r]]
+        peers = [split_address(a) for r in here if r != rank for a in hosts[r]]
         seen = wait_for_listeners(peers, LISTEN_WAIT_S) if peers else None
         if seen is not True or len(here) < len(hosts):
             time.sleep(max(0.0, LAST_RANK_DELAY_S - (time.monotonic() - t0)))

@@ -42,6 +42,9 @@ from typing import Any
 
 import setproctitle
 
+from dpool.daemon.children import die_with_parent
+from dpool.trainer.colocate import recv_exactly
+
 HEADER = struct.Struct(">I")
 REQUEST_MAX = 1 << 20  # bytes of one request (an environment and arguments)
 ORPHAN_CHECK_S = 0.5
@@ -131,13 +134,13 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             raise EOFError
-        data += _recv_exactly(self.sock, HEADER.size - len(data))
+        data += recv_exactly(self.sock, HEADER.size - len(data))
         (size,) = HEADER.unpack(data)
         if size > REQUEST_MAX:
             for fd in fds:
                 os.close(fd)
             raise EOFError  # not our dpd's framing: nothing after it can be trusted
-        body = _recv_exactly(self.sock, size)
+        body = recv_exactly(self.sock, size)
         try:
             return json.loads(body), fds
         except ValueError:
@@ -198,7 +201,9 @@ class Zygote:
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGCHLD else signal.default_int_handler)
         for fd in (self.sock.fileno(), self.reply, self.wake_r, self.wake_w):
             os.close(fd)
-        _die_with_parent(os.getppid())
+        dies = die_with_parent(os.getppid())  # Linux: SIGKILL when the zygote (so its dpd) dies
+        if dies is not None:
+            dies()
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out, 1)
@@ -248,17 +253,6 @@ def _check_spawn(req: Any, fds: list[int]) -> str | None:
     return None
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    parts, left = [], n
-    while left:
-        chunk = sock.recv(left)
-        if not chunk:
-            raise EOFError
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
 def _send(fd: int, obj: dict[str, Any]) -> None:
     """One reply line: short enough (< PIPE_BUF) to be written whole."""
     if isinstance(obj.get("error"), str):
@@ -271,17 +265,6 @@ def _import(name: str) -> None:
         importlib.import_module(name)
     except Exception as e:  # a missing optional package: its trainers import it (and fail) themselves
         print(f"dpool zygote: cannot preload {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL when the zygote dies (so when its dpd dies). macOS: the WorkerLink's watch."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 if __name__ == "__main__":
