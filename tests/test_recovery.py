@@ -194,8 +194,9 @@ def test_a_stopped_trainer_is_killed_by_its_dpd_and_the_group_resumes(pool: Pool
     pool.start(3)
     job, victim = signal_mid_run(pool, tmp_path, "stopped", signal.SIGSTOP)
     events = pool.finish(job, reference)
-    failed = kinds(events, "worker.failed")
-    assert failed and failed[0]["reason"] != "stalled" and "stopped (SIGSTOP" in json.dumps(failed[0]), failed
+    # Its peers' "connection lost" (exit 1) may reach the coordinator first, as for a kill.
+    failed = [f for f in kinds(events, "worker.failed") if f.get("code") != 1]
+    assert failed and failed[0]["reason"] != "stalled" and "stopped (SIGSTOP" in json.dumps(failed[0]), kinds(events, "worker.failed")
     resumed = kinds(events, "group.resumed")
     assert resumed and resumed[0]["steps_recomputed"] <= 1, resumed
     assert not alive(victim)
