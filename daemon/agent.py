@@ -63,6 +63,7 @@ from dpool.daemon.children import (
     clean,
     die_with_parent,
     error_message,
+    is_alive,
     is_stopped,
     trainer_command,
     trainer_env,
@@ -792,6 +793,10 @@ class Agent:
                 w.stop_at_checkpoint = True
             return
         if w.proc.returncode is not None or w.stopping:
+            return
+        if not is_alive(w.pid):
+            # Already dead, its exit not yet reaped (a forked trainer's comes through the zygote):
+            # that exit is its own failure, not our stop, and is reported as such.
             return
         w.stopping = True
         self.log.info("worker.stopping", job=w.job, rank=w.rank, pid=w.pid, why=why, grace_s=self.stop_grace_s)

@@ -98,3 +98,11 @@ def is_stopped(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_STOPPED
     except psutil.Error:
         return False
+
+
+def is_alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie, dead but not yet reaped, has)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

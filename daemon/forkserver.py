@@ -24,8 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
+from dpool.daemon.children import is_alive
 from dpool.protocol.logs import get_logger
 from dpool.trainer.zygote import HEADER
 
@@ -168,7 +167,7 @@ class ForkServer:
             self._task(self._until_gone(child))
 
     async def _until_gone(self, child: ForkedProcess) -> None:
-        while _alive(child.pid):
+        while is_alive(child.pid):
             await asyncio.sleep(GONE_POLL_S)  # not our child: no wait() to block on, only its pid
         child._exited(KILLED)
 
@@ -260,13 +259,6 @@ class ForkServer:
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def zygote_command() -> list[str]:
