@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -88,29 +89,52 @@ def written(kept: MemoryState) -> list[int]:
     return [s for s, _ in done]
 
 
-def test_memory_state_keeps_the_newest_two_and_never_queues_behind_a_write(tmp_path: Path) -> None:
+def held_writes(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Writes that wait for the `release` event once `started`: a write slow for as long as a test needs."""
+    started, release, write = threading.Event(), threading.Event(), ckpt.write_checkpoint
+
+    def slow(*args, **kwargs):
+        started.set()
+        assert release.wait(10), "the test never released the write"
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "write_checkpoint", slow)
+    return started, release
+
+
+def test_memory_state_keeps_the_newest_two_and_the_newest_step_waits_behind_a_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = small_state()
     kept = MemoryState(tmp_path, 10_000, 1 << 34, Log())
-    assert kept.offer(1, model, opt, {"job_hash": "h"})
-    assert not kept.offer(2, model, opt, {"job_hash": "h"}), "a write in progress: the next step skips its copy"
-    assert written(kept) == [1]
-    for step in (2, 3):
+    started, release = held_writes(monkeypatch)
+    assert kept.offer(1, model, opt, {"job_hash": "h"}) and started.wait(10)
+    # Steps that end while step 1 is written never wait; each takes the place of the one waiting.
+    assert kept.offer(2, model, opt, {"job_hash": "h"}) and kept.offer(3, model, opt, {"job_hash": "h"})
+    assert kept.completed() == []
+    release.set()
+    done = written(kept)
+    if done == [1]:
+        done += written(kept)
+    assert done == [1, 3], "step 2 was replaced by the newer step 3 before its turn"
+    for step in (4, 5):
         assert kept.offer(step, model, opt, {"job_hash": "h"})
         assert written(kept) == [step]
-    assert kept.offer(4, model, opt, {"job_hash": "h"})
-    assert [s for s, _ in kept.close()] == [4], "a stopping trainer finishes the copy in progress"
-    assert listed_steps(tmp_path) == [4, 3]
+    assert kept.offer(6, model, opt, {"job_hash": "h"})
+    assert [s for s, _ in kept.close()] == [6], "a stopping trainer finishes the copy in progress"
+    assert listed_steps(tmp_path) == [6, 5]
 
 
-def test_a_failing_trainer_lets_its_last_kept_step_land_before_it_leaves(tmp_path: Path) -> None:
+def test_a_failing_trainer_lets_its_last_kept_step_land_before_it_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer's failure exit (`python -m dpool.trainer` returning other than 0 or 75) calls
-    finish_writes: the copy in flight is on disk, complete, once it returns."""
+    finish_writes: the copy in flight, and the newer one waiting behind it, are on disk, complete,
+    once it returns."""
     model, opt = small_state()
     kept = MemoryState(tmp_path, 10_000, 1 << 34, Log())
-    assert kept.offer(7, model, opt, {"job_hash": "h"})
+    started, release = held_writes(monkeypatch)
+    assert kept.offer(7, model, opt, {"job_hash": "h"}) and started.wait(10) and kept.offer(8, model, opt, {"job_hash": "h"})
+    threading.Timer(0.05, release.set).start()
     finish_writes()
-    assert listed_steps(tmp_path) == [7]
-    assert ckpt.verify(tmp_path, 7, "h")["step"] == 7  # whole: every file of it verifies
+    assert listed_steps(tmp_path) == [8, 7]
+    assert ckpt.verify(tmp_path, 8, "h")["step"] == 8  # whole: every file of it verifies
 
 
 def test_keeping_is_spaced_out_when_a_copy_costs_more_than_its_share_of_a_step(tmp_path: Path) -> None:

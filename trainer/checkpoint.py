@@ -25,6 +25,7 @@ What a fault may not cost:
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -357,19 +358,34 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: Path, keep: int, durable: bool = True):
         self.run_dir, self.keep, self.durable = run_dir, keep, durable
-        self.pending = 0  # submitted, not yet collected
+        self.pending = 0  # submitted, not yet collected (nor replaced)
         self.cpu_s: dict[int, float] = {}  # step -> the writer thread's CPU time for it (its cost to a busy machine)
-        self._todo: queue.Queue[Snapshot | None] = queue.Queue()
+        self._todo: collections.deque[Snapshot] = collections.deque()
+        self._closing = False
+        self._wake = threading.Condition()
         self._done: queue.Queue[tuple[int, float, str | None, list[str]]] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, snap: Snapshot) -> None:
-        self.pending += 1
-        self._todo.put(snap)
+    def submit(self, snap: Snapshot, replace_waiting: bool = False) -> None:
+        """Queue `snap`; with `replace_waiting`, it takes the place of those not yet started (a
+        newer state makes them worthless), so at most one waits behind the write in progress."""
+        with self._wake:
+            if replace_waiting:
+                self.pending -= len(self._todo)
+                self._todo.clear()
+            self.pending += 1
+            self._todo.append(snap)
+            self._wake.notify()
 
     def _run(self) -> None:
-        while (snap := self._todo.get()) is not None:
+        while True:
+            with self._wake:
+                while not self._todo and not self._closing:
+                    self._wake.wait()
+                if not self._todo:
+                    return
+                snap = self._todo.popleft()
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 _, problems = write_checkpoint(self.run_dir, snap, self.keep, self.durable)
@@ -385,17 +401,23 @@ class CheckpointWriter:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
-                self.pending -= len(out)
+                with self._wake:
+                    self.pending -= len(out)
                 return out
+
+    def _stop(self) -> None:
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
 
     def finish(self, timeout_s: float) -> None:
         """Let the writes already submitted land, waiting at most `timeout_s` (a failing rank's
         last act; their results are not collected)."""
-        self._todo.put(None)
+        self._stop()
         self._thread.join(timeout_s)
 
     def close(self) -> list[tuple[int, float, str | None, list[str]]]:
         """Finish every pending write (a checkpoint that was promised must land before exit)."""
-        self._todo.put(None)
+        self._stop()
         self._thread.join()
         return self.completed()

@@ -16,14 +16,17 @@ What it costs and how that stays small:
 - On the step path: numpy views of the arrays (no copy: they are immutable, and the views keep them
   alive until written).
 - Off it: one write per step into memory, by a thread, into the files of the copy it replaces
-  (their pages are already there). A write still running when the next step ends makes that step
-  skip its copy, so a slow write never delays a step.
+  (their pages are already there). A step that ends while the previous write still runs queues its
+  copy behind it, in the place of any older one still waiting: a slow write never delays a step,
+  and the newest completed step is always written or next in line (a failing rank lets both land,
+  `finish_writes`).
 - The write still takes CPU time from the step on a machine whose cores the ranks fill. So it is
   kept at most `SHARE` of the step time, on average: with writes that take longer than that (a
   large model, small steps), every `k`th step is kept, and a failure recomputes up to `k - 1`
   steps more. `k` is 1 for models whose state writes in under 10% of a step (the trainer logs
   `memory_state.interval` when it changes).
-- Memory: the newest two copies (`KEEP`) plus one being written. When three copies of the trained
+- Memory: the newest two copies (`KEEP`) plus one being written; in the process, the arrays of
+  the copy being written and of the one waiting stay alive until written. When three copies of the trained
   state would take more than `BUDGET` of the machine's memory, or more than the folder's free
   space, nothing is kept, and the trainer says so once (recovery then resumes from disk).
 """
@@ -88,11 +91,11 @@ class MemoryState:
         self.log.warning("memory_state.off", reason=why, effect="a failure resumes from the newest checkpoint on disk")
 
     def offer(self, step: int, model: Any, optimizer: Any, manifest: dict[str, Any], step_s: float = 0.0) -> bool:
-        """Keep the state after `step` (which took `step_s`), unless the previous write is still
-        running or the interval says to skip it; True if taken."""
+        """Keep the state after `step` (which took `step_s`), unless the interval says to skip it;
+        True if taken. Behind a write still running, it waits in the place of an older one."""
         if step_s > 0:
             self.steps.append(step_s)
-        if self.writer is None or self.writer.pending or step - self.last < self.every:
+        if self.writer is None or step - self.last < self.every:
             return False
         self.last = step
         self.writer.submit(ckpt.Snapshot(
@@ -100,7 +103,7 @@ class MemoryState:
             model=ckpt.host_views(tree_flatten(model.trainable_parameters())),
             optimizer=ckpt.host_views(tree_flatten(optimizer.state)),
             manifest=manifest,
-        ))
+        ), replace_waiting=True)
         return True
 
     def completed(self) -> list[tuple[int, float]]:
