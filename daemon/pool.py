@@ -63,6 +63,8 @@ NodeMessage: TypeAlias = (
     | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed
 )
 
+ANSWER_HEARTBEATS = 2  # heartbeat intervals a node of a group stopped at once has to be heard from
+
 RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited)  # each names its rank
 
 
@@ -70,6 +72,9 @@ class Pool:
     def __init__(self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None) -> None:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.expiry_s = heartbeat_s * liveness
+        # A node of a group stopped at once (a failure, a cancel) is lost unless heard from within
+        # this: a live dpd heartbeats every interval and reports its worker's exit sooner still.
+        self.answer_s = min(self.expiry_s, ANSWER_HEARTBEATS * heartbeat_s)
         self.prepare_timeout_s = prepare_timeout_s if prepare_timeout_s is not None else max(5.0, 2 * self.expiry_s)
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, Job] = {}  # in memory: the live jobs and the RECENT_FINISHED newest finished, in submission order
@@ -167,7 +172,7 @@ class Pool:
         if rejoin:
             assert old is not None
             node, returned = old, old.lost
-            node.lost, node.last_seen, node.info = False, now, msg.info
+            node.lost, node.last_seen, node.asked_at, node.info = False, now, None, msg.info
             if node.hold is None:
                 node.reason = None
             if returned:
@@ -248,7 +253,7 @@ class Pool:
         """Any message from a registered node is a heartbeat (Paranoid Pirate)."""
         node = self.nodes.get(name)
         if node is not None and not node.lost:
-            node.last_seen = now
+            node.last_seen, node.asked_at = now, None
         return node
 
     def report_refused(self, name: str, kind: str, job_id: str, generation: int, rank: int | None, *, stored: bool = False) -> Refused | None:
@@ -607,6 +612,8 @@ class Pool:
         for node in self.nodes.values():
             if not node.lost and now - node.last_seen > self.expiry_s:
                 actions += self._node_gone(node, now, f"no heartbeat for {now - node.last_seen:.1f}s")
+            elif not node.lost and node.asked_at is not None and now - node.asked_at >= self.answer_s:
+                actions += self._node_gone(node, now, f"no answer for {now - node.asked_at:.1f}s to the stop of its failed group")
         for job in list(self.live.values()):
             if job.pending is not None and now >= job.pending.deadline:
                 missing = sorted(set(job.pending.nodes) - job.pending.answered)
@@ -756,7 +763,7 @@ class Pool:
         out: list[Action] = []
         for action in job.machine.handle(event, now):
             if isinstance(action, js.StopGroup):
-                out += self._stop(job, action)
+                out += self._stop(job, action, now)
             elif isinstance(action, js.Blame):
                 out += self._blame(now, action.node)
                 lost = self.nodes.get(action.node)
@@ -805,11 +812,20 @@ class Pool:
                 del node.used[s.index]
         return []
 
-    def _stop(self, job: Job, stop: js.StopGroup) -> list[Action]:
+    def _stop(self, job: Job, stop: js.StopGroup, now: float) -> list[Action]:
         if job.plan is None or job.plan.generation != stop.generation:
             return []
         if job.watch is not None and stop.mode is js.StopMode.CHECKPOINT:
             job.watch.stopping = True
+        if stop.mode is js.StopMode.NOW:
+            # A group stopped at once has failed (or was cancelled). Its nodes must be heard from
+            # soon: a dpd that was killed took its trainer with it, and its peers' "connection
+            # lost" may be all the pool hears of it. Waiting for its heartbeats' expiry would hold
+            # the next generation back by that much (Pool.tick).
+            for n in job.plan.nodes():
+                node = self.nodes.get(n)
+                if node is not None and not node.lost and node.asked_at is None:
+                    node.asked_at = now
         return [
             Send(n, GroupStop(job=job.id, generation=stop.generation, mode=str(stop.mode)))
             for n in job.plan.nodes()

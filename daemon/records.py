@@ -86,6 +86,7 @@ class Node:
     joined_at: float
     last_seen: float
     lost: bool = False
+    asked_at: float | None = None  # when a failed group's stop asked it to answer, if not heard from since
     hold: Hold | None = None  # drained or set aside: takes no new work until `undrain`
     drained_reported: bool = False  # node.drained was recorded for the current drain
     fail_streak: int = 0  # workers failed here in a row (reset by one that ends well)

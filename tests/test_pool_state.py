@@ -336,6 +336,32 @@ def test_a_lost_node_that_was_alive_gets_its_blame_and_the_jobs_restart_back() -
     assert records(out, "node.returned") == [{"node": "b", "restarts": 0}]
 
 
+def test_a_node_silent_after_its_group_failed_is_lost_after_two_heartbeats_not_the_expiry() -> None:
+    """A killed dpd takes its trainer with it: its peers' "connection lost" is all the pool hears.
+    The group is stopped at once, and each of its nodes must then be heard from within two
+    heartbeat intervals (1 s here), not the expiry (3 s)."""
+    pool = running_pool(("a", "b", "c"))
+    out = pool.worker_exited(1.5, "a", "j", 1, 0, 100, 1, False)  # a's trainer: its peer vanished
+    assert records(out, "group.stopped") and {s.node for s in sends(out, m.GroupStop)} == {"a", "b", "c"}
+    pool.seen(1.7, "a")
+    pool.seen(2.4, "c")  # alive: it heartbeats
+    assert not records(pool.tick(2.4), "node.lost")
+    out = pool.tick(2.5)
+    lost = records(out, "node.lost")
+    assert [r["node"] for r in lost] == ["b"] and "no answer for 1.0s to the stop of its failed group" in lost[0]["reason"]
+    assert not pool.nodes["a"].lost and not pool.nodes["c"].lost
+
+
+def test_nodes_heard_from_after_a_stop_are_asked_nothing_more() -> None:
+    pool = running_pool(("a", "b"))
+    pool.worker_exited(1.5, "a", "j", 1, 0, 100, 1, False)
+    pool.seen(1.6, "a")
+    pool.seen(1.6, "b")
+    pool.seen(2.9, "a")
+    assert not records(pool.tick(2.9), "node.lost"), "b answered; its heartbeat expiry is 3 s"
+    assert records(pool.tick(4.7), "node.lost") == [{"node": "b", "reason": "no heartbeat for 3.1s"}]
+
+
 def test_a_node_set_aside_for_missed_heartbeats_alone_takes_work_again_when_it_returns() -> None:
     pool = running_pool(("a", "b"))
     pool.nodes["b"].fail_streak = 2  # two workers failed there before
@@ -541,12 +567,13 @@ def test_the_failure_reported_after_its_peers_is_blamed_on_its_node_without_a_se
 
 def test_a_node_that_never_reports_its_ranks_exit_is_left_out_after_the_settle_time() -> None:
     pool = running_pool()
-    pool.worker_exited(2.0, "a", "j", 1, 0, 0, 1, False)  # b's dpd was killed: b says nothing
+    pool.worker_exited(2.0, "a", "j", 1, 0, 0, 1, False)  # b's trainer is stuck (a D state): b heartbeats, but never reports it
     out = pool.worker_exited(2.0, "c", "j", 1, 2, 0, 1, False)
     assert pool.jobs["j"].state is JobState.RECOVERING and sends(out, m.GroupPrepare) == []
-    for n in "ac":
-        pool.seen(3.9, n)
-    assert sends(pool.tick(3.9), m.GroupPrepare) == []
+    for t in (2.9, 3.9):
+        for n in "abc":
+            pool.seen(t, n)
+        assert sends(pool.tick(t), m.GroupPrepare) == []
     out = pool.tick(4.1)  # past the settle time: go on without b (its slot is still busy)
     assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "c"]
 

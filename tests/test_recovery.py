@@ -173,6 +173,10 @@ def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool
     events = pool.finish(job, reference)
     assert kinds(events, "worker.failed") and kinds(events, "group.resumed")
     assert any(n.name == "n2" and n.state == "lost" for n in pool.nodes())
+    # Its peers' failure stopped the group, and n2 did not answer the stop: lost then, well
+    # before its heartbeats' expiry.
+    lost = [e for e in kinds(events, "node.lost") if e["node"] == "n2"]
+    assert lost and "to the stop of its failed group" in lost[0]["reason"], lost
 
 
 def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes, tmp_path: Path, reference: Any) -> None:
