@@ -217,7 +217,7 @@ class LocalPool:
         runs = sum(d.name == name for d in self.started)
         log = self.root / (f"dpd-{name}.log" if runs == 0 else f"dpd-{name}.{runs + 1}.log")
         cmd = [
-            sys.executable, "-m", "dpool.daemon.cli", "run", "--config", str(self.config), "--name", name,
+            sys.executable, "-m", "dpool.daemon.boot", "run", "--config", str(self.config), "--name", name,
             "--workers", str(workers), "--state-dir", str(state_dir), "--stop-grace", str(STOP_GRACE_S), "--join", self.addr,
             *(["--serve", self.addr if serve is True else serve] if serve else []),
             *args,

@@ -59,23 +59,10 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from dpool.daemon.children import (
-    clean,
-    die_with_parent,
-    error_message,
-    is_alive,
-    is_stopped,
-    trainer_command,
-    trainer_env,
-)
+from dpool.daemon.childenv import StartedZygote, die_with_parent, trainer_command, trainer_env
+from dpool.daemon.children import clean, error_message, is_alive, is_stopped
 from dpool.daemon.exporter import Exporter, ExportError
-from dpool.daemon.forkserver import (
-    LM_MODULES,
-    ForkedProcess,
-    ForkServer,
-    ForkServerError,
-    zygote_command,
-)
+from dpool.daemon.forkserver import LM_MODULES, ForkedProcess, ForkServer, ForkServerError
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.sysinfo import node_info
@@ -162,6 +149,7 @@ class Agent:
         rejoin_round_s: float = 60.0,
         keys: ClientKeys | None = None,
         awake: SleepGuard | None = None,
+        zygote: StartedZygote | None = None,
     ) -> None:
         self.keys = keys  # CURVE to the coordinator when given
         self.awake = awake or SleepGuard.for_this_machine()  # no idle sleep while a trainer runs (macOS)
@@ -198,7 +186,7 @@ class Agent:
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
         self.stopped_s = _seconds(os.environ.get(ENV_STOPPED), STOPPED_S)
         self.memory = MemoryStore(default_root(self.state_dir))
-        self.forks = ForkServer(zygote_command(), trainer_env(), die_with_parent(os.getpid()))  # trainers forked pre-imported
+        self.forks = ForkServer(zygote)  # trainers forked pre-imported (`zygote`: one started before the daemon's imports)
         self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
 
     # -- life ----------------------------------------------------------------------------------

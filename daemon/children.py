@@ -1,6 +1,6 @@
-"""How a dpd runs the trainer as a child process, for training (agent.py) and for exports
-(exporter.py): its environment, its death with the daemon, and the one line it leaves when it
-refuses its input.
+"""A dpd's trainer processes as the daemon watches them (training, agent.py; exports, exporter.py):
+whether one is alive or stopped, and the one line it leaves when it refuses its input. How they
+are started (command line, environment, death with the daemon) is daemon/childenv.py.
 
 The trainer's contract for bad input (a job file, a data path, a checkpoint that cannot be used) is
 exit code 2 after one line `error: <message>` on stderr. The daemon merges the child's stderr into
@@ -10,37 +10,11 @@ why, rather than only "exit code 2".
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-from collections.abc import Callable
-
 import psutil
 
 from dpool.protocol.messages import ERROR_LINE_MAX
-from dpool.trainer.blas import preload_env
 
 ERROR_PREFIX = "error: "
-
-
-def trainer_command(*args: str) -> list[str]:
-    """`python -P -m dpool.trainer ARGS`: -P keeps the working directory (the trainer runs in its
-    run dir) off `sys.path`, so no file in a run dir is ever imported."""
-    return [sys.executable, "-P", "-m", "dpool.trainer", *args]
-
-
-def trainer_env(**extra: str) -> dict[str, str]:
-    """The daemon's environment, without any MLX group settings it may have inherited."""
-    env = dict(os.environ)
-    for key in ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "DPOOL_WORKER_ADDR"):
-        env.pop(key, None)
-    env["DPOOL_DAEMON_PID"] = str(os.getpid())  # the trainer exits when its daemon is gone
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONSAFEPATH"] = "1"  # -P, kept when the trainer re-executes itself (trainer/blas.py)
-    env.update(extra)
-    # The optimized BLAS preloaded from the start: the trainer then has no reason to re-execute
-    # itself (trainer/blas.py), which would cost a second interpreter start (~0.2 s) every time.
-    return preload_env(env) or env
 
 
 def error_message(line: str, job_file: str | None = None) -> str | None:
@@ -71,25 +45,6 @@ def last_error_in(data: bytes, job_file: str | None = None) -> str | None:
         if msg is not None:
             found = msg
     return found
-
-
-def die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A preexec_fn: on Linux the trainer gets SIGKILL when this daemon dies (PR_SET_PDEATHSIG), so
-    a SIGKILLed dpd leaves no orphan training on. (macOS has no such call: the trainer's WorkerLink
-    watches its parent pid instead.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
-
-    def preexec() -> None:
-        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-        if os.getppid() != parent:  # the daemon died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def is_stopped(pid: int) -> bool:

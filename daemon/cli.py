@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from dpool.daemon import netif
+from dpool.daemon.childenv import StartedZygote
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -222,7 +223,7 @@ def settings(args: argparse.Namespace) -> Settings:
 COORDINATOR_STOP_S = 10.0  # after the agent has stopped: the coordinator's batch in hand, then its exit
 
 
-async def serve_and_run(s: Settings) -> int:
+async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int:
     """The node's agent, and with --serve the coordinator on a thread of its own (its own loop):
     a coordinator busy for seconds never holds up the agent's heartbeats."""
     from dpool.daemon import sdnotify
@@ -268,6 +269,7 @@ async def serve_and_run(s: Settings) -> int:
             liveness=s.liveness,
             stop_grace_s=s.stop_grace,
             keys=s.keys,
+            zygote=zygote,
         )
         agent_task = asyncio.create_task(agent.run(stopping))
         notify_task = asyncio.create_task(sdnotify.announce(agent, stopping))  # systemd Type=notify
@@ -327,7 +329,8 @@ def say_ring_link(log: Any, advertise: str) -> None:
         (log.info if event == "ring.thunderbolt" else log.warning)(event, **fields)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> int:
+    """`dpd ...`; `zygote`: one daemon/boot.py started for `dpd run` before these imports."""
     parser = argparse.ArgumentParser(prog="dpd", description="dpool node daemon")
     parser.add_argument("--version", action="version", version=f"dpd {importlib.metadata.version('dpool')}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -388,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, interface=netif.interface_of(s.advertise), state_dir=str(s.state_dir))
     say_ring_link(log, s.advertise)
     try:
-        return asyncio.run(serve_and_run(s))
+        return asyncio.run(serve_and_run(s, zygote))
     finally:
         os.close(lock)
 

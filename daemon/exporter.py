@@ -28,13 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpool.daemon.children import (
-    clean,
-    die_with_parent,
-    last_error_in,
-    trainer_command,
-    trainer_env,
-)
+from dpool.daemon.childenv import die_with_parent, trainer_command, trainer_env
+from dpool.daemon.children import clean, last_error_in
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import listed_steps
 from dpool.protocol.messages import ErrorCode

@@ -19,20 +19,21 @@ import json
 import os
 import signal
 import socket
-import sys
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
+from dpool.daemon.childenv import StartedZygote, start_zygote, zygote_wanted
 from dpool.daemon.children import is_alive
 from dpool.protocol.logs import get_logger
 from dpool.trainer.zygote import HEADER
 
-ENV_ZYGOTE = "DPOOL_ZYGOTE"  # "0": every trainer is a new interpreter
 START_TIMEOUT_S = 60.0  # for the zygote's imports, on a slow or busy machine
 READY_WAIT_S = 10.0  # a start waits this long for a zygote still importing, then execs
 REPLY_TIMEOUT_S = 60.0  # for a fork's pid: the zygote may be importing mlx-lm for the next ones
 SEND_TIMEOUT_S = 1.0
+REAP_WAIT_S = 1.0  # for a zygote whose output ended to exit
 RESTART_AFTER_S = 10.0  # a zygote that died is replaced no sooner than this
 GONE_POLL_S = 0.1  # how often the pids of a lost zygote's children are looked at
 LINE_LIMIT = 1 << 20  # a trainer's output line, as for an exec'd one
@@ -59,12 +60,32 @@ class ForkedProcess:
             self._done.set_result(code)
 
 
+class ZygoteProcess:
+    """A started zygote as the daemon's loop sees it, as an `asyncio.subprocess.Process` would be:
+    its stdout a StreamReader, its exit awaited in a thread (it may have been started before the
+    loop was, by daemon/boot.py)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], stdout: asyncio.StreamReader) -> None:
+        self.proc, self.pid, self.stdout = proc, proc.pid, stdout
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    async def wait(self) -> int:
+        return await asyncio.to_thread(self.proc.wait)
+
+
 class ForkServer:
-    def __init__(self, command: list[str], env: dict[str, str], preexec: Callable[[], None] | None = None) -> None:
-        self.command, self.env, self.preexec = command, env, preexec
+    def __init__(self, early: StartedZygote | None = None) -> None:
+        """`early`: a zygote already started (daemon/boot.py), adopted by the first `start`."""
+        self.early = early
         self.log = get_logger()
-        self.enabled = env.get(ENV_ZYGOTE, "1") != "0"
-        self.proc: asyncio.subprocess.Process | None = None
+        self.enabled = zygote_wanted()
+        self.proc: ZygoteProcess | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[bool] | None = None  # True once imported; False: it failed
         self.children: dict[int, ForkedProcess] = {}
@@ -84,45 +105,43 @@ class ForkServer:
             return
         if self.ready is not None and self.ready.result() and self.proc is not None and self.proc.returncode is None:
             return
-        if time.monotonic() - self.started_at < RESTART_AFTER_S:
+        early, self.early = self.early, None
+        if early is None and time.monotonic() - self.started_at < RESTART_AFTER_S:
             return
-        self.started_at = time.monotonic()
+        self.started_at = early.started_at if early is not None else time.monotonic()
         self.ready = asyncio.get_running_loop().create_future()
-        self._task(self._run())
+        self._task(self._run(early))
 
-    async def _run(self) -> None:
+    async def _run(self, early: StartedZygote | None) -> None:
         assert self.ready is not None
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self.command, str(theirs.fileno()),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=None,
-                pass_fds=(theirs.fileno(),), env=self.env, start_new_session=True, preexec_fn=self.preexec,
-            )
+            started = early if early is not None else start_zygote()
         except OSError as e:
-            ours.close()
             self.log.warning("zygote.start_failed", error=str(e))
             self.ready.set_result(False)
             return
-        finally:
-            theirs.close()
-        ours.settimeout(SEND_TIMEOUT_S)
-        self.sock = ours
-        proc = self.proc
-        watchdog = asyncio.get_running_loop().call_later(START_TIMEOUT_S, self._slow_start, proc)
+        assert started.proc.stdout is not None
+        stdout = asyncio.StreamReader(limit=LINE_LIMIT)
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdout), started.proc.stdout)
+        started.sock.settimeout(SEND_TIMEOUT_S)
+        self.sock = started.sock
+        proc = self.proc = ZygoteProcess(started.proc, stdout)
+        watchdog = asyncio.get_running_loop().call_later(max(0.0, START_TIMEOUT_S - (time.monotonic() - self.started_at)), self._slow_start, proc)
         try:
             await self._read(proc)
         finally:
             watchdog.cancel()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(proc.wait()), REAP_WAIT_S)  # its exit code, for the log
             self._lost(proc)
 
-    def _slow_start(self, proc: asyncio.subprocess.Process) -> None:
+    def _slow_start(self, proc: ZygoteProcess) -> None:
         if self.ready is not None and not self.ready.done():
             self.log.warning("zygote.slow_start", pid=proc.pid, after_s=START_TIMEOUT_S)
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
 
-    async def _read(self, proc: asyncio.subprocess.Process) -> None:
+    async def _read(self, proc: ZygoteProcess) -> None:
         assert proc.stdout is not None and self.ready is not None
         while True:
             line = await proc.stdout.readline()
@@ -149,7 +168,7 @@ class ForkServer:
                 if fut is not None and not fut.done():
                     fut.set_result(reply)
 
-    def _lost(self, proc: asyncio.subprocess.Process) -> None:
+    def _lost(self, proc: ZygoteProcess) -> None:
         """The zygote is gone (or never got ready): forks stop; its children are followed by pid."""
         if self.ready is not None and not self.ready.done():
             self.ready.set_result(False)
@@ -259,7 +278,3 @@ class ForkServer:
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
-
-
-def zygote_command() -> list[str]:
-    return [sys.executable, "-P", "-m", "dpool.trainer.zygote"]

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 LABEL = "org.dpool.dpd"
 UNIT = "dpd.service"
+ENTRY = "dpool.daemon.boot"  # the module a service runs: `dpd run` with the zygote started first
 SYSTEM_STATE_DIR = Path("/var/lib/dpool")  # StateDirectory=dpool
 PATH_FLAGS = ("config", "state_dir", "keys")  # made absolute: a service does not start in the user's cwd
 
@@ -89,7 +90,7 @@ class Host:
     platform: str  # "darwin" or "linux"
     home: Path
     uid: int
-    python: str  # the absolute interpreter that runs `-m dpool.daemon.cli`
+    python: str  # the absolute interpreter that runs `-m dpool.daemon.boot`
     env: dict[str, str] = field(default_factory=dict)
     system_units: Path = Path("/etc/systemd/system")
 
@@ -146,7 +147,7 @@ def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], hos
 def service_argv(host: Host, flags: list[str], state_dir: Path) -> list[str]:
     if "--state-dir" not in flags:
         flags = [*flags, "--state-dir", str(state_dir)]
-    return [host.python, "-m", "dpool.daemon.cli", "run", *flags]
+    return [host.python, "-m", ENTRY, "run", *flags]
 
 
 def state_dir_for(host: Host, args: argparse.Namespace) -> Path:
@@ -367,9 +368,10 @@ def unquote_systemd(word: str) -> str:
 
 
 def run_flags(argv: Sequence[str]) -> list[str] | None:
-    """The `dpd run` flags of a service's command line (`PYTHON -m dpool.daemon.cli run FLAGS`)."""
+    """The `dpd run` flags of a service's command line (`PYTHON -m dpool.daemon.boot run FLAGS`;
+    services installed before boot.py run `dpool.daemon.cli`, which works as well)."""
     for i in range(len(argv) - 1):
-        if argv[i] == "dpool.daemon.cli" and argv[i + 1] == "run":
+        if argv[i] in (ENTRY, "dpool.daemon.cli") and argv[i + 1] == "run":
             return list(argv[i + 2:])
     return None
 

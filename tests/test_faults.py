@@ -31,7 +31,7 @@ from jobs import job, write_job
 
 from dpool.daemon import agent as agent_mod
 from dpool.daemon.agent import Agent, Worker
-from dpool.daemon.children import trainer_command, trainer_env
+from dpool.daemon.childenv import trainer_command, trainer_env
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import (

@@ -158,7 +158,7 @@ def test_non_loopback_without_keys_is_refused_unless_insecure(tmp_path: Path, mo
 
     ran: list[cli.Settings] = []
 
-    async def fake_run(s: cli.Settings) -> int:
+    async def fake_run(s: cli.Settings, zygote: object = None) -> int:
         ran.append(s)
         return 0
 

@@ -100,7 +100,7 @@ def test_install_writes_and_loads_a_launch_agent(fake, tmp_path: Path, monkeypat
     assert plist["Label"] == "org.dpool.dpd"
     args = plist["ProgramArguments"]
     assert Path(args[0]).is_absolute() and args[0] == sys.executable
-    assert args[1:4] == ["-m", "dpool.daemon.cli", "run"]
+    assert args[1:4] == ["-m", "dpool.daemon.boot", "run"]
     flags = dict(zip(args[4::2], args[5::2], strict=False))
     assert flags["--serve"] == "tcp://0.0.0.0:7399" and flags["--name"] == "mac1" and flags["--workers"] == "2"
     assert flags["--keys"] == str(keys)  # a relative path made absolute: launchd does not start in our cwd
@@ -181,7 +181,7 @@ def test_user_unit_is_installed_enabled_and_verifies(fake, tmp_path: Path) -> No
     assert lines["Type"] == "notify" and lines["Restart"] == "on-failure" and lines["KillMode"] == "mixed"
     assert lines["TimeoutStopSec"] == "90s"  # --stop-grace 30 and a margin for the goodbye
     exec_start = lines["ExecStart"].split()
-    assert exec_start[:4] == [sys.executable, "-m", "dpool.daemon.cli", "run"]
+    assert exec_start[:4] == [sys.executable, "-m", "dpool.daemon.boot", "run"]
     assert exec_start[exec_start.index("--state-dir") + 1] == str(fake.home / ".local" / "state" / "dpool")
     assert "StateDirectory" not in lines and lines["WantedBy"] == "default.target"
     assert fake.recorder.calls == [

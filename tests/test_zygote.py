@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +20,15 @@ import pytest
 from conftest import LocalPool, Processes, wait_for
 from jobs import write_job
 
-from dpool.daemon.children import die_with_parent, trainer_command, trainer_env
-from dpool.daemon.forkserver import (
-    KILLED,
-    ForkedProcess,
-    ForkServer,
-    ForkServerError,
-    zygote_command,
-)
+from dpool.daemon.childenv import start_zygote, trainer_command, trainer_env
+from dpool.daemon.forkserver import KILLED, ForkedProcess, ForkServer, ForkServerError
 
 
 def run(coro_fn: Callable[[ForkServer], Awaitable[Any]]) -> Any:
     """`coro_fn(server)` with a started zygote, stopped afterwards."""
 
     async def main() -> Any:
-        fs = ForkServer(zygote_command(), trainer_env(), die_with_parent(os.getpid()))
+        fs = ForkServer()
         fs.start()
         assert fs.ready is not None and await fs.ready, "the zygote did not get ready"
         try:
@@ -127,6 +122,22 @@ def test_the_zygote_refuses_bad_requests_and_goes_on_forking(tmp_path: Path) -> 
     run(check)
 
 
+def test_a_zygote_started_before_the_loop_is_adopted_and_forks(tmp_path: Path) -> None:
+    early = start_zygote()
+
+    async def main() -> None:
+        fs = ForkServer(early)
+        fs.start()
+        assert fs.ready is not None and await asyncio.wait_for(asyncio.shield(fs.ready), 60)
+        assert fs.proc is not None and fs.proc.pid == early.proc.pid
+        child = await fs.spawn(["--help"], trainer_env(), str(tmp_path))
+        assert await asyncio.wait_for(child.wait(), 60) == 0
+        await fs.close()
+        assert fs.proc.returncode is not None, "it leaves when the daemon closes it"
+
+    asyncio.run(main())
+
+
 def test_children_of_a_killed_zygote_die_with_it_and_count_as_killed(tmp_path: Path) -> None:
     if not sys.platform.startswith("linux"):
         pytest.skip("the children's parent-death signal is Linux's")
@@ -155,6 +166,9 @@ def test_a_dpd_forks_its_trainers_unless_told_not_to(processes: Processes, tmp_p
     assert started and all(s["forked"] is (zygote == "1") for s in started), started
     zygotes = [json.loads(line)["pid"] for line in log.read_text().splitlines() if '"zygote.ready"' in line]
     assert len(zygotes) == (1 if zygote == "1" else 0), zygotes
+    if zygotes:  # started by `dpd run`'s entry point before the daemon's own imports, not after them
+        starting = next(json.loads(line) for line in log.read_text().splitlines() if '"dpd.starting"' in line)
+        assert psutil.Process(zygotes[0]).create_time() < datetime.fromisoformat(starting["timestamp"]).timestamp()
     pool.stop()
     for pid in zygotes:  # it leaves with its dpd
         wait_for(f"zygote {pid} gone", lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 10)

@@ -42,7 +42,7 @@ from typing import Any
 
 import setproctitle
 
-from dpool.daemon.children import die_with_parent
+from dpool.daemon.childenv import die_with_parent
 from dpool.trainer.colocate import recv_exactly
 
 HEADER = struct.Struct(">I")
