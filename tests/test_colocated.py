@@ -30,7 +30,7 @@ from dpool.trainer.colocate import (
     usable_cores,
 )
 from dpool.trainer.dist import Group
-from dpool.trainer.listening import is_listening, wait_for_listeners
+from dpool.trainer.listening import is_listening, last_rank_apart, wait_for_listeners
 
 HOSTS = [["127.0.0.1:5000"], ["10.0.0.2:5001"], ["127.0.0.1:5002"], ["[::1]:5003"], ["10.0.0.2:5004", "10.0.0.2:5005"]]
 
@@ -335,3 +335,30 @@ def test_the_last_rank_calls_init_only_once_the_ranks_on_its_machine_listen():
         late.cancel()
         for s in socks[:2]:
             s.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or len(os.sched_getaffinity(0)) < 2, reason="Linux affinity, 2 cores or more")
+def test_during_init_the_last_rank_has_a_core_to_itself_and_every_thread_gets_all_back_after():
+    allowed = os.sched_getaffinity(0)
+    started: list[int] = []
+    go_on = threading.Event()
+
+    def socket_thread() -> None:  # as MLX starts one per ring socket during init
+        started.append(threading.get_native_id())
+        go_on.wait(10)
+
+    with last_rank_apart(True, 3):
+        assert os.sched_getaffinity(0) == {max(allowed)}
+        t = threading.Thread(target=socket_thread)
+        t.start()
+        while not started:
+            time.sleep(0.001)
+        assert os.sched_getaffinity(started[0]) == {max(allowed)}, "a thread started inside inherits the mask"
+    assert os.sched_getaffinity(0) == allowed and os.sched_getaffinity(started[0]) == allowed
+    go_on.set()
+    t.join()
+    with last_rank_apart(False, 3):
+        assert os.sched_getaffinity(0) == allowed - {max(allowed)}
+    with last_rank_apart(False, 1):  # alone on its machine: nothing to keep apart
+        assert os.sched_getaffinity(0) == allowed
+    assert os.sched_getaffinity(0) == allowed

@@ -18,11 +18,14 @@ the probe could refuse MLX's bind; macOS keeps the fixed delay.)
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 POLL_S = 0.001
 
@@ -57,3 +60,34 @@ def wait_for_listeners(addresses: Iterable[tuple[str, int]], timeout_s: float) -
             return False
         time.sleep(POLL_S)  # nothing to block on: the peer's listen is not an event here
     return True
+
+
+@contextlib.contextmanager
+def last_rank_apart(is_last: bool, ranks_here: int) -> Iterator[None]:
+    """While MLX's init runs (Linux, ranks sharing this machine): the last rank on a core of its
+    own, the others on the rest; every thread back on all of them after.
+
+    The race left after waiting for listeners: the last rank connects to rank 0, which sets off the
+    chain of connects back round to it, and must listen before rank n-2's connect arrives. On a
+    machine with fewer free cores than ranks, rank n-2 woken from its accept takes the core of the
+    last rank, between its connect and its listen, so the last rank loses that race often (8 of 21
+    generations of the recovery bench). On a core of its own, it is not preempted by them."""
+    if not sys.platform.startswith("linux") or ranks_here < 2:
+        yield
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, {allowed[-1]} if is_last else set(allowed[:-1]))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        tasks = Path("/proc/self/task")
+        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, allowed)  # MLX's socket threads, started during init, too
