@@ -25,7 +25,10 @@ fault) with `checkpoint.every_steps` at its default ("auto") and with checkpoint
 past the last step: only the final checkpoint, which both take), trials interleaved with the order
 alternating. A run's time is from step 1 done (compiled) to the last step done, from rank 0's own
 `step.done` log timestamps; its tokens/s is the window's tokens over that time. The overhead is
-1 - (median tokens/s with "auto") / (median tokens/s off).
+1 - (median tokens/s with "auto") / (median tokens/s off). On a busy 2-core machine that pair
+varies by more than the goal, so the bench also gives what the checkpoints cost by account, as
+CheckFreq profiles it: for each "auto" run, rank 0's checkpoints' own time (the copy to host memory
+on the step path plus the writer thread's CPU time, from `checkpoint.saved`) over the run's time.
 
 Anchors (issue 4, measured on this same machine: 3 workers, ~1M-parameter models, checkpoints every
 5 steps): torchrun recovers from a killed worker in 6.0 s, from a lost node in 44 s, admits a new
@@ -279,19 +282,24 @@ def one_cycle(pool: LocalPool, job: str, log: EventLog, fig: dict[str, list[floa
 # -- checkpoint overhead --------------------------------------------------------------------------
 
 
-def step_times(pool: LocalPool, job: str) -> dict[int, float]:
-    """Rank 0's `step.done` log timestamps (unix seconds) by step, from the coordinator's log store."""
+def rank0_log(pool: LocalPool, job: str) -> tuple[dict[int, float], dict[int, float]]:
+    """From rank 0's log in the coordinator's store: its `step.done` timestamps (unix seconds) by
+    step, and each disk checkpoint's own cost by step: the host copy on the step path plus the
+    writer thread's CPU time (`copy_s` + `cpu_s` of `checkpoint.saved`)."""
     at: dict[int, float] = {}
+    cost: dict[int, float] = {}
     for reply in pages(lambda after: pool.call(m.Logs(job=job, after=after, rank=0), m.LogsReply)):
         for line in reply.lines:
             text = line.text.strip()
             if not text.startswith("{"):
                 continue
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
                 e = json.loads(text)
                 if e.get("event") == "step.done" and "timestamp" in e:
                     at[int(e["step"])] = datetime.fromisoformat(e["timestamp"].replace("Z", "+00:00")).timestamp()
-    return at
+                elif e.get("event") == "checkpoint.saved" and "copy_s" in e:
+                    cost[int(e["step"])] = float(e["copy_s"]) + float(e.get("cpu_s", 0.0))
+    return at, cost
 
 
 def run_to_end(pool: LocalPool, spec: JobSpec, timeout: float) -> JobStatus:
@@ -306,7 +314,7 @@ def overhead_run(pool: LocalPool, spec: JobSpec) -> dict[str, Any]:
     """One fault-free run to its end: its window (step 1 done -> last step done) and tokens/s."""
     steps = spec.train.steps
     final = run_to_end(pool, spec, 120 + 5.0 * steps)
-    at = step_times(pool, final.id)
+    at, cost = rank0_log(pool, final.id)
     if 1 not in at or steps not in at:
         raise BenchError(f"job {spec.name} ({final.id}): rank 0's log has no step.done for step 1 or {steps} (found {len(at)} steps)")
     rows = {r.step: r for page in pages(lambda after: pool.call(m.Metrics(job=final.id, after=after), m.MetricsReply)) for r in page.rows if r.kind == "train"}
@@ -314,7 +322,9 @@ def overhead_run(pool: LocalPool, spec: JobSpec) -> dict[str, Any]:
     wall = at[steps] - at[1]
     intervals = sorted({r.checkpoint_every for r in rows.values() if r.checkpoint_every})
     saved = [e for e in events(pool, final.id) if e.kind == "checkpoint.saved" and 1 < int(e.fields.get("step", 0)) < steps]
-    return {"job": final.id, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "intervals": intervals, "checkpoints": len(saved)}
+    spent = sum(c for step, c in cost.items() if 1 < step < steps)  # the last one: both variants write it
+    return {"job": final.id, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "intervals": intervals, "checkpoints": len(saved),
+            "checkpoint_s": spent, "accounted": spent / wall}
 
 
 def checkpoint_overhead(pool: LocalPool, steps: int, trials: int) -> dict[str, Any]:
@@ -327,10 +337,12 @@ def checkpoint_overhead(pool: LocalPool, steps: int, trials: int) -> dict[str, A
                 r = overhead_run(pool, variants[name])
             got[name].append(r)
             print(f"  checkpoints {name:4s} trial {trial + 1}/{trials}: {r['wall_s']:.2f} s for steps 2..{steps}, "
-                  f"{r['tokens_per_s']:.0f} tokens/s, {r['checkpoints']} checkpoints, intervals {r['intervals']}", flush=True)
+                  f"{r['tokens_per_s']:.0f} tokens/s, {r['checkpoints']} checkpoints ({r['checkpoint_s']:.2f} s of their own, "
+                  f"{100 * r['accounted']:.1f}%), intervals {r['intervals']}", flush=True)
     auto = statistics.median(r["tokens_per_s"] for r in got["auto"])
     off = statistics.median(r["tokens_per_s"] for r in got["off"])
-    return {"steps": steps, "auto_tokens_per_s": auto, "off_tokens_per_s": off, "overhead": 1 - auto / off, "runs": got}
+    accounted = statistics.median(r["accounted"] for r in got["auto"])
+    return {"steps": steps, "auto_tokens_per_s": auto, "off_tokens_per_s": off, "overhead": 1 - auto / off, "accounted": accounted, "runs": got}
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -375,6 +387,10 @@ def report(fig: dict[str, list[float]], recomputed: dict[str, list[int]], overhe
         per = ", ".join(f"{100 * (1 - a['tokens_per_s'] / o['tokens_per_s']):+.1f}%" for a, o in zip(runs["auto"], runs["off"], strict=True))
         rows.append([f"checkpoint overhead, default settings ({overhead['steps']} steps, tokens/s vs off)", f"**{pct:+.1f}%**",
                      f"pairs: {per}", "", f"≤ {100 * OVERHEAD_GOAL:g}%", "yes" if overhead["overhead"] <= OVERHEAD_GOAL else "**no**", "-", "-"])
+        acc = [f"{100 * r['accounted']:.1f}%" for r in runs["auto"]]
+        rows.append([f"checkpoint overhead, default settings ({overhead['steps']} steps, rank 0's copy + writer CPU time over the run's time)",
+                     f"**{100 * overhead['accounted']:.1f}%**", ", ".join(acc), "", f"≤ {100 * OVERHEAD_GOAL:g}%",
+                     "yes" if overhead["accounted"] <= OVERHEAD_GOAL else "**no**", "-", "-"])
         doc["overhead"] = overhead | {"goal": OVERHEAD_GOAL}
     table = markdown(["figure", f"dpool (median of {trials})", "trials", "before (issue 10)", "goal", "met", "torchrun", "Ray Train"], rows)
     return table, doc
