@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
 from typing import Any
 
 from dpool.daemon.childenv import StartedZygote, start_zygote, zygote_wanted
