@@ -6,6 +6,7 @@ job can start its first trainer about that much sooner. Nothing heavy is importe
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -13,8 +14,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
     zygote = None
     if args[:1] == ["run"] and not {"-h", "--help"} & set(args):
-        from dpool.daemon.childenv import start_zygote, zygote_wanted
+        from dpool.daemon.childenv import UMASK, start_zygote, zygote_wanted
 
+        os.umask(UMASK)  # as `dpd run` sets it: the zygote's trainers inherit it
         if zygote_wanted():
             try:
                 zygote = start_zygote()

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from dpool.trainer.blas import preload_env
 
 ENV_ZYGOTE = "DPOOL_ZYGOTE"  # "0": every trainer is a new interpreter
+# dpd run's umask, set before it creates anything (its state dir, database, logs, sockets) and
+# before it starts its zygote, whose forked trainers write checkpoints: this user's alone.
+UMASK = 0o077
 
 
 def trainer_command(*args: str) -> list[str]:

@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from dpool.daemon import netif
-from dpool.daemon.childenv import StartedZygote
+from dpool.daemon.childenv import UMASK, StartedZygote
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -61,7 +61,6 @@ CONFIG_KEYS = {
     "log_file": str,
 }
 LOCK_FILE = "dpd.lock"
-UMASK = 0o077
 
 
 class UsageError(Exception):
