@@ -13,13 +13,7 @@ group start (a full disk) is reported as that rank's exit with the reason, and a
 cannot be written only loses lines. A job id from the wire becomes a path only once it matches the
 job id pattern (`protocol/checkpoints.py`); any other is refused with a log line.
 
-Warm trainers: once a worker of a job has completed a few steps, its slot gets a spare: a second trainer of
-the same job started with `--warm`, which imports MLX, builds the model and data, says
-`worker.ready` and blocks. The next generation's `group.start` on that slot hands it `worker.go`
-(rank, generation, shares, hostfile) instead of starting a process, so a restart skips the
-interpreter, the imports and the build. A spare is invisible to the coordinator until then; it is
-stopped when its job finishes or is removed here, when its slot starts another job, and after
-`SPARE_IDLE_S` without a worker of its job on this node.
+Warm trainers (spares) are daemon/spares.py's.
 
 State in memory: every trainer gets `DPOOL_MEMORY_DIR`, a folder of this node's `MemoryStore`
 (`daemon/memstore.py`) where it keeps the state of its last step; a restart resumes from there, and
@@ -44,7 +38,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +58,9 @@ from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.forkserver import LM_MODULES, ForkedProcess, ForkServer, ForkServerError
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.power import SleepGuard
+from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
+from dpool.daemon.worker import Worker, write_file
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
 from dpool.protocol.jobfile import dump_job
@@ -91,13 +86,8 @@ HELD_MAX = 20_000  # metric, sample and checkpoint reports kept while the coordi
 KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
 WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
 WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
-SPARE_IDLE_S = 120.0  # a spare with no worker of its job on this node for this long is stopped
 SPARE_LINES = 200  # output lines of a spare kept until it is used
 SWEEP_S = 5.0  # how often idle spares and forgotten state in memory are looked for
-# A worker's spare starts once it has completed this many steps: not while its group starts, when
-# the machine's cores are what the group waits for (compiling, the first steps, the other ranks).
-SPARE_AFTER_STEPS = 3
-ENV_WARM = "DPOOL_WARM"  # "0": no spares (a cold start every generation; benches compare both)
 
 
 class Refused(Exception):
@@ -108,32 +98,7 @@ class NoAnswer(Exception):
     """No reply to node.register in time: retried with backoff."""
 
 
-@dataclass(slots=True)
-class Worker:
-    job: str
-    generation: int
-    rank: int
-    slot: int
-    run_dir: Path
-    proc: asyncio.subprocess.Process | ForkedProcess
-    peer: bytes | None = None
-    stopping: bool = False  # the daemon stopped (or is stopping) it
-    stop_at_checkpoint: bool = False  # worker.stop is owed once its hello arrives
-    lines: list[str] = field(default_factory=list)
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    error: str | None = None  # the last `error: ...` line it printed (the trainer's reason for exit 2)
-    warm: bool = False  # a spare: started with --warm, not yet given a rank (generation and rank mean nothing)
-    go: m.WorkerGo | None = None  # worker.go owed once it says worker.ready
-    idle_since: float | None = None  # a spare: since when no worker of its job runs on this node
-    steps: int = 0  # steps it reported
-    stopped_since: float | None = None  # since when its process is seen stopped (SIGSTOP, job control)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-class Agent:
+class Agent(WarmTrainers):
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
@@ -507,9 +472,9 @@ class Agent:
         job_file, hostfile = job_dir / "job.toml", job_dir / f"hostfile-g{msg.generation}.json"
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
-            _write_file(job_file, text.encode())
+            write_file(job_file, text.encode())
             if world > 1:
-                _write_file(hostfile, orjson.dumps(msg.hostfile))
+                write_file(hostfile, orjson.dumps(msg.hostfile))
         except OSError as e:
             # This machine's fault (a full disk, a read-only folder): each of its ranks fails with
             # the reason and EXIT_DISK, so the pool blames this node, not the group's others.
@@ -589,113 +554,12 @@ class Agent:
             limit=1 << 20,
         )
 
-    # -- warm trainers -------------------------------------------------------------------------
-
-    def _go(self, spare: Worker, msg: m.GroupStart, hostfile: Path | None, rank: int) -> None:
-        """The slot's spare becomes the rank: told by worker.go (now, or once it is ready)."""
-        spare.warm, spare.generation, spare.rank, spare.idle_since = False, msg.generation, rank, None
-        go = m.WorkerGo(
-            rank=rank, generation=msg.generation, shares=list(msg.shares),
-            hostfile=str(hostfile) if hostfile is not None else None, resume_max=msg.resume_max,
-        )
-        if spare.peer is not None:
-            self._to_worker(spare.peer, go)
-        else:
-            spare.go = go
-        self.workers[spare.slot] = spare
-        self.awake.update(len(self.workers))
-        self._send(m.NodeWorkerStarted(job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid))
-        self.log.info("worker.started", job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid, warm=True, ready=spare.peer is not None)
-
-    async def _start_spare(self, job: str, slot: int) -> None:
-        """A warm trainer of `job` for `slot`, ready for its next generation."""
-        if not self.warm or self.closing or slot in self.spares or slot in self.spares_starting or job in self.removing:
-            return
-        run_dir = self._run_dir(job, slot)
-        self.spares_starting.add(slot)
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # A spare builds at a low priority where this node trains (its cores are the workers');
-            # on a node that runs none yet (one that joins), at the usual one.
-            low = "1" if self.workers else "0"
-            proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {"DPOOL_WARM_LOW": low})
-        except OSError as e:
-            self.log.warning("spare.start_failed", job=job, slot=slot, error=str(e))
-            if (job, slot) in self.warm_wanted:
-                self.warm_wanted.discard((job, slot))
-                self._send(m.NodeWarmed(job=job, slots=[], error=clean(f"cannot start a warm trainer in slot {slot}: {e}")))
-            return
-        finally:
-            self.spares_starting.discard(slot)
-        w = Worker(job=job, generation=0, rank=0, slot=slot, run_dir=run_dir, proc=proc, warm=True)
-        w.tasks.append(asyncio.create_task(self._watch(w)))
-        if self.closing or slot in self.spares:
-            self._stop(w, "now", "not needed")
-            return
-        self.spares[slot] = w
-        self.log.info("spare.started", job=job, slot=slot, pid=proc.pid, forked=isinstance(proc, ForkedProcess))
-
-    async def _warm_job(self, msg: m.JobWarm) -> None:
-        """job.warm: a spare of the job in each of these free slots, ahead of a group that will
-        include them; node.warmed says which are ready (now, or as each says worker.ready)."""
-        refused = None
-        if not self.warm:
-            refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
-        else:
-            try:
-                spec = parse_job(msg.spec, source=f"job {msg.job}")
-                text = dump_job(spec)
-                self.kinds[msg.job] = spec.model.kind
-                job_dir = self.state_dir / "jobs" / msg.job
-                job_dir.mkdir(parents=True, exist_ok=True)
-                _write_file(job_dir / "job.toml", text.encode())
-            except (JobFileError, ValueError, TypeError, OSError) as e:
-                refused = clean(f"cannot prepare job {msg.job} on node {self.name}: {e}")
-        if refused is not None:
-            self.log.warning("job.warm_refused", job=msg.job, error=refused)
-            self._send(m.NodeWarmed(job=msg.job, slots=[], error=refused))
-            return
-        ready = []
-        for slot in msg.slots:
-            if not 0 <= slot < self.slots or slot in self.workers:
-                continue  # taken meanwhile: the growth will not include it
-            spare = self.spares.get(slot)
-            if spare is not None and spare.job == msg.job and spare.peer is not None:
-                ready.append(slot)
-                continue
-            if spare is not None and spare.job != msg.job:
-                del self.spares[slot]
-                self._stop(spare, "now", f"its slot warms job {msg.job}")
-            self.warm_wanted.add((msg.job, slot))
-            await self._start_spare(msg.job, slot)
-        if ready:
-            self._send(m.NodeWarmed(job=msg.job, slots=ready))
-        self.log.info("job.warming", job=msg.job, slots=list(msg.slots), ready=ready)
-
     def _forget_kept(self, job: str) -> None:
         """An ended job's state in memory goes once no worker of it runs here."""
         if job in self.ended and not any(w.job == job for w in self.workers.values()):
             self.ended.discard(job)
             self.memory.remove(job)
             self.log.info("memory_state.removed", job=job, why="its job ended")
-
-    def _retire_spares(self, job: str, why: str) -> None:
-        for slot, spare in list(self.spares.items()):
-            if spare.job == job:
-                del self.spares[slot]
-                self._stop(spare, "now", why)
-
-    def _check_spares(self, now: float) -> None:
-        """Stop spares whose job has had no worker on this node for SPARE_IDLE_S."""
-        running = {w.job for w in self.workers.values()}
-        for slot, spare in list(self.spares.items()):
-            if spare.job in running:
-                spare.idle_since = None
-            elif spare.idle_since is None:
-                spare.idle_since = now
-            elif now - spare.idle_since >= SPARE_IDLE_S:
-                del self.spares[slot]
-                self._stop(spare, "now", f"no worker of its job here for {SPARE_IDLE_S:.0f} s")
 
     async def _watch(self, w: Worker) -> None:
         """Read the worker's output until EOF, then its exit status; report both. Whatever happens
@@ -709,9 +573,10 @@ class Agent:
         code = await w.proc.wait()
         for t in w.tasks[1:]:
             t.cancel()  # the SIGKILL timer, if any
+        slot = w.slot
         if w.warm:  # a spare never used: nothing to report
-            if self.spares.get(w.slot) is w:
-                del self.spares[w.slot]
+            if self.spares.get(slot) is w:
+                del self.spares[slot]
             if (w.job, w.slot) in self.warm_wanted:  # the coordinator waits for it: it need not
                 self.warm_wanted.discard((w.job, w.slot))
                 self._send(m.NodeWarmed(job=w.job, slots=[], error=clean(f"the warm trainer in slot {w.slot} exited with {code}: {w.error or 'no error line'}")))
@@ -719,8 +584,8 @@ class Agent:
             log("spare.exited", job=w.job, slot=w.slot, pid=w.pid, code=code, stopped=w.stopping, error=w.error, output=w.lines[-5:] if not w.stopping else None)
             return
         self._flush(w)
-        if self.workers.get(w.slot) is w:
-            del self.workers[w.slot]
+        if self.workers.get(slot) is w:
+            del self.workers[slot]
         self.awake.update(len(self.workers))  # the last trainer: it may sleep again
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
@@ -977,21 +842,6 @@ def _contents(folder: Path) -> tuple[list[str], int, int]:
                 size += os.lstat(os.path.join(root, name)).st_size
                 files += 1
     return sorted(p.name for p in folder.glob("slot-*")), files, size
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """`path` holds `data`: left alone when it does already, else written aside and renamed over
-    it, so a full disk never leaves a job file cut short."""
-    with contextlib.suppress(OSError):
-        if path.read_bytes() == data:
-            return
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _seconds(text: str | None, default: float) -> float:

@@ -30,9 +30,10 @@ from conftest import LocalPool, Processes, alive, free_port, wait_for
 from jobs import job, write_job
 
 from dpool.daemon import agent as agent_mod
-from dpool.daemon.agent import Agent, Worker
+from dpool.daemon.agent import Agent
 from dpool.daemon.childenv import trainer_command, trainer_env
 from dpool.daemon.store import Store
+from dpool.daemon.worker import Worker
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import (
     EXIT_DISK,
