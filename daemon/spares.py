@@ -7,8 +7,8 @@ the same job started with `--warm`, which imports MLX, builds the model and data
 (rank, generation, shares, hostfile) instead of starting a process, so a restart skips the
 interpreter, the imports and the build. A spare is invisible to the coordinator until then; it is
 stopped when its job finishes or is removed here, when its slot starts another job, and after
-`SPARE_IDLE_S` without a worker of its job on this node. A joining node is asked for spares by the coordinator (`job.warm`) before its group grows, and
-says which are ready (`node.warmed`).
+`SPARE_IDLE_S` without a worker of its job on this node. A joining node is asked for spares by the
+coordinator (`job.warm`) before its group grows, and says which are ready (`node.warmed`).
 """
 
 from __future__ import annotations
