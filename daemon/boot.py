@@ -6,6 +6,7 @@ job can start its first trainer about that much sooner. Nothing heavy is importe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -18,10 +19,8 @@ def main(argv: list[str] | None = None) -> int:
 
         os.umask(UMASK)  # as `dpd run` sets it: the zygote's trainers inherit it
         if zygote_wanted():
-            try:
+            with contextlib.suppress(OSError):  # the daemon tries again once it runs, and says why if it fails
                 zygote = start_zygote()
-            except OSError:
-                zygote = None  # the daemon tries again once it runs, and says why if it fails
 
     from dpool.daemon import cli
 

@@ -358,7 +358,6 @@ class CheckpointWriter:
 
     def __init__(self, run_dir: Path, keep: int, durable: bool = True):
         self.run_dir, self.keep, self.durable = run_dir, keep, durable
-        self.pending = 0  # submitted, not yet collected (nor replaced)
         self.cpu_s: dict[int, float] = {}  # step -> the writer thread's CPU time for it (its cost to a busy machine)
         self._todo: collections.deque[Snapshot] = collections.deque()
         self._closing = False
@@ -372,9 +371,7 @@ class CheckpointWriter:
         newer state makes them worthless), so at most one waits behind the write in progress."""
         with self._wake:
             if replace_waiting:
-                self.pending -= len(self._todo)
                 self._todo.clear()
-            self.pending += 1
             self._todo.append(snap)
             self._wake.notify()
 
@@ -401,8 +398,6 @@ class CheckpointWriter:
             try:
                 out.append(self._done.get_nowait())
             except queue.Empty:
-                with self._wake:
-                    self.pending -= len(out)
                 return out
 
     def _stop(self) -> None:

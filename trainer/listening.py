@@ -25,7 +25,8 @@ import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
+
+from dpool.trainer.priority import thread_ids
 
 POLL_S = 0.001
 
@@ -72,22 +73,16 @@ def last_rank_apart(is_last: bool, ranks_here: int) -> Iterator[None]:
     machine with fewer free cores than ranks, rank n-2 woken from its accept takes the core of the
     last rank, between its connect and its listen, so the last rank loses that race often (8 of 21
     generations of the recovery bench). On a core of its own, it is not preempted by them."""
-    if not sys.platform.startswith("linux") or ranks_here < 2:
-        yield
-        return
-    allowed = sorted(os.sched_getaffinity(0))
-    if len(allowed) < 2:
-        yield
-        return
-    try:
-        os.sched_setaffinity(0, {allowed[-1]} if is_last else set(allowed[:-1]))
-    except OSError:
-        yield
-        return
+    allowed = sorted(os.sched_getaffinity(0)) if sys.platform.startswith("linux") and ranks_here > 1 else []
+    pinned = False
+    if len(allowed) > 1:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {allowed[-1]} if is_last else set(allowed[:-1]))
+            pinned = True
     try:
         yield
     finally:
-        tasks = Path("/proc/self/task")
-        for tid in [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]:
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(tid, allowed)  # MLX's socket threads, started during init, too
+        if pinned:
+            for tid in thread_ids():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(tid, allowed)  # MLX's socket threads, started during init, too

@@ -51,10 +51,14 @@ def _may_lower_nice_to(nice: int) -> bool:
     return soft == resource.RLIM_INFINITY or 20 - nice <= soft
 
 
+def thread_ids() -> list[int]:
+    """This process's threads (Linux: /proc/self/task); [0], the calling thread, where not listed."""
+    tasks = Path("/proc/self/task")
+    return [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
+
+
 def _renice_all(nice: int) -> None:
     """Every thread's nice value (on Linux it is per thread; new threads inherit the creator's)."""
-    tasks = Path("/proc/self/task")
-    tids = [int(t.name) for t in tasks.iterdir()] if tasks.is_dir() else [0]
-    for tid in tids:
+    for tid in thread_ids():
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.setpriority(os.PRIO_PROCESS, tid, nice)
