@@ -1,6 +1,6 @@
 """What the control plane costs, each figure next to a baseline measured in the same run.
 
-    python bench/control_plane.py [--steps 60] [--requests 300] [--progress 50000]
+    python bench/control_plane.py [--steps 60] [--requests 300] [--progress 50000] [--keys] [--no-trainer]
     python bench/control_plane.py --scale 10,100,1000,2000 [--json FILE] [--coordinator-pythonpath DIR]
 
 1. status round trip: `status` requests to a running coordinator (a `dpd run --serve`), against a
@@ -9,6 +9,9 @@
    second (decoded, validated, applied to the pool), against a bare ROUTER that only receives them.
 3. trainer tokens/s under the daemon (1-slot pool, progress relayed every step) against the same job
    file run by `python -m dpool.trainer` alone. Goal: under 1% slower.
+With `--keys` the pool runs with CURVE keys (`dpctl keys init` in the bench's folder) and each
+baseline uses CURVE too: what the coordinator's own work per message costs with keys (roles, the
+allow-list's check). `--no-trainer` leaves out the third, which takes minutes.
 
 `--scale N,...` runs instead, for each N, one coordinator in a process of its own (no node of its
 own) and N simulated nodes in another (`bench/simnodes.py`: one DEALER each, the real protocol), and
@@ -34,6 +37,7 @@ measure an older commit against the same simulator.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -51,12 +55,14 @@ import msgpack
 import zmq
 from simnodes import CoordinatorProcess, SimProcess
 
+from dpool.client.keys import init_keys
 from dpool.client.localpool import LocalPool, free_port
 from dpool.client.rpc import Client, RemoteError
 from dpool.protocol import messages as m
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobSpec, load_job, parse_job
 from dpool.protocol.payloads import NodeInfo
+from dpool.protocol.security import ClientKeys, client_keys, curve_client
 
 
 def bench_job(steps: int) -> JobSpec:
@@ -77,8 +83,18 @@ def row(name: str, value: float, unit: str, base_name: str, base: float, higher_
     print(f"{name:<34} {value:>12.1f} {unit:<10} baseline {base_name:<28} {base:>12.1f} {unit:<10} ratio {ratio:.3f}" + ("" if higher_is_better else " (lower is better)"))
 
 
-def bench_status(addr: str, n: int) -> None:
-    with Client(addr, 5.0) as c:
+def curve_pair(server: zmq.Socket, client: zmq.Socket, keys: ClientKeys | None) -> None:
+    """A baseline's sockets, with CURVE when the pool has keys (no ZAP handler here: any key is
+    admitted, as the pool's own handshake admits the bench's)."""
+    if keys is not None:
+        server.curve_server = True
+        public, secret = zmq.curve_keypair()
+        server.curve_secretkey, server.curve_publickey = secret, public
+        curve_client(client, ClientKeys(public=keys.public, secret=keys.secret, server_public=public, source=keys.source))
+
+
+def bench_status(addr: str, n: int, keys: ClientKeys | None = None) -> None:
+    with Client(addr, 5.0, keys) as c:
         for _ in range(20):
             c.call(m.Status(), m.StatusReply)
         times = []
@@ -89,6 +105,8 @@ def bench_status(addr: str, n: int) -> None:
     # Baseline: the same two-frame request and reply through a bare echo ROUTER.
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    curve_pair(router, dealer, keys)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     stop_echo = threading.Event()
 
@@ -99,7 +117,6 @@ def bench_status(addr: str, n: int) -> None:
 
     t = threading.Thread(target=echo, daemon=True)
     t.start()
-    dealer = ctx.socket(zmq.DEALER)
     dealer.connect(f"tcp://127.0.0.1:{port}")
     frames = m.Status().to_frames(1)
     base = []
@@ -119,10 +136,13 @@ def bench_status(addr: str, n: int) -> None:
     row("status round trip (p99)", p99 * 1e6, "us", "bare zmq echo p99", sorted(base)[int(0.99 * len(base))] * 1e6, False)
 
 
-def bench_progress(addr: str, n: int) -> None:
+def bench_progress(addr: str, n: int, keys: ClientKeys | None = None) -> None:
+    """`keys`: node bench-feeder's pair, with keys."""
     msg = m.NodeProgress(job="nojob", generation=1, rank=0, step=1, loss=2.5, tokens=1024, seconds=0.05).to_frames()
     ctx = zmq.Context()
     node = ctx.socket(zmq.DEALER)
+    if keys is not None:
+        curve_client(node, keys)
     node.setsockopt(zmq.SNDHWM, 0)
     node.connect(addr)
     node.send_multipart(m.NodeRegister(name="bench-feeder", incarnation="x", info=NodeInfo(slots=1, advertise="127.0.0.1")).to_frames(1))
@@ -144,8 +164,9 @@ def bench_progress(addr: str, n: int) -> None:
     node.close(linger=1000)
     # Baseline: a ROUTER that only receives the same frames.
     sink = ctx.socket(zmq.ROUTER)
-    port = sink.bind_to_random_port("tcp://127.0.0.1")
     src = ctx.socket(zmq.DEALER)
+    curve_pair(sink, src, keys)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
     src.setsockopt(zmq.SNDHWM, 0)
     src.connect(f"tcp://127.0.0.1:{port}")
 
@@ -187,9 +208,9 @@ def run_alone(root: Path, job: Path, i: int) -> float:
     return tokens_per_s([json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
 
-def run_under(addr: str, job: Path, daemon_pid: int) -> tuple[float, float]:
+def run_under(addr: str, job: Path, daemon_pid: int, keys: ClientKeys | None) -> tuple[float, float]:
     """tokens/s of the job run by the pool, and the daemon's CPU seconds per second of training."""
-    with Client(addr, 5.0) as c:
+    with Client(addr, 5.0, keys) as c:
         job_id = c.call(m.Submit(job=load_job(job).to_dict(), source=str(job)), m.Submitted).job_id
         cpu0, t0 = cpu_seconds(daemon_pid), time.monotonic()
         deadline = t0 + 900
@@ -205,14 +226,14 @@ def run_under(addr: str, job: Path, daemon_pid: int) -> tuple[float, float]:
     return tokens_per_s(rows), cpu
 
 
-def bench_trainer(root: Path, addr: str, steps: int, trials: int, daemon_pid: int) -> None:
+def bench_trainer(root: Path, addr: str, steps: int, trials: int, daemon_pid: int, keys: ClientKeys | None = None) -> None:
     job = root / "bench.toml"
     job.write_text(dump_job(bench_job(steps)))
     run_alone(root, job, -1)  # builds the token cache outside the timed runs
     alone, under, cpu = [], [], []
     for i in range(trials):  # interleaved, so drift in machine load hits both sides
         alone.append(run_alone(root, job, i))
-        u, c = run_under(addr, job, daemon_pid)
+        u, c = run_under(addr, job, daemon_pid, keys)
         under.append(u)
         cpu.append(c)
     a, u = statistics.median(alone), statistics.median(under)
@@ -561,12 +582,26 @@ def bench_scale(a: argparse.Namespace) -> None:
             Path(a.json).write_text(text + "\n")
 
 
+def wait_registered(pool: LocalPool, keys: ClientKeys | None, timeout: float = 60.0) -> None:
+    """The bench's daemon registered (LocalPool's own wait asks without keys)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pool.check_alive()
+        with contextlib.suppress(Exception), Client(pool.addr, 1.0, keys) as c:
+            if c.call(m.Nodes(), m.NodesReply).nodes:
+                return
+        time.sleep(0.2)
+    raise SystemExit(f"the bench's daemon did not register within {timeout:.0f}s")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="training steps per trainer run")
     p.add_argument("--trials", type=int, default=3, help="interleaved trainer runs, alone and under dpd")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--progress", type=int, default=50_000)
+    p.add_argument("--keys", action="store_true", help="run the pool with CURVE keys (and the baselines with CURVE)")
+    p.add_argument("--no-trainer", dest="trainer", action="store_false", help="leave out the trainer's tokens/s")
     s = p.add_argument_group("--scale: one coordinator and N simulated nodes (instead of the benches above)")
     s.add_argument("--scale", metavar="N,N,...", help="simulated pool sizes, e.g. 10,100,1000,2000")
     s.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, default=2.0, help="the coordinator's (default 2)")
@@ -586,12 +621,17 @@ def main() -> int:
         return 0
     root = Path(tempfile.mkdtemp(prefix="dpool-bench-"))
     try:
+        keys = root / "keys"
+        if a.keys:
+            init_keys(keys, nodes=["bench", "bench-feeder"])
+        client, feeder = (client_keys(keys, "client"), client_keys(keys, "node", "bench-feeder")) if a.keys else (None, None)
         with LocalPool(root) as pool:
-            daemon = pool.start_daemon("bench", serve=True, args=("--log-level", "warning"))
-            pool.wait_registered(1)
-            bench_status(pool.addr, a.requests)
-            bench_progress(pool.addr, a.progress)
-            bench_trainer(root, pool.addr, a.steps, a.trials, daemon.pid)
+            daemon = pool.start_daemon("bench", serve=True, args=("--log-level", "warning", *(("--keys", str(keys)) if a.keys else ())))
+            wait_registered(pool, client)
+            bench_status(pool.addr, a.requests, client)
+            bench_progress(pool.addr, a.progress, feeder)
+            if a.trainer:
+                bench_trainer(root, pool.addr, a.steps, a.trials, daemon.pid, client)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
