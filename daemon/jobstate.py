@@ -190,13 +190,20 @@ class CancelRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class Unservable:
+    """No live node can serve the job (each is unfit for it, daemon/fitness.py)."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tick:
     pass
 
 
 Event = (
     Admitted | StartAborted | GroupLaunched | RankUp | StepDone | RankExited | NodeLost | NodeBack | Stalled | Reshape | Requeue
-    | Restored | CancelRequested | Tick
+    | Restored | CancelRequested | Unservable | Tick
 )
 
 
@@ -221,13 +228,22 @@ class Emit:
 
 
 @dataclass(frozen=True, slots=True)
+class Unfit:
+    """A rank refused its input on `node` (the trainer's exit 2: a path missing there, files that
+    differ, a model it cannot load): that node sits the job out (daemon/fitness.py)."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class Blame:
     """A worker on `node` failed: counts toward setting the node aside."""
 
     node: str
 
 
-Action = StopGroup | Emit | Blame
+Action = StopGroup | Emit | Blame | Unfit
 
 
 # -- the machine -------------------------------------------------------------------------------
@@ -377,13 +393,21 @@ class JobMachine:
         said = {"error": e.error} if e.error else {}
         failed = Emit("worker.failed", {"rank": e.rank, "node": e.node, "reason": "exit", "code": e.code, **said, **({"stopped": True} if e.stopped else {})})
         if e.code == 2 and not e.stopped:
-            # STARTING|RUNNING|RECOVERING -> FAILED: the trainer refused its input (the job file, a
-            # path missing on that machine, an unusable checkpoint); no restart can help. Also while
-            # recovering: its peers' "connection lost" exits often arrive first and start a restart
-            # that would meet the same refusal.
-            why = f"node {e.node}: rank {e.rank}: {e.error}" if e.error else f"rank {e.rank} on node {e.node} failed: bad job file"
-            stop = self._stop_rest("worker.failed") if self.phase is not Phase.STOPPING else []
-            return self._finish(JobState.FAILED, why, now, [failed, *stop])
+            # The trainer refused its input there (a path missing on that machine, files that
+            # differ, a model it cannot load): no restart on that node can help, and another node
+            # may serve the job. So that node sits the job out and the group restarts without it,
+            # as a membership change (no restart used); the pool fails the job at once when no
+            # node is left that can serve it. Also while stopping: its peers' "connection lost"
+            # exits often arrive first and start a restart, which is then not counted either.
+            why = f"rank {e.rank}: {e.error}" if e.error else f"rank {e.rank} refused the job file"
+            unfit: list[Action] = [failed, Unfit(e.node, why)]
+            if self.phase in (Phase.STOPPING, Phase.CHECKPOINTING):
+                if self.cause is Cause.FAILURE and self.restarts > 0 and self.phase is Phase.STOPPING:
+                    self.restarts -= 1  # the restart its peers' exits started was for this
+                    self.cause = Cause.MEMBERSHIP
+                return unfit
+            # STARTING|RUNNING|RECOVERING (restarting) -> RECOVERING: re-plan without that node.
+            return [*unfit, *self._stop_group(now, StopMode.NOW, Cause.MEMBERSHIP, f"node {e.node} cannot serve the job: {why}")]
         detail = f"rank {e.rank} on node {e.node} failed: exit code {e.code}" + (f": {e.error}" if e.error else "")
         if self.phase is Phase.CHECKPOINTING and not e.stopped:
             # RECOVERING (checkpointing) -> RECOVERING (stopping): a rank died instead of
@@ -498,6 +522,13 @@ class JobMachine:
             return self._finish(JobState.CANCELLED, None, now, self._stop_rest("cancelled"))
         return []
 
+    def _unservable(self, e: Unservable, now: float) -> list[Action]:
+        if not (self.state is JobState.QUEUED or self.ready_to_restart(now)):
+            return []
+        # QUEUED|RECOVERING (stopped) -> FAILED: every node said it cannot serve the job, each
+        # with its reason; waiting would not change that, and restarts would only repeat it.
+        return self._finish(JobState.FAILED, e.reason, now, [])
+
     def _tick(self, e: Tick, now: float) -> list[Action]:
         if self.deadline is not None and now >= self.deadline and self.state in (JobState.STARTING, JobState.RECOVERING):
             # STARTING|RECOVERING (launched) -> RECOVERING: the group did not form in time (a peer
@@ -556,5 +587,6 @@ _HANDLERS: dict[type, Callable[[JobMachine, Any, float], list[Action]]] = {
     Requeue: JobMachine._requeue,
     Restored: JobMachine._restored,
     CancelRequested: JobMachine._cancel,
+    Unservable: JobMachine._unservable,
     Tick: JobMachine._tick,
 }

@@ -29,6 +29,7 @@ import collections
 from typing import TypeAlias
 
 from dpool.daemon import jobstate as js
+from dpool.daemon.fitness import Fitness
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
@@ -50,7 +51,8 @@ from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
-from dpool.protocol.payloads import ExitedWorker, NodeRow, RankSlot, RunningWorker, TrainRow
+from dpool.protocol.payloads import ExitedWorker, NodeRow, RankSlot, RunningWorker, StageRow, TrainRow
+from dpool.protocol.stage_messages import NodeStaged
 
 __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Refused", "Send"]
 
@@ -60,7 +62,7 @@ PLACED_KEPT = 8  # generations per job whose placement is remembered, to check r
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
-    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed
+    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged
 )
 
 ANSWER_HEARTBEATS = 2  # heartbeat intervals a node of a group stopped at once has to be heard from
@@ -82,6 +84,7 @@ class Pool:
         self._finished: collections.deque[str] = collections.deque()
         self.forgotten = 0  # jobs that left memory (the store alone has them)
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
+        self.fitness = Fitness()  # which nodes can serve which job, and who holds its files (staging)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -118,7 +121,7 @@ class Pool:
             job=",".join(jobs) if jobs else None,
             ranks=sorted(on),
             heartbeat_age_s=round(max(0.0, now - n.last_seen), 3),
-            reason=n.reason,
+            reason=n.reason or ("; ".join(self.fitness.node_reasons(n.name)) or None if not n.lost else None),
             interface=i.interface or None,
         )
 
@@ -181,6 +184,7 @@ class Pool:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
+            actions += self.fitness.node_gone(name)  # a new dpd process: what it serves is asked afresh
             node = Node(name=name, incarnation=msg.incarnation, info=msg.info, joined_at=now, last_seen=now)
             if old is not None and old.hold is not None:
                 node.hold, node.reason, node.drained_reported = old.hold, old.reason, True  # a hold outlives a dpd restart
@@ -310,7 +314,13 @@ class Pool:
                 return self._exited(now, name, msg)
             case m.NodeWarmed():
                 return self._warmed(now, node, msg)
+            case NodeStaged():
+                job = self.live.get(msg.job)
+                return list(self.fitness.staged(now, node.name, msg, job.spec if job else None, job.doc if job else None))
         return []
+
+    def staging_rows(self, job_id: str, now: float) -> list[StageRow]:
+        return self.fitness.rows(job_id, now)
 
     def _warmed(self, now: float, node: Node, msg: m.NodeWarmed) -> list[Action]:
         """Warm trainers are ready on a node a growing job waits for (or, `error`, none will be:
@@ -350,9 +360,10 @@ class Pool:
 
     def _node_gone(self, node: Node, now: float, reason: str) -> list[Action]:
         node.lost = True
+        actions_: list[Action] = list(self.fitness.node_gone(node.name))
         if node.hold is None:
             node.reason = reason
-        actions: list[Action] = [Record(None, "node.lost", now, {"node": node.name, "reason": reason}), NodeChanged(node.name)]
+        actions: list[Action] = [*actions_, Record(None, "node.lost", now, {"node": node.name, "reason": reason}), NodeChanged(node.name)]
         for job in list(self.live.values()):
             if job.pending is not None and node.name in job.pending.nodes:
                 actions += self._abort_start(job, now, f"node {node.name} lost while preparing: {reason}")
@@ -418,6 +429,7 @@ class Pool:
     def submit(self, now: float, job_id: str, spec: JobSpec) -> list[Action]:
         job = Job(id=job_id, name=spec.name, spec=spec, submitted_at=now, machine=JobMachine(max_restarts=spec.recovery.max_restarts))
         self.jobs[job_id] = self.live[job_id] = job
+        self.fitness.track(job_id, spec, job.doc)
         w = spec.workers
         return [Record(job_id, "job.submitted", now, {"workers_min": w.min, "workers_max": w.max}), JobChanged(job_id)]
 
@@ -658,11 +670,16 @@ class Pool:
         slots nobody waits for.
         """
         waiting = [j for j in self.live.values() if j.state is JobState.QUEUED or (j.pending is None and j.machine.ready_to_restart(now))]
-        actions: list[Action] = []
+        actions: list[Action] = self._ask_fitness(now)
         blocked = False
         if waiting:
-            capacity = sum(n.slots for n in self.nodes.values() if not n.lost and n.hold is None)
+            usable = [n for n in self.nodes.values() if not n.lost and n.hold is None]
             for job in waiting:
+                hopeless = self.fitness.hopeless(job.id, [n.name for n in usable])
+                if hopeless is not None:
+                    actions += self._feed(job, js.Unservable(hopeless), now)
+                    continue
+                capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
                 recovering = job.state is JobState.RECOVERING
                 lo, hi = job.spec.workers.min, job.spec.workers.max
                 chosen = None if blocked else choose_slots(self._free_slots(job), lo, min(hi, job.spec.train.global_batch))
@@ -679,7 +696,18 @@ class Pool:
         return actions
 
     def _free_slots(self, job: Job) -> list[FreeSlot]:
-        return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in self.nodes.values() for i in n.free()]
+        fit = self.fitness.eligible
+        return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in self.nodes.values() if fit(job.id, job.spec, n.name) for i in n.free()]
+
+    def _ask_fitness(self, now: float) -> list[Action]:
+        """job.stage to the usable nodes that have not said whether they can serve each live job
+        that names files (daemon/fitness.py; only what is due is sent)."""
+        usable = [n.name for n in self.nodes.values() if not n.lost and n.hold is None]
+        actions: list[Action] = []
+        for job in self.live.values():
+            if not job.machine.terminal:
+                actions += self.fitness.ask(now, job.id, job.spec, job.doc, usable)
+        return actions
 
     def _grow(self, now: float) -> list[Action]:
         """A running job below workers.max, with healthy slots free: checkpoint and restart wider.
@@ -702,7 +730,7 @@ class Pool:
             plan = job.plan
             assert plan is not None
             own = {(s.node, s.index) for s in plan.ranks}
-            new = {(name, i) for name, n in self.nodes.items() for i in n.free() if (name, i) not in own}
+            new = {(name, i) for name, n in self.nodes.items() if self.fitness.eligible(job.id, job.spec, name) for i in n.free() if (name, i) not in own}
             if not new:
                 continue  # only this job's own slots are free (its ranks are exiting)
             warm = self._warm(job, new, now)
@@ -764,6 +792,8 @@ class Pool:
         for action in job.machine.handle(event, now):
             if isinstance(action, js.StopGroup):
                 out += self._stop(job, action, now)
+            elif isinstance(action, js.Unfit):
+                out += self.fitness.unfit(now, job.id, action.node, action.reason)
             elif isinstance(action, js.Blame):
                 out += self._blame(now, action.node)
                 lost = self.nodes.get(action.node)
@@ -794,6 +824,7 @@ class Pool:
         store keeps them all)."""
         if self.live.pop(job.id, None) is None:
             return
+        self.fitness.forget(job.id)
         self._finished.append(job.id)
         self._forget()
 
@@ -846,6 +877,7 @@ class Pool:
             self._finished.append(job.id)
         else:
             self.live[job.id] = job
+            self.fitness.track(job.id, job.spec, job.doc)
         reconcile_by = now + 2 * self.expiry_s + 2.0
         launched = job.plan is not None and job.plan.generation == saved.generation
         world = job.plan.world_size if launched and job.plan is not None else None

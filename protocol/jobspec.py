@@ -222,6 +222,22 @@ class RecoverySpec:
     )
 
 
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _digest(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, str) and DIGEST_RE.fullmatch(v)) else "must be a sha256 digest (64 hex digits)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ContentSpec:
+    """What the job's files are, by content: written by `dpctl submit` (it hashes them where it
+    runs), so every node trains on the same bytes wherever they sit (README: "Data and models")."""
+
+    data: str | None = _spec(_digest, "the digest of data.source's files (their manifest: relative paths, sizes, sha256)", None)
+    model: str | None = _spec(_digest, "mlx_lm: the digest of model.path's files", None)
+
+
 SECTIONS: dict[str, type] = {
     "workers": WorkersSpec,
     "model": ModelSpec,
@@ -230,6 +246,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSpec,
     "eval": EvalSpec,
     "recovery": RecoverySpec,
+    "content": ContentSpec,
 }
 
 
@@ -243,6 +260,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
+    content: ContentSpec = dataclasses.field(default_factory=ContentSpec)
     base_dir: str = "."  # where relative paths are resolved: the folder of the job file as submitted
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,13 +274,20 @@ class JobSpec:
     def training_hash(self) -> str:
         """Hash of everything that shapes the loss curve; checkpoints of another hash are refused.
 
-        Paths enter as the user wrote them, not resolved: `~/data` is the same job on every
-        machine although it names a different folder on each (the content is compared across
-        ranks separately, by fingerprint)."""
+        Where the job names its files by content (`[content]`), the digests stand for the paths:
+        a node that runs the job from the pool's copy in its cache (another path) trains the same
+        job. Otherwise paths enter as the user wrote them, not resolved: `~/data` is the same job
+        on every machine although it names a different folder on each (the content is compared
+        across ranks separately, by fingerprint)."""
         train = dataclasses.asdict(self.train)
         train.pop("log_every_steps")
         train.pop("micro_batch")  # accumulation does not change the math
-        body = {"model": self._model_fields(), "data": self.to_dict()["data"], "train": train}
+        model, data = self._model_fields(), self.to_dict()["data"]
+        if self.content.data is not None:
+            data["source"] = f"sha256:{self.content.data}"
+        if self.content.model is not None:
+            model["path"] = f"sha256:{self.content.model}"
+        body = {"model": model, "data": data, "train": train}
         return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def _model_fields(self) -> dict[str, Any]:

@@ -163,6 +163,11 @@ class MsgType(enum.StrEnum):
     JOB_REMOVE = "job.remove"
     JOB_WARM = "job.warm"
     JOB_ENDED = "job.ended"
+    # staging (protocol/stage_messages.py): can this node serve a job, and the files it lacks
+    JOB_STAGE = "job.stage"  # coordinator -> dpd
+    NODE_STAGED = "node.staged"  # dpd -> coordinator
+    STAGE_OFFER = "stage.offer"  # dpctl -> coordinator
+    STAGE_OFFER_REPLY = "stage.offer.reply"
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -1152,7 +1157,9 @@ def decode(frames: list[bytes], accept: Collection[MsgType] | None = None) -> tu
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg_type} is not accepted here", msg_id)
     if len(frames[1]) > MAX_BODY_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"body is {len(frames[1])} bytes, cap {MAX_BODY_BYTES}", msg_id)
-    cls = REGISTRY[msg_type]
+    cls = REGISTRY.get(msg_type)
+    if cls is None:  # a type whose module this process never imported: it takes no such message
+        raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg_type} is not accepted here", msg_id)
     if len(frames[1]) > cls.MAX_OBJECTS and count_objects(frames[1], cls.MAX_OBJECTS) is None:  # every object takes a byte
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{msg_type} body holds more than {cls.MAX_OBJECTS} objects", msg_id)
     try:

@@ -226,6 +226,22 @@ class WorkerStatus(Record):
 
 @record
 @dataclass(frozen=True, slots=True)
+class StageRow(Record):
+    """One node's staging of a job's files (`status JOB --json`'s "staging"): what it has of them,
+    how fast it gets the rest, and when it will be done (null: not known yet). `state`: "staging"
+    (fetching), "ready" or "unfit" (`reason` says why it sits the job out)."""
+
+    node: NodeName
+    state: Annotated[str, OneOf("checking", "staging", "ready", "unfit")]
+    bytes: Count
+    total: Count
+    rate_bps: Annotated[float, Float(0.0)]
+    eta_s: Annotated[float, Float(0.0, 1e11)] | None = None
+    reason: Text | None = None
+
+
+@record
+@dataclass(frozen=True, slots=True)
 class JobStatus(Record):
     """`dpctl status --json`'s object (INTERFACE.md)."""
 
@@ -246,6 +262,7 @@ class JobStatus(Record):
     finished: UnixTime | None = None
     elapsed_s: Annotated[float, Float(0.0, 1e11)] | None = None  # from started to finished (or now)
     eta_s: Annotated[float, Float(0.0, 1e11)] | None = None  # running: the steps left at its recent pace
+    staging: Annotated[list[StageRow], Items(MAX_WORLD)] = field(default_factory=list)  # nodes checking or fetching its files, or unfit
 
 
 @record

@@ -75,10 +75,21 @@ def test_the_restart_budget_spent_the_job_fails() -> None:
     assert js.Emit("job.failed", {"error": jm.error}) in out
 
 
-def test_exit_2_is_reported_as_a_bad_job_file() -> None:
-    jm = launched(1)
-    jm.handle(js.RankExited(1, 0, "a", 2, False), 3.0)
-    assert jm.error == "rank 0 on node a failed: bad job file"
+def test_exit_2_leaves_that_node_out_and_restarts_without_using_the_budget() -> None:
+    """A rank that refuses its input (a path missing on its machine) makes its node unfit for the
+    job: the group restarts without it, as a membership change."""
+    jm = launched(2)
+    out = jm.handle(js.RankExited(1, 0, "a", 2, False, "data.source = '~/c': no such directory"), 3.0)
+    assert js.Unfit("a", "rank 0: data.source = '~/c': no such directory") in out
+    assert jm.state is JobState.RECOVERING and jm.restarts == 0 and jm.cause is js.Cause.MEMBERSHIP and jm.error is None
+
+
+def test_exit_2_after_its_peers_connection_lost_takes_back_the_restart_they_started() -> None:
+    jm = launched(2)
+    jm.handle(js.RankExited(1, 1, "b", 1, False), 3.0)  # the peer's "connection lost" arrives first
+    assert jm.restarts == 1
+    out = jm.handle(js.RankExited(1, 0, "a", 2, False, "files differ"), 3.1)
+    assert js.Unfit("a", "rank 0: files differ") in out and jm.restarts == 0
 
 
 def test_events_of_an_old_generation_are_ignored() -> None:
@@ -970,3 +981,82 @@ def test_pages_of_long_log_lines_and_large_samples_stay_under_the_message_cap(tm
         if not more:
             break
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+# -- fitness: which nodes can serve a job (daemon/fitness.py) --------------------------------------
+
+
+def files_spec(name: str = "j", lo: int = 1, hi: int = 4) -> Any:
+    return parse_job({**spec(name, lo, hi).to_dict(), "data": {"source": "~/corpus/*.txt"}})
+
+
+def staged(pool: Driven, now: float, node: str, state: str, reason: str | None = None, **kw: Any) -> list[Any]:
+    from dpool.protocol.stage_messages import NodeStaged
+
+    return pool._then_schedule(now, pool.from_node(now, node, NodeStaged(job="j", state=state, reason=reason, **kw)))
+
+
+def test_a_job_that_names_files_starts_only_on_nodes_that_said_they_can_serve_it() -> None:
+    from dpool.protocol.stage_messages import JobStage
+
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    out = pool.submit(0.0, "j", files_spec())
+    assert sorted(s.node for s in sends(out, JobStage)) == ["a", "b"] and sends(out, m.GroupPrepare) == []
+    out = staged(pool, 0.5, "a", "ready")
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["a"]
+    out = staged(pool, 0.6, "b", "unfit", "data.source: corpus/a.txt: content differs")
+    assert records(out, "node.unfit") == [{"node": "b", "reason": "data.source: corpus/a.txt: content differs"}]
+    assert "unfit for j: data.source: corpus/a.txt: content differs" in (pool.node_rows(1.0)[1].reason or "")
+    assert [r.state for r in pool.staging_rows("j", 1.0)] == ["unfit"]
+
+
+def test_a_job_no_node_can_serve_fails_at_once_with_every_reason() -> None:
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())
+    staged(pool, 0.5, "a", "unfit", "no such directory")
+    assert pool.jobs["j"].state is JobState.QUEUED  # b has not answered yet
+    staged(pool, 0.6, "b", "unfit", "no such directory")
+    job = pool.jobs["j"]
+    assert job.state is JobState.FAILED and job.machine.restarts == 0
+    assert job.machine.error == "no node can serve this job: a: no such directory; b: no such directory"
+
+
+def test_a_rank_that_refuses_its_input_leaves_its_node_out_and_the_job_goes_on_elsewhere() -> None:
+    pool = running_pool()
+    out = pool.worker_exited(2.0, "b", "j", 1, 1, 0, 2, False, "model.path: no such directory on this machine")
+    assert records(out, "node.unfit") == [{"node": "b", "reason": "rank 1: model.path: no such directory on this machine"}]
+    pool.worker_exited(2.1, "a", "j", 1, 0, 0, 1, False)
+    out = pool.worker_exited(2.1, "c", "j", 1, 2, 0, 1, False)
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "c"]
+    assert pool.jobs["j"].machine.restarts == 0
+
+
+def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_one_ahead() -> None:
+    from dpool.daemon.fitness import RECHECK_S
+    from dpool.protocol.stage_messages import JobStage
+
+    pool = Driven()
+    for n in "abc":
+        join(pool, n, 1)
+    digest = "d" * 64
+    pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
+    staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
+    out = staged(pool, 0.2, "b", "staging", total_bytes=100, endpoint="tcp://10.0.0.2:7400")
+    assert records(out, "node.staging") == [{"node": "b", "bytes": 100}]
+    # c fetches too: it is told of b (ahead of it in the chain) and of a, which holds it all
+    out = staged(pool, 0.3, "c", "staging", total_bytes=100, endpoint="tcp://10.0.0.3:7400")
+    (to_c,) = [s.msg for s in sends(out, JobStage) if s.node == "c"]
+    assert [(s.node, s.partial) for s in to_c.sources] == [("b", True), ("a", False)]
+    out = staged(pool, 1.0, "b", "ready", total_bytes=100, done_bytes=100, holds=[digest], endpoint="tcp://10.0.0.2:7400")
+    assert records(out, "node.staged")[0]["node"] == "b"
+    out = staged(pool, 1.1, "c", "unfit", "the disk is full")
+    asked = []
+    for t in (1.1 + RECHECK_S - 1, 1.1 + RECHECK_S):
+        for n in "abc":
+            pool.seen(t, n)  # alive all along
+        asked.append([s.node for s in sends(pool.tick(t), JobStage)])
+    assert asked == [[], ["c"]]

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dpool.protocol.content import source_root
 from dpool.protocol.jobspec import JobSpec, data_files
 
 VOCAB_SIZE = 256  # byte-level tokens
 DOC_SEPARATOR = 0  # NUL between documents: it never occurs in text, so the model learns document ends
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: documents named relative to the source's root (1: by absolute path)
 
 
 class DataError(RuntimeError):
@@ -33,7 +34,7 @@ class DataError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Document:
-    ident: str  # stable identity used for the split: relative path (and line for .jsonl)
+    ident: str  # its identity for the split: the path relative to the source's root (and line for .jsonl)
     text: bytes
 
 
@@ -64,9 +65,12 @@ def source_files(spec: JobSpec) -> list[Path]:
 
 
 def iter_documents(spec: JobSpec, files: list[Path]) -> Iterator[Document]:
-    root = stdlib_root() if spec.data.source == "stdlib" else None
+    """The documents of `files`, each named by its path relative to the source's root
+    (protocol/content.py), never by an absolute path: the same files in another folder, or under
+    another user's home, split the same way."""
+    root = stdlib_root() if spec.data.source == "stdlib" else source_root(spec.resolved_source())
     for path in files:
-        ident = str(path.relative_to(root)) if root else str(path)
+        ident = Path(os.path.relpath(path, root)).as_posix()
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
@@ -83,10 +87,14 @@ def iter_documents(spec: JobSpec, files: list[Path]) -> Iterator[Document]:
             yield Document(ident, path.read_bytes())
 
 
-def is_validation(ident: str, seed: int, val_fraction: float) -> bool:
-    """Seeded hash of the document's identity: stable whatever order files are listed in."""
+def split_score(ident: str, seed: int) -> float:
+    """A seeded hash of the document's identity in [0, 1): stable whatever order files are listed in."""
     h = hashlib.sha256(f"{seed}:{ident}".encode()).digest()
-    return int.from_bytes(h[:8], "little") / 2**64 < val_fraction
+    return int.from_bytes(h[:8], "little") / 2**64
+
+
+def is_validation(ident: str, seed: int, val_fraction: float) -> bool:
+    return split_score(ident, seed) < val_fraction
 
 
 def sources_key(spec: JobSpec, files: list[Path]) -> str:
@@ -112,9 +120,15 @@ class Corpus:
 
 def _build(spec: JobSpec, files: list[Path], out: Path) -> None:
     train, val = bytearray(), bytearray()
-    for doc in iter_documents(spec, files):
-        dest = val if is_validation(doc.ident, spec.train.seed, spec.data.val_fraction) else train
-        dest += doc.text.replace(b"\x00", b"")
+    docs = [(split_score(d.ident, spec.train.seed), d.ident, d.text) for d in iter_documents(spec, files)]
+    # A corpus of a few documents can draw none below val_fraction: then the lowest-scoring one is
+    # held out, so there is always a validation split when there are two documents or more.
+    cut = spec.data.val_fraction
+    if len(docs) >= 2 and not any(score < cut for score, _, _ in docs):
+        cut = min(score for score, _, _ in docs) + 1e-12
+    for score, _, text in docs:
+        dest = val if score < cut else train
+        dest += text.replace(b"\x00", b"")
         dest.append(DOC_SEPARATOR)
     digest = hashlib.sha256(bytes(train)).digest()[:4] + hashlib.sha256(bytes(val)).digest()[:3]
     meta = {"train": len(train), "val": len(val), "fingerprint": int.from_bytes(digest, "little")}

@@ -1,0 +1,231 @@
+"""Which nodes can serve which job, and where each job's content is: the coordinator's side of
+staging. Pure: no socket, no file, no clock of its own; the pool asks it and carries out what it
+returns (`Send`, `Record`).
+
+A job that names files (a data path, an mlx_lm model) is served only by nodes that said so: the
+pool sends each live node `job.stage`; the node checks its copy at the job's paths, or fetches the
+content into its cache from the nodes that hold it, and answers `node.staged` ("checking",
+"staging" with its progress, "ready", or "unfit" with why). Only ready nodes get ranks of it. A
+job of the built-in corpus ('stdlib') needs no files: every node serves it until a rank of it
+fails there with bad input (`unfit`: the trainer's exit 2).
+
+A node that cannot serve a job sits that job out (`node.unfit`, once per reason); it is asked
+again after RECHECK_S (its files may have appeared), and whenever it registers again. The job
+fails at once when every live node is unfit for it (`hopeless`): a deterministic error never
+loops through restarts.
+
+Sources: each `job.stage` names the nodes that hold the job's content, complete first, then the
+nodes fetching it that started before the asking node (a chain: each fetcher reads from the one
+ahead of it while that one fetches, so N nodes stage in about the time of one), and is sent again
+to the nodes still fetching whenever a holder appears or goes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dpool.daemon.records import Record, Send
+from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.messages import JobDoc
+from dpool.protocol.payloads import StageRow
+from dpool.protocol.stage_messages import SOURCES_MAX, JobStage, NodeStaged, StageSource
+
+RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
+ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
+
+
+class FitState(enum.StrEnum):
+    ASKED = "asked"  # job.stage sent, no answer yet
+    CHECKING = "checking"
+    STAGING = "staging"
+    READY = "ready"
+    UNFIT = "unfit"
+
+
+@dataclass(slots=True)
+class Fit:
+    state: FitState
+    since: float  # when it entered this state (ASKED: when asked)
+    reason: str | None = None
+    done: int = 0
+    total: int = 0
+    rate: float = 0.0
+    started: float = 0.0  # when it began fetching (its place in the chain)
+
+
+@dataclass(slots=True)
+class Channel:
+    endpoint: str
+    key: str = ""
+    holds: set[str] = field(default_factory=set)
+
+
+def needs_files(spec: JobSpec) -> bool:
+    """Whether a node must check files before it serves the job (the built-in corpus needs none)."""
+    return spec.model.kind == "mlx_lm" or spec.data.source != "stdlib"
+
+
+def digests(spec: JobSpec) -> list[str]:
+    return [d for d in (spec.content.data, spec.content.model) if d is not None]
+
+
+class Fitness:
+    def __init__(self) -> None:
+        self.fits: dict[str, dict[str, Fit]] = {}  # job id -> node -> where it stands
+        self.channels: dict[str, Channel] = {}  # node -> its data channel and what it holds
+        self.jobs: dict[str, tuple[set[str], JobSpec, JobDoc]] = {}  # live job -> its content digests, spec, doc
+
+    # -- questions the pool asks -------------------------------------------------------------
+
+    def eligible(self, job_id: str, spec: JobSpec, node: str) -> bool:
+        fit = self.fits.get(job_id, {}).get(node)
+        if not needs_files(spec):
+            return fit is None or fit.state is not FitState.UNFIT
+        return fit is not None and fit.state is FitState.READY
+
+    def unfit_reason(self, job_id: str, node: str) -> str | None:
+        fit = self.fits.get(job_id, {}).get(node)
+        return fit.reason if fit is not None and fit.state is FitState.UNFIT else None
+
+    def hopeless(self, job_id: str, nodes: list[str]) -> str | None:
+        """One line naming why no node can serve the job, when every one of `nodes` (the live,
+        usable ones) is unfit for it; else None (some node can, or may yet)."""
+        fits = self.fits.get(job_id, {})
+        if not nodes or any(n not in fits or fits[n].state is not FitState.UNFIT for n in nodes):
+            return None
+        return "no node can serve this job: " + "; ".join(f"{n}: {fits[n].reason}" for n in sorted(nodes))
+
+    def rows(self, job_id: str, now: float) -> list[StageRow]:
+        """`status JOB --json`'s "staging": nodes not (yet) ready for the job."""
+        out = []
+        for node, fit in sorted(self.fits.get(job_id, {}).items()):
+            if fit.state is FitState.READY and fit.total == 0:
+                continue  # ready without fetching anything: nothing to show
+            state = "checking" if fit.state in (FitState.ASKED, FitState.CHECKING) else str(fit.state)
+            left = max(0, fit.total - fit.done)
+            eta = round(min(left / fit.rate, 1e11), 3) if fit.state is FitState.STAGING and fit.rate > 0 else None
+            out.append(StageRow(node=node, state=state, bytes=fit.done, total=fit.total, rate_bps=round(fit.rate, 1), eta_s=eta, reason=fit.reason))
+        return out
+
+    def node_reasons(self, node: str) -> list[str]:
+        return [f"unfit for {job}: {fits[node].reason}" for job, fits in self.fits.items() if node in fits and fits[node].state is FitState.UNFIT]
+
+    # -- events ------------------------------------------------------------------------------
+
+    def ask(self, now: float, job_id: str, spec: JobSpec, doc: JobDoc, nodes: list[str]) -> list[Send]:
+        """job.stage to each of `nodes` (live, usable) that has not been asked, whose answer is
+        overdue, or that has been unfit for RECHECK_S."""
+        if not needs_files(spec):
+            return []
+        fits = self.fits.setdefault(job_id, {})
+        out = []
+        for node in nodes:
+            fit = fits.get(node)
+            due = (
+                fit is None
+                or (fit.state is FitState.UNFIT and now - fit.since >= RECHECK_S)
+                or (fit.state is FitState.ASKED and now - fit.since >= ASK_TIMEOUT_S)
+            )
+            if not due:
+                continue
+            if fit is None or fit.state is not FitState.UNFIT:
+                fits[node] = Fit(FitState.ASKED, now)
+            else:
+                fit.since = now  # stays unfit (and out of the plan) until it answers otherwise
+            out.append(Send(node, JobStage(job=job_id, spec=doc, sources=self._sources(job_id, spec, node))))
+        return out
+
+    def staged(self, now: float, node: str, msg: NodeStaged, spec: JobSpec | None, doc: JobDoc | None) -> list[Record | Send]:
+        """A node's answer. Its data channel and holdings are kept whatever the job; the job's
+        part only while the job is live (`spec` not None)."""
+        actions: list[Record | Send] = []
+        if msg.endpoint:
+            ch = self.channels.setdefault(node, Channel(msg.endpoint, msg.key))
+            ch.endpoint, ch.key = msg.endpoint, msg.key
+            gained = set(msg.holds) - ch.holds
+            ch.holds |= set(msg.holds)
+            if gained:
+                actions += self._resend(gained, exclude=node)
+        if spec is None or doc is None:
+            return actions
+        fits = self.fits.setdefault(msg.job, {})
+        old = fits.get(node)
+        state = FitState(msg.state)
+        fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
+        fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
+        fits[node] = fit
+        if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or old.reason != msg.reason):
+            # -> UNFIT: the node sits this job out, and says why (once per reason)
+            actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
+        elif state is FitState.READY and old is not None and old.state is FitState.STAGING:
+            actions.append(Record(msg.job, "node.staged", now, {"node": node, "bytes": msg.total_bytes, "seconds": round(now - old.started, 3) if old.started else None}))
+        elif state is FitState.STAGING and (old is None or old.state is not FitState.STAGING):
+            actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))
+            # its place in the chain is known now: it (and any fetcher behind it) gets its sources
+            actions += self._resend(set(digests(spec)), exclude="")
+        return actions
+
+    def unfit(self, now: float, job_id: str, node: str, reason: str) -> list[Record]:
+        """A rank of the job refused its input on `node` (exit 2): that node sits the job out."""
+        fits = self.fits.setdefault(job_id, {})
+        old = fits.get(node)
+        fits[node] = Fit(FitState.UNFIT, now, reason)
+        if old is not None and old.state is FitState.UNFIT and old.reason == reason:
+            return []
+        return [Record(job_id, "node.unfit", now, {"node": node, "reason": reason})]
+
+    def node_gone(self, node: str) -> list[Send]:
+        """A node lost or stopped: it serves nothing now, and is asked afresh when it is back."""
+        ch = self.channels.pop(node, None)
+        for fits in self.fits.values():
+            fits.pop(node, None)
+        return self._resend(ch.holds, exclude=node) if ch is not None and ch.holds else []
+
+    def track(self, job_id: str, spec: JobSpec, doc: JobDoc) -> None:
+        """A live job that names files: a new holder of its content is sent to its fetchers."""
+        if needs_files(spec):
+            self.jobs[job_id] = (set(digests(spec)), spec, doc)
+
+    def forget(self, job_id: str) -> None:
+        self.fits.pop(job_id, None)
+        self.jobs.pop(job_id, None)
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def holders(self, digest: str) -> list[str]:
+        return sorted(n for n, ch in self.channels.items() if digest in ch.holds)
+
+    def _sources(self, job_id: str, spec: JobSpec, asking: str) -> list[StageSource]:
+        fits = self.fits.get(job_id, {})
+        me = fits.get(asking)
+        mine = me.started if me is not None and me.state is FitState.STAGING and me.started else float("inf")
+        out: list[StageSource] = []
+        for digest in digests(spec):
+            complete = [n for n in self.holders(digest) if n != asking]
+            # the chain: fetchers that began before this node, nearest (latest) first
+            ahead = sorted(
+                (f.started, n) for n, f in fits.items()
+                if n != asking and n not in complete and f.state is FitState.STAGING and f.started and f.started < mine and n in self.channels
+            )
+            chain = [n for _, n in reversed(ahead)]
+            for n in chain[:1]:
+                ch = self.channels[n]
+                out.append(StageSource(digest=digest, node=n, endpoint=ch.endpoint, key=ch.key, partial=True))
+            for n in complete[:SOURCES_MAX]:
+                ch = self.channels[n]
+                out.append(StageSource(digest=digest, node=n, endpoint=ch.endpoint, key=ch.key))
+        return out
+
+    def _resend(self, changed: set[str], exclude: str) -> list[Send]:
+        """job.stage again to each node still fetching content in `changed`: its sources changed."""
+        out: list[Send] = []
+        for job_id, fits in self.fits.items():
+            tracked = self.jobs.get(job_id)
+            if tracked is None or not (tracked[0] & changed):
+                continue
+            _, spec, doc = tracked
+            for node, fit in fits.items():
+                if node != exclude and fit.state in (FitState.STAGING, FitState.CHECKING, FitState.ASKED):
+                    out.append(Send(node, JobStage(job=job_id, spec=doc, sources=self._sources(job_id, spec, node))))
+        return out

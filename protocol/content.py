@@ -1,0 +1,86 @@
+"""What a job's files are, wherever they sit: the tree behind `data.source` and `model.path`.
+
+Identity is by content and by paths relative to a tree's root, never by absolute paths, user names
+or mount points: `~/corpus/*.txt` on alice's Mac and on bob's names two folders with the same
+files, so it is the same data. `dpctl submit` hashes these trees (dpool.staging.manifest) and
+records their digests in the job (`[content]`); a node serves the job only from files that match
+them: its own copy at the job's path, or the pool's verified copy in its cache.
+
+The root of a source:
+- a folder: the folder (its .txt and .jsonl files, at any depth);
+- a glob (`~/corpus/**/*.txt`): the folder before the first part with a wildcard;
+- one file: the folder it is in.
+An mlx_lm data folder's tree is its train.jsonl, valid.jsonl and test.jsonl; a model folder's tree
+is every file in it except hidden ones (`.git`, `.cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from pathlib import Path
+
+from dpool.protocol.jobspec import JobSpec, data_files, model_location
+
+WILDCARDS = frozenset("*?[")
+LM_DATA_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl")
+
+
+def source_root(resolved: str) -> Path:
+    """The folder a resolved source's files are named relative to (see the module's docstring)."""
+    parts = Path(resolved).parts
+    for i, part in enumerate(parts):
+        if WILDCARDS & set(part):
+            return Path(*parts[:i]) if i else Path(".")
+    path = Path(resolved)
+    return path if path.is_dir() or not path.suffix else path.parent
+
+
+def data_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
+    """The data's root on this machine and its files (None: the built-in 'stdlib', or no such path)."""
+    if spec.data.source == "stdlib":
+        return None
+    if spec.model.kind == "mlx_lm":
+        root = Path(spec.resolved_source())
+        files = [root / name for name in LM_DATA_FILES if (root / name).is_file()]
+    else:
+        root = source_root(spec.resolved_source())
+        files = [Path(p) for p in data_files(spec)]
+    return (root, files) if files else None
+
+
+def model_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
+    """An mlx_lm model folder on this machine and its files (None: a repo id, or no such folder)."""
+    if spec.model.kind != "mlx_lm":
+        return None
+    where, path = model_location(spec)
+    root = Path(path)
+    if where != "dir" or not root.is_dir():
+        return None
+    files = []
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files += [Path(folder, n) for n in sorted(names) if not n.startswith(".")]
+    return (root, files) if files else None
+
+
+def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None) -> JobSpec:
+    """The job as this node runs it: its sources replaced by the folders that hold their verified
+    trees here. The training hash is unchanged (it counts the content digests, not the paths), and
+    so are the data's split and order (documents are named relative to the root)."""
+    data, model = spec.data, spec.model
+    if data_dir is not None:
+        source = str(data_dir) if spec.model.kind == "mlx_lm" else _same_pattern(spec, data_dir)
+        data = dataclasses.replace(data, source=source)
+    if model_dir is not None:
+        model = dataclasses.replace(model, path=str(model_dir))
+    return dataclasses.replace(spec, data=data, model=model)
+
+
+def _same_pattern(spec: JobSpec, tree: Path) -> str:
+    """The source's pattern, rooted at `tree` instead of its own root: a folder stays a folder, a
+    glob keeps its wildcards, one file keeps its name (the tree holds exactly the matched files)."""
+    resolved = spec.resolved_source()
+    rest = os.path.relpath(resolved, source_root(resolved))
+    return str(tree) if rest == "." else glob.escape(str(tree)) + os.sep + rest

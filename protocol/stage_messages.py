@@ -1,0 +1,99 @@
+"""The messages of staging: whether a node can serve a job, and where the job's files are.
+
+    coordinator -> dpd    job.stage          check (and fetch what is missing of) the job's files;
+                                             re-sent when the holders of its content change
+    dpd -> coordinator    node.staged        ready, staging (with progress) or unfit (with why);
+                                             also says which content this node holds, and where
+                                             its data channel listens
+    dpctl -> coordinator  stage.offer        before a submit: which of these digests does the pool
+                                             hold, and which node takes an upload of the rest
+                          stage.offer.reply
+
+The bytes themselves never travel here: they go on each dpd's data channel (staging/README.md).
+Registered in messages.REGISTRY on import; a process that does not import this module refuses
+these types as unexpected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar, TypeAlias
+
+from dpool.protocol.messages import JobDoc, Message, MsgType, message
+from dpool.protocol.payloads import Count, JobId, NodeName, Text
+from dpool.protocol.schema import Float, Items, OneOf, Record, Str, record
+
+DIGESTS_MAX = 16  # content digests one message names (a job has two: data and model)
+SOURCES_MAX = 256  # holders named for one digest
+Digest: TypeAlias = Annotated[str, Str(64, 64)]
+Endpoint: TypeAlias = Annotated[str, Str(300)]  # tcp://host:port
+PublicKey: TypeAlias = Annotated[str, Str(40)]  # z85; "" on a pool without keys
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class StageSource(Record):
+    """A node that holds content `digest` (or, `partial`, is fetching it and serves what it has),
+    and its data channel."""
+
+    digest: Digest
+    node: NodeName
+    endpoint: Endpoint
+    key: PublicKey = ""
+    partial: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class JobStage(Message):
+    """Can this node serve the job? Check its files (its own copy at the job's paths, or its cache)
+    and fetch what it lacks from `sources`. Answered by node.staged, at once and as it progresses."""
+
+    TYPE: ClassVar[MsgType] = MsgType.JOB_STAGE
+    SHARED: ClassVar[frozenset[str]] = frozenset({"spec"})
+    job: JobId
+    spec: JobDoc
+    sources: Annotated[list[StageSource], Items(DIGESTS_MAX * SOURCES_MAX)] = field(default_factory=list)
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeStaged(Message):
+    """Where this node stands with a job's files: "checking", "staging" (fetching: `done_bytes` of
+    `total_bytes`, at `rate_bps`), "ready", or "unfit" (`reason`: it sits this job out). `holds`:
+    the content digests this node serves (complete); `endpoint`/`key`: its data channel."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_STAGED
+    job: JobId
+    state: Annotated[str, OneOf("checking", "staging", "ready", "unfit")]
+    reason: Text | None = None
+    done_bytes: Count = 0
+    total_bytes: Count = 0
+    rate_bps: Annotated[float, Float(0.0, 1e13)] = 0.0
+    holds: Annotated[list[Digest], Items(DIGESTS_MAX)] = field(default_factory=list)
+    endpoint: Endpoint = ""
+    key: PublicKey = ""
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StageOffer(Message):
+    """dpctl holds these trees (by digest) and is about to submit a job that names them."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_OFFER
+    digests: Annotated[list[Digest], Items(DIGESTS_MAX)]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StageOfferReply(Message):
+    """`held`: the digests some node holds already (nothing to send). The rest go to `target`'s data
+    channel (`endpoint`, `key`), which accepts them from this client; `target` "" when no node can
+    take them now (dpctl then says so)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_OFFER_REPLY
+    held: Annotated[list[Digest], Items(DIGESTS_MAX)]
+    target: Annotated[str, Str(63)] = ""
+    endpoint: Endpoint = ""
+    key: PublicKey = ""
+    total_nodes: Count = 0
