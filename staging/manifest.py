@@ -4,7 +4,8 @@ A manifest lists every file of a tree by its path relative to the tree's root (P
 its size, the sha256 of the whole file and the sha256 of each `chunk_bytes` piece (the last one
 shorter; none for an empty file). Nothing else: no absolute path, owner, mode or time, so the same
 files under /home/alice/corpus and /Users/bob/data/corpus give the same bytes and the same digest.
-Paths are taken as the filesystem spells them (no Unicode normalization).
+Paths are taken as the filesystem spells them (no Unicode normalization); a folder is there only
+through the files it holds (an empty folder is not part of a tree).
 
 The bytes are canonical: orjson with sorted keys and no whitespace, entries sorted by path. A
 manifest that arrives from a peer is checked by `Manifest.from_bytes` for everything a hostile peer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
+from dpool.staging.cache import Cache, CacheFull, Incomplete
 from dpool.staging.manifest import (
     CHUNK_BYTES,
     EMPTY_SHA256,
@@ -304,3 +306,311 @@ def test_a_corrupt_hash_cache_file_is_started_again(tmp_path: Path) -> None:
     hashes = HashCache(tmp_path / "hashes.db")
     assert scan(root, hashes=hashes).entries == (Entry("a", 1, hashlib.sha256(b"a").hexdigest(), (hashlib.sha256(b"a").hexdigest(),)),)
     hashes.close()
+
+
+# -- the cache -------------------------------------------------------------------------------------
+
+
+def chunk_of(root: Path, entry: Entry, index: int, chunk_bytes: int) -> bytes:
+    with open(root / entry.path, "rb") as f:
+        f.seek(index * chunk_bytes)
+        return f.read(entry.chunk_size(index, chunk_bytes))
+
+
+def fetch(cache: Cache, m: Manifest, source: Path, chunks: list[tuple[Entry, int]] | None = None) -> int:
+    """Write `chunks` (default: every missing one) from the files under `source`; how many."""
+    todo = cache.missing(m) if chunks is None else chunks
+    for entry, index in todo:
+        assert cache.write_chunk(entry, index, chunk_of(source, entry, index, m.chunk_bytes), m.chunk_bytes)
+    return len(todo)
+
+
+def staged(tmp_path: Path, name: str, files: dict[str, bytes]) -> tuple[Path, Manifest]:
+    source = write(tmp_path / "sources" / name, files)
+    return source, scan(source, chunk_bytes=SMALL)
+
+
+def test_a_fetched_tree_holds_the_source_files_byte_for_byte(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    heard: list[tuple[str, int]] = []
+    cache.on_chunk(lambda sha, index: heard.append((sha, index)))
+    assert cache.put_manifest(m.to_bytes()) == m and cache.manifest(m.digest) == m
+    assert (tmp_path / "cache" / "manifests" / m.digest).read_bytes() == m.to_bytes()
+    assert cache.tree(m.digest) is None
+    cache.reserve(m)
+    todo = cache.missing(m)
+    assert sorted((e.path, i) for e, i in todo) == [(".hidden/c", 0), ("corpus/a.txt", 0)] + [("corpus/b.txt", i) for i in range(4)]
+    fetch(cache, m, source, todo[:1])
+    with pytest.raises(Incomplete, match=r"2 of 4 files are not in the cache yet \(corpus/a.txt, corpus/b.txt\)"):
+        cache.complete(m)
+    fetch(cache, m, source)
+    assert sorted(heard) == sorted((e.sha256, i) for e, i in todo)
+    tree = cache.complete(m)
+    assert tree == tmp_path / "cache" / "trees" / m.digest == cache.tree(m.digest)
+    assert differences(tree, m) == [] and scan(tree, chunk_bytes=SMALL) == m
+    assert cache.missing(m) == []
+    b = tree / "corpus" / "b.txt"
+    assert not os.access(b, os.W_OK) or os.geteuid() == 0
+    assert os.stat(b).st_mode & 0o222 == 0
+    (e,) = cache.entries()
+    assert (e.digest, e.bytes, e.files, e.complete, e.pinned_by, e.adopted) == (m.digest, m.total_bytes, 4, True, (), None)
+
+
+def test_write_chunk_refuses_a_chunk_that_is_not_the_one_named(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    cache.put_manifest(m.to_bytes())
+    b = m.entries[3]
+    good = chunk_of(source, b, 1, SMALL)
+    bad = [
+        (1, good[:-1] + bytes([good[-1] ^ 1])),  # one bit flipped
+        (1, good[:-1]),  # short
+        (2, good),  # another chunk's bytes
+        (4, good),  # no such chunk
+        (-1, good),
+    ]
+    for index, data in bad:
+        assert not cache.write_chunk(b, index, data, SMALL)
+    assert not cache.write_chunk(b, 1, good, 2 * SMALL)  # the manifest's chunks are not of that size
+    assert not cache.has_chunk(b.sha256, 1) and cache.read_chunk(b.sha256, 1, SMALL) is None
+    assert not (tmp_path / "cache" / "partial" / b.sha256).exists()
+    assert len(cache.missing(m)) == 6
+    assert cache.write_chunk(b, 1, good, SMALL) and cache.has_chunk(b.sha256, 1)
+    assert cache.read_chunk(b.sha256, 1, SMALL) == good and not cache.has_chunk(b.sha256, 2)
+
+
+def test_a_fetch_interrupted_half_way_resumes_with_only_the_missing_chunks(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "model", {"w0": pattern(5 * SMALL + 7), "w1": pattern(3 * SMALL, seed=1), "config": b"{}"})
+    first = Cache(tmp_path / "cache")
+    first.put_manifest(m.to_bytes())
+    todo = first.missing(m)
+    assert len(todo) == 6 + 3 + 1
+    fetch(first, m, source, todo[::2])
+    del first  # the daemon was killed: nothing but the files remains
+    again = Cache(tmp_path / "cache")
+    assert again.manifest(m.digest) == m
+    rest = again.missing(m)
+    assert rest == todo[1::2]
+    assert all(again.has_chunk(e.sha256, i) for e, i in todo[::2] if e.size > SMALL)  # complete ones are blobs
+    fetch(again, m, source, rest)
+    assert differences(again.complete(m), m) == []
+    assert list((tmp_path / "cache" / "partial").iterdir()) == []
+
+
+def test_a_torn_chunk_is_detected_when_a_fetch_resumes(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", {"big": pattern(4 * SMALL)})
+    (big,) = m.entries
+    cache = Cache(tmp_path / "cache")
+    fetch(cache, m, source, [(big, 0), (big, 1), (big, 2)])
+    partial = tmp_path / "cache" / "partial" / big.sha256
+    # The crash let chunk 1's line in `.have` reach the disk but not all of its bytes; and cut a line.
+    with open(partial, "r+b") as f:
+        f.seek(SMALL + 100)
+        f.write(b"\0" * 1000)
+    with open(partial.with_name(f"{big.sha256}.have"), "ab") as f:
+        f.write(b"3 " + big.chunks[3][:20].encode())
+    cache = Cache(tmp_path / "cache")
+    assert not cache.has_chunk(big.sha256, 1) and cache.read_chunk(big.sha256, 1, SMALL) is None
+    assert cache.has_chunk(big.sha256, 2) and cache.read_chunk(big.sha256, 2, SMALL) == chunk_of(source, big, 2, SMALL)
+    assert cache.missing(m) == [(big, 1), (big, 3)]
+    assert Cache(tmp_path / "cache").missing(m) == [(big, 1), (big, 3)]  # what it found stays found
+    fetch(cache, m, source, [(big, 3)])  # after the cut line: `.have` was written again whole
+    assert Cache(tmp_path / "cache").missing(m) == [(big, 1)]
+    fetch(cache, m, source)
+    assert differences(cache.complete(m), m) == []
+
+
+def test_a_file_held_twice_is_fetched_once(tmp_path: Path) -> None:
+    shared = pattern(2 * SMALL, seed=7)
+    source_a, a = staged(tmp_path, "a", {"x/one": shared, "x/two": shared, "own": b"a"})
+    source_b, b = staged(tmp_path, "b", {"copy": shared, "own": b"b"})
+    cache = Cache(tmp_path / "cache")
+    assert sorted((e.path, i) for e, i in cache.missing(a)) == [("own", 0), ("x/one", 0), ("x/one", 1)]
+    fetch(cache, a, source_a)
+    assert [(e.path, i) for e, i in cache.missing(b)] == [("own", 0)]
+    fetch(cache, b, source_b)
+    tree_a, tree_b = cache.complete(a), cache.complete(b)
+    assert differences(tree_a, a) == [] and differences(tree_b, b) == []
+    assert os.stat(tree_a / "x" / "one").st_ino == os.stat(tree_b / "copy").st_ino
+    assert os.stat(tmp_path / "cache" / "blobs" / a.entries[1].sha256).st_nlink == 4  # blob + 3 paths
+
+
+def test_files_of_zero_bytes_one_chunk_and_one_chunk_plus_one_byte_through_the_cache(tmp_path: Path) -> None:
+    data = pattern(CHUNK_BYTES + 1, seed=3)
+    source = write(tmp_path / "src", {"empty": b"", "exact": data[:CHUNK_BYTES], "over": data, "also/empty": b""})
+    m = scan(source)
+    cache = Cache(tmp_path / "cache")
+    assert sorted((e.path, i) for e, i in cache.missing(m)) == [("exact", 0), ("over", 0), ("over", 1)]
+    fetch(cache, m, source)
+    over = next(e for e in m.entries if e.path == "over")
+    assert cache.read_chunk(over.sha256, 1, CHUNK_BYTES) == data[-1:]
+    assert cache.read_chunk(over.sha256, 2, CHUNK_BYTES) is None
+    tree = cache.complete(m)
+    assert differences(tree, m) == [] and (tree / "empty").read_bytes() == b"" == (tree / "also" / "empty").read_bytes()
+    assert not (tmp_path / "cache" / "blobs" / EMPTY_SHA256).exists()
+
+
+def complete_tree(cache: Cache, tmp_path: Path, name: str, size: int, used: float) -> Manifest:
+    source, m = staged(tmp_path, name, {name: pattern(size, seed=hash(name) & 0xFFFF)})
+    cache.put_manifest(m.to_bytes())
+    cache.reserve(m)
+    fetch(cache, m, source)
+    cache.complete(m)
+    os.utime(tmp_path / "cache" / "used" / m.digest, (used, used))
+    return m
+
+
+def test_budget_eviction_is_least_recently_used_first_and_never_takes_a_pinned_tree(tmp_path: Path) -> None:
+    size = 2 * SMALL
+    cache = Cache(tmp_path / "cache", max_bytes=3 * size, min_free=0)
+    a = complete_tree(cache, tmp_path, "a", size, used=1000)
+    b = complete_tree(cache, tmp_path, "b", size, used=2000)
+    c = complete_tree(cache, tmp_path, "c", size, used=3000)
+    cache.pin(a.digest, "job-1")
+    assert cache.tree(c.digest) is not None  # c is used now: b is the least recently used unpinned one
+    d = complete_tree(cache, tmp_path, "d", size, used=4000)
+    assert cache.tree(b.digest) is None and cache.manifest(b.digest) is None
+    assert {e.digest for e in cache.entries()} == {a.digest, c.digest, d.digest}
+    assert (tmp_path / "cache" / "trees" / a.digest).is_dir()  # older than every other, but pinned
+    e = complete_tree(cache, tmp_path, "e", size, used=5000)
+    assert {x.digest for x in cache.entries()} == {a.digest, c.digest, e.digest}  # d (4000) went before c (now)
+    assert next(x for x in cache.entries() if x.digest == a.digest).pinned_by == ("job-1",)
+    # A tree larger than the budget less what is pinned: refused, and nothing evicted for it.
+    _, big = staged(tmp_path, "big", {"big": pattern(2 * size + 1)})
+    with pytest.raises(CacheFull) as full:
+        cache.reserve(big)
+    message = str(full.value)
+    assert f"{2 * size + 1} more bytes needed" in message and f"a budget of {3 * size} bytes" in message
+    assert f"pinned: {a.digest[:12]} by job-1" in message and "bytes free on its disk" in message
+    assert {x.digest for x in cache.entries() if x.complete} == {a.digest, c.digest, e.digest}
+    cache.release(big.digest)
+    cache.unpin("job-1")
+    complete_tree(cache, tmp_path, "f", size, used=6000)
+    assert cache.tree(a.digest) is None  # unpinned, it was the oldest
+
+
+def test_a_fetch_in_flight_keeps_its_blobs_and_counts_against_the_budget(tmp_path: Path) -> None:
+    size = 2 * SMALL
+    cache = Cache(tmp_path / "cache", max_bytes=2 * size, min_free=0)
+    old = complete_tree(cache, tmp_path, "old", size, used=1000)
+    source, m = staged(tmp_path, "new", {"one": pattern(size, seed=11)})
+    cache.reserve(m)
+    fetch(cache, m, source)  # its blob is there, linked by no tree yet
+    _, other = staged(tmp_path, "other", {"two": pattern(size, seed=12)})
+    cache.reserve(other)  # room for it: the old tree goes, not the blob of the fetch in flight
+    assert cache.tree(old.digest) is None
+    assert differences(cache.complete(m), m) == []
+    (two,) = other.entries
+    fetch(cache, other, source.parent / "other", [(two, 0)])
+    cache.pin(m.digest, "job-3")
+    assert cache.prune() == 0  # m is pinned, and `other` is in flight: its partial file stays
+    assert cache.has_chunk(two.sha256, 0) and differences(cache.tree(m.digest), m) == []  # type: ignore[arg-type]
+    cache.release(other.digest)  # the fetch gave up
+    assert cache.prune() > 0 and not cache.has_chunk(two.sha256, 0)
+
+
+def test_prune_frees_a_blob_only_when_no_tree_links_it(tmp_path: Path) -> None:
+    shared, own_a, own_b = pattern(3 * SMALL, seed=1), pattern(SMALL, seed=2), pattern(SMALL + 9, seed=3)
+    cache = Cache(tmp_path / "cache")
+    manifests = []
+    for name, files in (("a", {"shared": shared, "own": own_a}), ("b", {"data/shared": shared, "own": own_b})):
+        source, m = staged(tmp_path, name, files)
+        fetch(cache, m, source)
+        cache.complete(m)
+        manifests.append(m)
+    a, b = manifests
+    assert cache.prune(a.digest) == len(own_a)  # the shared blob is still linked by b's tree
+    assert cache.tree(a.digest) is None and differences(cache.tree(b.digest), b) == []  # type: ignore[arg-type]
+    cache.pin(b.digest, "job-2")
+    with pytest.raises(ValueError, match=f"cannot prune {b.digest}: pinned by job-2"):
+        cache.prune(b.digest)
+    assert cache.prune() == 0
+    cache.unpin("job-2")
+    assert cache.prune() == len(shared) + len(own_b)
+    assert list((tmp_path / "cache" / "blobs").iterdir()) == [] and cache.entries() == []
+
+
+def test_an_adopted_folder_is_served_in_place_until_it_no_longer_matches(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    with pytest.raises(ValueError, match="put it first"):
+        cache.adopt(m.digest, source)
+    cache.put_manifest(m.to_bytes())
+    cache.adopt(m.digest, source)
+    assert Cache(tmp_path / "cache").tree(m.digest) == source.resolve()  # it outlives the process
+    assert cache.missing(m) == [] and cache.complete(m) == source.resolve()
+    b = m.entries[3]
+    assert cache.has_chunk(b.sha256, 3) and not cache.has_chunk(b.sha256, 4)
+    assert cache.read_chunk(b.sha256, 3, SMALL) == TREE["corpus/b.txt"][3 * SMALL :]
+    (e,) = cache.entries()
+    assert e.adopted == str(source.resolve()) and e.complete
+    assert list((tmp_path / "cache" / "blobs").iterdir()) == []  # served from there, never copied
+    with open(source / "corpus" / "b.txt", "r+b") as f:
+        f.write(b"changed")
+    assert cache.read_chunk(b.sha256, 0, SMALL) is None
+    assert cache.tree(m.digest) is None and not (tmp_path / "cache" / "adopted" / m.digest).exists()
+    assert len(cache.missing(m)) == 6
+
+
+def test_names_from_a_peer_never_become_paths_outside_the_cache(tmp_path: Path) -> None:
+    cache = Cache(tmp_path / "cache")
+    (tmp_path / "secret").write_bytes(b"s")
+    for name in ("../secret", "../../" + "0" * 58, "A" * 64, ""):
+        assert cache.manifest(name) is None and cache.tree(name) is None
+        assert not cache.has_chunk(name, 0) and cache.read_chunk(name, 0, SMALL) is None
+        with pytest.raises(ValueError):
+            cache.pin(name, "job")
+    entry = Entry("x", 1, "../secret", ("../secret",))
+    assert not cache.write_chunk(entry, 0, b"s", SMALL)
+    with pytest.raises(ManifestError):
+        cache.put_manifest(b'{"chunk_bytes":65536,"entries":[],"version":1} ')
+
+
+def test_leftovers_of_a_killed_process_are_cleared_and_a_corrupt_manifest_dropped(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    cache.put_manifest(m.to_bytes())
+    fetch(cache, m, source)
+    half = tmp_path / "cache" / "trees" / f".tmp-{m.digest}-1-2"
+    write(half, {"corpus/a.txt": b"half built"})
+    (tmp_path / "cache" / "manifests" / m.digest).write_bytes(m.to_bytes()[:-3])
+    cache = Cache(tmp_path / "cache")
+    assert not half.exists()
+    assert cache.manifest(m.digest) is None and not (tmp_path / "cache" / "manifests" / m.digest).exists()
+    assert differences(cache.complete(m), m) == []  # the blobs were kept; the manifest is written again
+    assert cache.manifest(m.digest) == m
+
+
+def test_chunks_written_and_read_from_many_threads_at_once(tmp_path: Path) -> None:
+    files = {f"f{k}": pattern(4 * SMALL + k, seed=k) for k in range(4)}
+    source, m = staged(tmp_path, "many", files)
+    cache = Cache(tmp_path / "cache")
+    todo = cache.missing(m)
+    served: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def writer(part: list[tuple[Entry, int]]) -> None:
+        try:
+            fetch(cache, m, source, part)
+        except BaseException as e:
+            errors.append(e)
+
+    def reader() -> None:
+        try:
+            for entry, index in todo * 3:
+                if cache.has_chunk(entry.sha256, index):
+                    data = cache.read_chunk(entry.sha256, index, SMALL)
+                    assert data is not None and hashlib.sha256(data).hexdigest() == entry.chunks[index]
+                    served.append(data)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(todo[k::3],)) for k in range(3)]
+    threads += [threading.Thread(target=writer, args=(todo,)), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads) and errors == []
+    assert cache.missing(m) == [] and differences(cache.complete(m), m) == []

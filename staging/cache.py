@@ -1,0 +1,742 @@
+"""A node's content-addressed cache of staged trees, under its state dir (`STATE/cache`).
+
+    manifests/<digest>        a manifest's bytes (their sha256 is the digest)
+    blobs/<sha256>            a complete file, verified whole (read-only); one per content, however
+                              many files of however many trees hold it
+    partial/<sha256>          a file being fetched, written chunk by chunk in place (sparse until full)
+    partial/<sha256>.have     which of its chunks are written and verified: a header line
+                              `dpool-partial 1 <size> <chunk_bytes>`, then `<index> <chunk sha256>` a line
+    trees/<digest>/<path>     hard links to blobs (empty files are plain empty files): the stable,
+                              read-only folder a job reads; built in trees/.tmp-* and renamed in place
+    adopted/<digest>          the absolute path of a folder outside the cache that holds this manifest's
+                              files (the caller verified it): served from there, never copied
+    used/<digest>             its mtime is the tree's last use, for least-recently-used eviction
+
+Durability. A chunk is written and its line appended to `.have` without fsync: a daemon killed
+mid-fetch loses at most what the kernel had not written, and since a `.have` line may reach the disk
+before its chunk does, the first use of a partial file in a process re-hashes every chunk `.have`
+lists and keeps only those that match (a torn chunk is fetched again). A blob is fsynced before it is
+renamed into blobs/. A tree or a manifest is written whole under a temporary name and renamed.
+
+Space. A blob is freed when no tree links it (`st_nlink == 1`), and never while a manifest that
+holds it is pinned (a live job reads it) or in flight (`missing` or `reserve` was asked about it, and
+neither `complete` nor `release` has been since): a fetch's finished blobs are safe before its tree
+exists. `reserve` makes room for what a manifest still needs within `max_bytes` and the disk
+(keeping `min_free` free), dropping unreferenced blobs and partial files first, then unpinned trees
+least recently used first.
+
+One process uses a root at a time. Within it every method is safe to call from any thread: the data
+channel writes and serves chunks from a thread of its own while the daemon reads. Hashing and file
+I/O of one blob hold only that blob's lock; building a tree and evicting hold the tree lock, which
+chunk reads and writes never wait for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dpool.protocol.logs import get_logger
+from dpool.staging.manifest import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    Entry,
+    Limits,
+    Manifest,
+    ManifestError,
+    hash_file,
+)
+
+HEX64 = re.compile(r"[0-9a-f]{64}")
+PARTIAL_HEADER = "dpool-partial 1"
+# Our own manifests, read back from our own disk: checked for shape, not held to a peer's limits.
+_OWN = Limits(max_files=1 << 62, max_bytes=1 << 62, max_path=1 << 20, max_manifest_bytes=1 << 62)
+_LAYOUT = ("manifests", "blobs", "partial", "trees", "adopted", "used")
+
+
+class CacheFull(Exception):
+    """There is no room for a manifest's missing bytes, even with every unpinned tree evicted."""
+
+
+class Incomplete(Exception):
+    """`complete` was asked for a tree whose files are not all in the cache yet."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    digest: str
+    bytes: int
+    files: int
+    last_used: float  # unix time; 0.0 when never used
+    complete: bool  # its tree is there (or it is adopted)
+    pinned_by: tuple[str, ...]
+    adopted: str | None  # the folder it is served from, when adopted
+
+
+@dataclass
+class _Partial:
+    """A partial file's verified chunks: index -> the chunk's sha256."""
+
+    size: int
+    chunk_bytes: int
+    have: dict[int, str] = field(default_factory=dict)
+
+
+def _is_hex(value: object) -> bool:
+    return isinstance(value, str) and HEX64.fullmatch(value) is not None
+
+
+def _rename_durably(src: Path, dst: Path) -> None:
+    """Rename `src` (its bytes already on disk) to `dst`, and make the rename reach the disk too."""
+    os.replace(src, dst)
+    folder = os.open(dst.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{threading.get_ident()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    _rename_durably(tmp, path)
+
+
+def _pread(path: Path, offset: int, length: int) -> bytes | None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+
+
+def _unique(manifests: Iterable[Manifest]) -> dict[str, tuple[Entry, int]]:
+    """sha256 -> (an entry holding it, its manifest's chunk_bytes), over non-empty files."""
+    out: dict[str, tuple[Entry, int]] = {}
+    for m in manifests:
+        for e in m.entries:
+            if e.size:
+                out.setdefault(e.sha256, (e, m.chunk_bytes))
+    return out
+
+
+class Cache:
+    def __init__(self, root: Path, *, max_bytes: int | None = None, min_free: int = 1 << 30) -> None:
+        self.root = Path(root)
+        self.max_bytes, self.min_free = max_bytes, min_free
+        self.log = get_logger(component="cache")
+        for name in _LAYOUT:
+            (self.root / name).mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # the maps below; held briefly, never while hashing or waiting
+        self._tree_lock = threading.RLock()  # building, pruning and evicting trees
+        self._blob_locks: dict[str, threading.Lock] = {}  # one blob's partial file: writes, loading
+        self._manifests: dict[str, Manifest] = {}
+        self._partials: dict[str, _Partial] = {}
+        self._pins: dict[str, set[str]] = {}  # owner -> digests
+        self._active: dict[str, Manifest] = {}  # digest -> manifest being fetched
+        self._adopted: dict[str, Path] = {}
+        self._adopted_files: dict[str, list[tuple[str, Entry, int]]] | None = None  # sha256 -> (digest, entry, chunk_bytes); None: to build
+        self._callbacks: list[Callable[[str, int], None]] = []
+        self._recover()
+
+    # -- paths -------------------------------------------------------------------------------------
+
+    def _blob(self, sha: str) -> Path:
+        return self.root / "blobs" / sha
+
+    def _partial(self, sha: str) -> Path:
+        return self.root / "partial" / sha
+
+    def _have_file(self, sha: str) -> Path:
+        return self.root / "partial" / f"{sha}.have"
+
+    def _tree(self, digest: str) -> Path:
+        return self.root / "trees" / digest
+
+    def _touch(self, digest: str) -> None:
+        (self.root / "used" / digest).touch()  # now, also when it exists
+
+    def _recover(self) -> None:
+        """Undo what a process killed mid-way left: half-built trees, temporary files, partial files
+        whose blob was completed; and read back the adoptions."""
+        for folder in ("trees", "manifests", "adopted"):
+            for p in (self.root / folder).glob(".tmp-*"):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        for p in (self.root / "partial").iterdir():
+            sha = p.name.removesuffix(".have")
+            if not _is_hex(sha) or self._blob(sha).exists():
+                p.unlink(missing_ok=True)
+        for p in (self.root / "adopted").iterdir():
+            if _is_hex(p.name):
+                self._adopted[p.name] = Path(os.fsdecode(p.read_bytes()))
+
+    # -- manifests ---------------------------------------------------------------------------------
+
+    def put_manifest(self, data: bytes, limits: Limits = Limits()) -> Manifest:  # noqa: B008 (frozen)
+        """Check a manifest's bytes (ManifestError) and keep them under their digest."""
+        m = Manifest.from_bytes(data, limits)
+        path = self.root / "manifests" / m.digest
+        if not path.exists():
+            _write_atomic(path, m.to_bytes())
+        with self._lock:
+            self._manifests[m.digest] = m
+        return m
+
+    def manifest(self, digest: str) -> Manifest | None:
+        if not _is_hex(digest):
+            return None
+        with self._lock:
+            if digest in self._manifests:
+                return self._manifests[digest]
+        try:
+            data = (self.root / "manifests" / digest).read_bytes()
+            m = Manifest.from_bytes(data, _OWN)
+            if m.digest != digest:
+                raise ManifestError(f"manifests/{digest}: its bytes hash to {m.digest}")
+        except FileNotFoundError:
+            return None
+        except ManifestError as e:
+            self.log.warning("cache.manifest_corrupt", digest=digest, error=str(e)[:300])
+            (self.root / "manifests" / digest).unlink(missing_ok=True)
+            return None
+        with self._lock:
+            self._manifests[digest] = m
+        return m
+
+    # -- trees -------------------------------------------------------------------------------------
+
+    def tree(self, digest: str) -> Path | None:
+        """The folder holding `digest`'s complete tree (its own, or the adopted one), marked used."""
+        if not _is_hex(digest):
+            return None
+        with self._lock:
+            folder = self._adopted.get(digest)
+        if folder is None and self._tree(digest).is_dir():
+            folder = self._tree(digest)
+        if folder is None:
+            return None
+        if not folder.is_dir():
+            self._unadopt(digest, f"{folder} is no longer a folder")
+            return None
+        self._touch(digest)
+        return folder
+
+    def adopt(self, digest: str, folder: Path) -> None:
+        """Serve `digest` from `folder`, which the caller verified holds its files (`differences`)."""
+        if self.manifest(digest) is None:
+            raise ValueError(f"cannot adopt {digest}: no manifest with that digest in {self.root / 'manifests'}; put it first")
+        folder = Path(folder).resolve()
+        if not folder.is_dir():
+            raise ValueError(f"cannot adopt {digest}: {folder} is not a folder")
+        _write_atomic(self.root / "adopted" / digest, os.fsencode(folder))
+        with self._lock:
+            self._adopted[digest] = folder
+            self._adopted_files = None
+        self._touch(digest)
+
+    def _unadopt(self, digest: str, why: str) -> None:
+        with self._lock:
+            folder = self._adopted.pop(digest, None)
+            self._adopted_files = None
+        if folder is not None:
+            (self.root / "adopted" / digest).unlink(missing_ok=True)
+            self.log.warning("cache.adoption_dropped", digest=digest, folder=str(folder), reason=why)
+
+    def complete(self, manifest: Manifest) -> Path:
+        """`manifest`'s tree, built from its blobs (Incomplete when some are missing); marked used."""
+        digest = manifest.digest
+        with self._lock:
+            adopted = self._adopted.get(digest)
+        if adopted is not None and adopted.is_dir():
+            self.release(digest)
+            self._touch(digest)
+            return adopted
+        final = self._tree(digest)
+        with self._tree_lock:
+            if not final.is_dir():
+                absent = [e.path for e in manifest.entries if e.size and not self._blob(e.sha256).exists()]
+                if absent:
+                    raise Incomplete(f"{digest}: {len(absent)} of {len(manifest.entries)} files are not in the cache yet ({', '.join(absent[:3])}{', ...' if len(absent) > 3 else ''})")
+                if not (self.root / "manifests" / digest).exists():
+                    _write_atomic(self.root / "manifests" / digest, manifest.to_bytes())
+                self._build(manifest, final)
+            self.release(digest)
+            self._touch(digest)
+        return final
+
+    def _build(self, manifest: Manifest, final: Path) -> None:
+        tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}-{threading.get_ident()}")
+        try:
+            for e in manifest.entries:
+                dst = tmp.joinpath(*e.path.split("/"))
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                if not e.size:
+                    # Not a link: a tree of 100,000 empty files would pass a filesystem's link limit.
+                    dst.touch(mode=0o444)
+                    continue
+                try:
+                    os.link(self._blob(e.sha256), dst)
+                except OSError as err:
+                    if err.errno != errno.EMLINK:
+                        raise
+                    shutil.copyfile(self._blob(e.sha256), dst)  # the blob has as many links as it can
+                    os.chmod(dst, 0o444)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    # -- chunks ------------------------------------------------------------------------------------
+
+    def on_chunk(self, callback: Callable[[str, int], None]) -> None:
+        """Call `callback(sha256, index)` after each chunk is verified and written."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+    def _blob_lock(self, sha: str) -> threading.Lock:
+        with self._lock:
+            return self._blob_locks.setdefault(sha, threading.Lock())
+
+    def _state(self, sha: str) -> _Partial | None:
+        """The partial file's verified chunks, read (and re-hashed) at its first use in this process.
+        The caller holds the blob's lock."""
+        with self._lock:
+            p = self._partials.get(sha)
+        if p is None:
+            p = self._load(sha)
+            if p is not None:
+                with self._lock:
+                    self._partials[sha] = p
+        return p
+
+    def _loaded(self, sha: str) -> _Partial | None:
+        with self._lock:
+            p = self._partials.get(sha)
+        if p is None and self._have_file(sha).exists():
+            with self._blob_lock(sha):
+                p = self._state(sha)
+        return p
+
+    def _load(self, sha: str) -> _Partial | None:
+        try:
+            lines = self._have_file(sha).read_bytes().split(b"\n")
+        except FileNotFoundError:
+            return None
+        header = lines[0].decode("ascii", "replace").rsplit(" ", 2)
+        try:
+            size, chunk_bytes = int(header[1]), int(header[2])
+            st = os.stat(self._partial(sha))
+        except (IndexError, ValueError, FileNotFoundError):
+            self._discard(sha, "unreadable")
+            return None
+        if header[0] != PARTIAL_HEADER or st.st_size != size or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            self._discard(sha, "unreadable")
+            return None
+        claimed: dict[int, str] = {}
+        for line in lines[1:-1]:  # the last one is empty, or a line torn by a crash
+            parts = line.decode("ascii", "replace").split(" ")
+            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) * chunk_bytes < size and _is_hex(parts[1]):
+                claimed[int(parts[0])] = parts[1]
+        p = _Partial(size, chunk_bytes)
+        # A `.have` line may have reached the disk before its chunk did: trust none unread.
+        with open(self._partial(sha), "rb") as f:
+            for index, chunk_sha in sorted(claimed.items()):
+                f.seek(index * chunk_bytes)
+                if hashlib.sha256(f.read(min(chunk_bytes, size - index * chunk_bytes))).hexdigest() == chunk_sha:
+                    p.have[index] = chunk_sha
+        if len(p.have) != len(claimed) or len(lines) != len(claimed) + 2:
+            if len(p.have) != len(claimed):
+                self.log.warning("cache.chunks_torn", sha256=sha, torn=len(claimed) - len(p.have), kept=len(p.have))
+            self._write_have(sha, p)
+        return p
+
+    def _write_have(self, sha: str, p: _Partial) -> None:
+        body = f"{PARTIAL_HEADER} {p.size} {p.chunk_bytes}\n" + "".join(f"{i} {h}\n" for i, h in sorted(p.have.items()))
+        _write_atomic(self._have_file(sha), body.encode())
+
+    def _discard(self, sha: str, why: str) -> None:
+        """Drop a partial file (the caller holds its lock)."""
+        with self._lock:
+            self._partials.pop(sha, None)
+        for path in (self._have_file(sha), self._partial(sha)):
+            path.unlink(missing_ok=True)
+        self.log.info("cache.partial_dropped", sha256=sha, reason=why)
+
+    def has_chunk(self, sha256: str, index: int) -> bool:
+        """Whether chunk `index` of the file `sha256` can be read here (a complete blob has every
+        chunk; a partial file those verified; an adopted folder those its manifest lists)."""
+        if not _is_hex(sha256) or index < 0:
+            return False
+        if self._blob(sha256).exists():
+            return True
+        p = self._loaded(sha256)
+        if p is not None:
+            with self._lock:
+                if index in p.have:
+                    return True
+        return any(index < len(e.chunks) for _, _, e, _ in self._adopted_holders(sha256))
+
+    def read_chunk(self, sha256: str, index: int, chunk_bytes: int) -> bytes | None:
+        """Chunk `index` of the file `sha256`, or None when it is not here."""
+        if not _is_hex(sha256) or index < 0 or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+            return None
+        offset = index * chunk_bytes
+        for _ in range(2):  # a partial file becomes a blob while we look: look again
+            data = self._read_blob(sha256, offset, chunk_bytes)
+            if data is not None:
+                return data
+            p = self._loaded(sha256)
+            if p is None:
+                break
+            with self._lock:
+                expected = p.have.get(index) if p.chunk_bytes == chunk_bytes else None
+            if expected is None:
+                break
+            data = _pread(self._partial(sha256), offset, min(chunk_bytes, p.size - offset))
+            if data is not None and hashlib.sha256(data).hexdigest() == expected:
+                return data
+        return self._read_adopted(sha256, index, chunk_bytes)
+
+    def _read_blob(self, sha: str, offset: int, chunk_bytes: int) -> bytes | None:
+        path = self._blob(sha)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return None
+        if offset >= size:
+            return None
+        return _pread(path, offset, min(chunk_bytes, size - offset))
+
+    def _adopted_holders(self, sha: str) -> list[tuple[str, Path, Entry, int]]:
+        """(digest, folder, entry, chunk_bytes) of each adopted tree that holds the file `sha`."""
+        with self._lock:
+            adopted, index = dict(self._adopted), self._adopted_files
+        if index is None:
+            index = {}
+            for digest in adopted:
+                m = self.manifest(digest)
+                if m is None:
+                    continue
+                for e in m.entries:
+                    index.setdefault(e.sha256, []).append((digest, e, m.chunk_bytes))
+            with self._lock:
+                if self._adopted == adopted:
+                    self._adopted_files = index
+        return [(d, adopted[d], e, cb) for d, e, cb in index.get(sha, ()) if d in adopted]
+
+    def _read_adopted(self, sha: str, index: int, chunk_bytes: int) -> bytes | None:
+        for digest, folder, entry, cb in self._adopted_holders(sha):
+            if cb != chunk_bytes or index >= len(entry.chunks):
+                continue
+            try:
+                with open(folder.joinpath(*entry.path.split("/")), "rb") as f:
+                    f.seek(index * chunk_bytes)
+                    data = f.read(entry.chunk_size(index, chunk_bytes))
+            except OSError as e:
+                self._unadopt(digest, f"{entry.path}: {e.strerror or e}")
+                continue
+            if hashlib.sha256(data).hexdigest() == entry.chunks[index]:
+                return data
+            self._unadopt(digest, f"{entry.path}: chunk {index} no longer matches its sha256")
+        return None
+
+    def write_chunk(self, entry: Entry, index: int, data: bytes, chunk_bytes: int) -> bool:
+        """Write chunk `index` of `entry`'s file when `data` is that chunk (False, nothing written,
+        when it is not). The file's last chunk completes it: checked whole, it moves to blobs/."""
+        sha = entry.sha256
+        if not _is_hex(sha) or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or len(entry.chunks) != -(-entry.size // chunk_bytes):
+            return False
+        if not 0 <= index < len(entry.chunks) or len(data) != entry.chunk_size(index, chunk_bytes):
+            return False
+        if hashlib.sha256(data).hexdigest() != entry.chunks[index]:
+            return False
+        with self._blob_lock(sha):
+            if self._blob(sha).exists():
+                return True
+            p = self._state(sha)
+            if p is not None and (p.size, p.chunk_bytes) != (entry.size, chunk_bytes):
+                self._discard(sha, f"restarted in chunks of {chunk_bytes} bytes (it had {p.chunk_bytes})")
+                p = None
+            if p is None:
+                p = _Partial(entry.size, chunk_bytes)
+                with open(self._partial(sha), "wb") as f:
+                    f.truncate(entry.size)
+                self._write_have(sha, p)
+                with self._lock:
+                    self._partials[sha] = p
+            if index in p.have:
+                return True
+            fd = os.open(self._partial(sha), os.O_WRONLY)
+            try:
+                os.pwrite(fd, data, index * chunk_bytes)
+            finally:
+                os.close(fd)
+            with open(self._have_file(sha), "ab") as f:
+                f.write(f"{index} {entry.chunks[index]}\n".encode())
+            with self._lock:
+                p.have[index] = entry.chunks[index]
+            if len(p.have) == len(entry.chunks) and not self._finish(entry, p):
+                return False
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            try:
+                callback(sha, index)
+            except Exception as e:
+                self.log.error("cache.callback_failed", sha256=sha, index=index, error=repr(e)[:300])
+        return True
+
+    def _finish(self, entry: Entry, p: _Partial) -> bool:
+        """Every chunk is in: check the file whole, make it durable and read-only, move it to blobs/.
+        The caller holds the blob's lock."""
+        sha = entry.sha256
+        with open(self._partial(sha), "rb") as f:
+            size, whole, _ = hash_file(f, p.chunk_bytes)
+            if (size, whole) != (entry.size, sha):
+                self._discard(sha, f"its chunks matched but the whole file hashes to {whole} ({size} bytes)")
+                return False
+            os.fsync(f.fileno())
+        os.chmod(self._partial(sha), 0o444)
+        _rename_durably(self._partial(sha), self._blob(sha))
+        self._have_file(sha).unlink(missing_ok=True)
+        with self._lock:
+            self._partials.pop(sha, None)
+        return True
+
+    def missing(self, manifest: Manifest) -> list[tuple[Entry, int]]:
+        """The chunks still to fetch for `manifest`, each file's content once (however many entries or
+        manifests hold it), without those a partial file already holds. Marks the manifest in flight:
+        its blobs are kept until `complete` or `release`."""
+        with self._lock:
+            if manifest.digest in self._adopted:
+                return []
+            self._active[manifest.digest] = manifest
+        out = []
+        for sha, (entry, chunk_bytes) in _unique([manifest]).items():
+            if self._blob(sha).exists():
+                continue
+            p = self._loaded(sha)
+            with self._lock:
+                have = dict(p.have) if p is not None and p.chunk_bytes == chunk_bytes else {}
+            out += [(entry, i) for i, c in enumerate(entry.chunks) if have.get(i) != c]
+        return out
+
+    def release(self, digest: str) -> None:
+        """`digest` is no longer being fetched (done, failed or cancelled): its blobs may be evicted."""
+        with self._lock:
+            self._active.pop(digest, None)
+
+    # -- pins, room, eviction ----------------------------------------------------------------------
+
+    def pin(self, digest: str, owner: str) -> None:
+        """`owner` (a job) reads `digest`'s tree: it is not evicted until `unpin(owner)`."""
+        if not _is_hex(digest):
+            raise ValueError(f"cannot pin {digest!r}: not a sha256 digest")
+        with self._lock:
+            self._pins.setdefault(owner, set()).add(digest)
+
+    def unpin(self, owner: str) -> None:
+        with self._lock:
+            self._pins.pop(owner, None)
+
+    def _pinned(self) -> dict[str, tuple[str, ...]]:
+        """digest -> its owners."""
+        with self._lock:
+            by: dict[str, list[str]] = {}
+            for owner, digests in self._pins.items():
+                for d in digests:
+                    by.setdefault(d, []).append(owner)
+        return {d: tuple(sorted(o)) for d, o in by.items()}
+
+    def _kept(self) -> dict[str, tuple[Entry, int]]:
+        """The files that must stay: those of pinned manifests and of manifests in flight."""
+        with self._lock:
+            active = list(self._active.values())
+        pinned = [m for d in self._pinned() if (m := self.manifest(d)) is not None]
+        return _unique(active + pinned)
+
+    def _sizes(self, folder: str) -> dict[str, os.stat_result]:
+        out = {}
+        for p in (self.root / folder).iterdir():
+            if _is_hex(p.name):
+                with contextlib.suppress(FileNotFoundError):
+                    out[p.name] = p.stat()
+        return out
+
+    def _to_write(self, manifests: Iterable[Manifest]) -> int:
+        return sum(e.chunk_size(i, m.chunk_bytes) for m in manifests for e, i in self.missing(m))
+
+    def reserve(self, manifest: Manifest) -> None:
+        """Make room for what `manifest` still needs (marking it in flight), within the budget and the
+        disk: unreferenced files go first, then unpinned trees least recently used first. CacheFull
+        when even that would not do (and then nothing is evicted)."""
+        digest = manifest.digest
+        with self._tree_lock:
+            need = self._to_write([manifest])  # marks it in flight
+            if need == 0:
+                return
+            tried: set[str] = set()  # evicted already ("": unreferenced files), in case one frees nothing
+            while True:
+                with self._lock:
+                    active = list(self._active.values())
+                kept = self._kept()
+                blobs, partials = self._sizes("blobs"), self._sizes("partial")
+                flying = {sha: e.size for sha, (e, _) in _unique(active).items() if sha not in blobs}
+                # What the cache will hold once every fetch in flight is done, and what that frees.
+                final = sum(s.st_size for s in blobs.values()) + sum(flying.values()) + sum(s.st_size for sha, s in partials.items() if sha not in flying)
+                freeable = sum(s.st_size for sha, s in blobs.items() if sha not in kept) + sum(s.st_size for sha, s in partials.items() if sha not in kept)
+                to_write = self._to_write(active)
+                free = shutil.disk_usage(self.root).free
+                over = 0 if self.max_bytes is None else final - self.max_bytes
+                short = to_write + self.min_free - free
+                if over <= 0 and short <= 0:
+                    return
+                if over > freeable or short > freeable:
+                    raise CacheFull(self._full(digest, need, final, free))
+                if "" not in tried and self._has_orphans(kept):
+                    victim: str | None = ""
+                else:
+                    victim = self._victim(tried)
+                if victim is None:
+                    raise CacheFull(self._full(digest, need, final, free))
+                tried.add(victim)
+                freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
+                self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, for_digest=digest)
+
+    def _full(self, digest: str, need: int, final: int, free: int) -> str:
+        pinned = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in self._pinned().items()) or "nothing"
+        budget = "no budget" if self.max_bytes is None else f"a budget of {self.max_bytes} bytes ({final} once the fetches in flight are done)"
+        return (
+            f"the cache at {self.root} has no room for {digest[:12]}: {need} more bytes needed, {budget}; "
+            f"pinned: {pinned}; {free} bytes free on its disk, keeping {self.min_free} free. "
+            "Raise the cache's budget, free disk space, or end the jobs that pin trees."
+        )
+
+    def _has_orphans(self, kept: dict[str, tuple[Entry, int]]) -> bool:
+        if any(s.st_nlink == 1 and sha not in kept for sha, s in self._sizes("blobs").items()):
+            return True
+        return any(sha not in kept for sha in self._sizes("partial"))
+
+    def _victim(self, tried: set[str]) -> str | None:
+        """The least recently used digest that is neither pinned, nor in flight, nor adopted (its
+        files are not ours), nor evicted already."""
+        pinned = self._pinned()
+        with self._lock:
+            busy = set(self._active) | set(self._adopted) | set(pinned) | tried
+        candidates = [d for d in self._digests() if d not in busy]
+        if not candidates:
+            return None
+        return min(candidates, key=self._last_used)
+
+    def _digests(self) -> set[str]:
+        found = set()
+        for folder in ("manifests", "trees", "adopted", "used"):
+            found |= {p.name for p in (self.root / folder).iterdir() if _is_hex(p.name)}
+        return found
+
+    def _last_used(self, digest: str) -> float:
+        try:
+            return (self.root / "used" / digest).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def _drop(self, digest: str, kept: dict[str, tuple[Entry, int]]) -> int:
+        """Remove `digest`'s tree and records, then its blobs that nothing else links. Bytes freed."""
+        m = self.manifest(digest)
+        shutil.rmtree(self._tree(digest), ignore_errors=True)
+        for folder in ("manifests", "used"):
+            (self.root / folder / digest).unlink(missing_ok=True)
+        with self._lock:
+            self._manifests.pop(digest, None)
+        self._unadopt(digest, "pruned")
+        if m is None:  # which blobs it linked is not known: every unlinked one goes
+            return self._drop_orphans(kept)
+        freed = 0
+        for sha in _unique([m]):
+            freed += self._drop_blob(sha, kept)
+        return freed
+
+    def _drop_blob(self, sha: str, kept: dict[str, tuple[Entry, int]]) -> int:
+        path = self._blob(sha)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return 0
+        if st.st_nlink != 1 or sha in kept:
+            return 0
+        path.unlink(missing_ok=True)
+        return st.st_size
+
+    def _drop_orphans(self, kept: dict[str, tuple[Entry, int]]) -> int:
+        """Blobs no tree links and partial files no fetch in flight needs. Bytes freed."""
+        freed = sum(self._drop_blob(sha, kept) for sha in self._sizes("blobs"))
+        for sha, st in self._sizes("partial").items():
+            lock = self._blob_lock(sha)
+            if sha in kept or not lock.acquire(blocking=False):
+                continue
+            try:
+                self._discard(sha, "evicted")
+                freed += st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+            finally:
+                lock.release()
+        return freed
+
+    def prune(self, digest: str | None = None) -> int:
+        """Remove one tree (ValueError when it is pinned), or every unpinned one and every file no
+        tree links; a blob is deleted once no tree links it. Returns the bytes freed."""
+        with self._tree_lock:
+            kept = self._kept()
+            pinned = self._pinned()
+            if digest is not None:
+                if not _is_hex(digest):
+                    raise ValueError(f"cannot prune {digest!r}: not a sha256 digest")
+                with self._lock:
+                    active = set(self._active)
+                if digest in pinned:
+                    raise ValueError(f"cannot prune {digest}: pinned by {', '.join(pinned[digest])}")
+                if digest in active:
+                    raise ValueError(f"cannot prune {digest}: it is being fetched")
+                return self._drop(digest, kept)
+            with self._lock:
+                active = set(self._active)
+            freed = sum(self._drop(d, kept) for d in self._digests() - set(pinned) - active)
+            return freed + self._drop_orphans(kept)
+
+    def entries(self) -> list[CacheEntry]:
+        """Every manifest the cache knows, most recently used first."""
+        pinned = self._pinned()
+        with self._lock:
+            adopted = dict(self._adopted)
+        out = []
+        for d in self._digests():
+            m = self.manifest(d)
+            folder = adopted.get(d)
+            out.append(
+                CacheEntry(
+                    digest=d,
+                    bytes=m.total_bytes if m is not None else 0,
+                    files=len(m.entries) if m is not None else 0,
+                    last_used=self._last_used(d),
+                    complete=folder is not None or self._tree(d).is_dir(),
+                    pinned_by=pinned.get(d, ()),
+                    adopted=str(folder) if folder is not None else None,
+                )
+            )
+        return sorted(out, key=lambda e: (-e.last_used, e.digest))
