@@ -327,6 +327,7 @@ class Cache:
         return p
 
     def _loaded(self, sha: str) -> _Partial | None:
+        """The partial file's state, read when this process has not read it yet."""
         with self._lock:
             p = self._partials.get(sha)
         if p is None and self._have_file(sha).exists():
@@ -361,9 +362,12 @@ class Cache:
                 f.seek(index * chunk_bytes)
                 if hashlib.sha256(f.read(min(chunk_bytes, size - index * chunk_bytes))).hexdigest() == chunk_sha:
                     p.have[index] = chunk_sha
+        if len(p.have) != len(claimed):
+            self.log.warning("cache.chunks_torn", sha256=sha, torn=len(claimed) - len(p.have), kept=len(p.have))
+        if len(p.have) == -(-size // chunk_bytes):  # killed after its last chunk, before it became a blob
+            self._finish(sha, p)
+            return None
         if len(p.have) != len(claimed) or len(lines) != len(claimed) + 2:
-            if len(p.have) != len(claimed):
-                self.log.warning("cache.chunks_torn", sha256=sha, torn=len(claimed) - len(p.have), kept=len(p.have))
             self._write_have(sha, p)
         return p
 
@@ -384,9 +388,9 @@ class Cache:
         chunk; a partial file those verified; an adopted folder those its manifest lists)."""
         if not _is_hex(sha256) or index < 0:
             return False
+        p = self._loaded(sha256)  # first: it may find a partial file complete, and make it a blob
         if self._blob(sha256).exists():
             return True
-        p = self._loaded(sha256)
         if p is not None:
             with self._lock:
                 if index in p.have:
@@ -398,19 +402,18 @@ class Cache:
         if not _is_hex(sha256) or index < 0 or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
             return None
         offset = index * chunk_bytes
-        for _ in range(2):  # a partial file becomes a blob while we look: look again
-            data = self._read_blob(sha256, offset, chunk_bytes)
-            if data is not None:
-                return data
-            p = self._loaded(sha256)
-            if p is None:
-                break
-            with self._lock:
-                expected = p.have.get(index) if p.chunk_bytes == chunk_bytes else None
-            if expected is None:
-                break
+        p = self._loaded(sha256)  # first: it may find a partial file complete, and make it a blob
+        data = self._read_blob(sha256, offset, chunk_bytes)
+        if data is not None:
+            return data
+        with self._lock:
+            expected = p.have.get(index) if p is not None and p.chunk_bytes == chunk_bytes else None
+        if p is not None and expected is not None:
             data = _pread(self._partial(sha256), offset, min(chunk_bytes, p.size - offset))
             if data is not None and hashlib.sha256(data).hexdigest() == expected:
+                return data
+            data = self._read_blob(sha256, offset, chunk_bytes)  # it became a blob meanwhile
+            if data is not None:
                 return data
         return self._read_adopted(sha256, index, chunk_bytes)
 
@@ -492,7 +495,7 @@ class Cache:
                 f.write(f"{index} {entry.chunks[index]}\n".encode())
             with self._lock:
                 p.have[index] = entry.chunks[index]
-            if len(p.have) == len(entry.chunks) and not self._finish(entry, p):
+            if len(p.have) == len(entry.chunks) and not self._finish(sha, p):
                 return False
         with self._lock:
             callbacks = list(self._callbacks)
@@ -503,13 +506,12 @@ class Cache:
                 self.log.error("cache.callback_failed", sha256=sha, index=index, error=repr(e)[:300])
         return True
 
-    def _finish(self, entry: Entry, p: _Partial) -> bool:
+    def _finish(self, sha: str, p: _Partial) -> bool:
         """Every chunk is in: check the file whole, make it durable and read-only, move it to blobs/.
         The caller holds the blob's lock."""
-        sha = entry.sha256
         with open(self._partial(sha), "rb") as f:
             size, whole, _ = hash_file(f, p.chunk_bytes)
-            if (size, whole) != (entry.size, sha):
+            if (size, whole) != (p.size, sha):
                 self._discard(sha, f"its chunks matched but the whole file hashes to {whole} ({size} bytes)")
                 return False
             os.fsync(f.fileno())
@@ -530,9 +532,9 @@ class Cache:
             self._active[manifest.digest] = manifest
         out = []
         for sha, (entry, chunk_bytes) in _unique([manifest]).items():
+            p = self._loaded(sha)  # first: it may find a partial file complete, and make it a blob
             if self._blob(sha).exists():
                 continue
-            p = self._loaded(sha)
             with self._lock:
                 have = dict(p.have) if p is not None and p.chunk_bytes == chunk_bytes else {}
             out += [(entry, i) for i, c in enumerate(entry.chunks) if have.get(i) != c]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -421,6 +424,26 @@ def test_a_torn_chunk_is_detected_when_a_fetch_resumes(tmp_path: Path) -> None:
     assert differences(cache.complete(m), m) == []
 
 
+def test_a_file_whose_last_chunk_landed_just_before_a_kill_becomes_a_blob_at_resume(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "corpus", {"big": pattern(3 * SMALL + 1)})
+    (big,) = m.entries
+    asks: list[Callable[[Cache], bool]] = [lambda c: c.missing(m) == [], lambda c: c.has_chunk(big.sha256, 3), lambda c: c.read_chunk(big.sha256, 3, SMALL) == b"\xbb"]
+    for k, ask in enumerate(asks):
+        root = tmp_path / f"cache{k}"
+        fetch(Cache(root), m, source, [(big, 0), (big, 1), (big, 2)])
+        # As write_chunk leaves it when killed between the last chunk's `.have` line and the rename.
+        partial = root / "partial" / big.sha256
+        with open(partial, "r+b") as f:
+            f.seek(3 * SMALL)
+            f.write(chunk_of(source, big, 3, SMALL))
+        with open(partial.with_name(f"{big.sha256}.have"), "ab") as f:
+            f.write(f"3 {big.chunks[3]}\n".encode())
+        os.chmod(partial, 0o444)
+        cache = Cache(root)
+        assert ask(cache)
+        assert differences(cache.complete(m), m) == [] and list((root / "partial").iterdir()) == []
+
+
 def test_a_file_held_twice_is_fetched_once(tmp_path: Path) -> None:
     shared = pattern(2 * SMALL, seed=7)
     source_a, a = staged(tmp_path, "a", {"x/one": shared, "x/two": shared, "own": b"a"})
@@ -614,3 +637,45 @@ def test_chunks_written_and_read_from_many_threads_at_once(tmp_path: Path) -> No
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads) and errors == []
     assert cache.missing(m) == [] and differences(cache.complete(m), m) == []
+
+
+KILLED_WRITER = """
+import sys
+from pathlib import Path
+from dpool.staging.cache import Cache
+from dpool.staging.manifest import Manifest
+cache_root, source, manifest = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]).read_bytes()
+cache = Cache(cache_root)
+m = cache.put_manifest(manifest)
+for entry, index in cache.missing(m):
+    with open(source / entry.path, "rb") as f:
+        f.seek(index * m.chunk_bytes)
+        assert cache.write_chunk(entry, index, f.read(entry.chunk_size(index, m.chunk_bytes)), m.chunk_bytes)
+    print(entry.path, index, flush=True)
+sys.stdin.read()  # done: wait to be killed
+"""
+
+
+def test_a_writer_killed_mid_fetch_loses_no_chunk_it_had_written(tmp_path: Path) -> None:
+    source, m = staged(tmp_path, "big", {"w0": pattern(40 * SMALL, seed=5), "w1": pattern(24 * SMALL + 3, seed=6)})
+    (tmp_path / "manifest").write_bytes(m.to_bytes())
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WRITER, str(tmp_path / "cache"), str(source), str(tmp_path / "manifest")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    written = []
+    try:
+        assert child.stdout is not None
+        while len(written) < 30:
+            line = child.stdout.readline()
+            assert line, "the writer ended before it wrote 30 chunks"
+            path, index = line.split()
+            written.append((path, int(index)))
+    finally:
+        os.kill(child.pid, signal.SIGKILL)  # mid-write, most likely: it does not wait between chunks
+        child.wait(timeout=30)
+    cache = Cache(tmp_path / "cache")
+    left = [(e.path, i) for e, i in cache.missing(m)]
+    assert not set(left) & set(written) and len(left) <= 65 - 30
+    fetch(cache, m, source)
+    assert differences(cache.complete(m), m) == []
