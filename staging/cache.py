@@ -590,37 +590,48 @@ class Cache:
         disk: unreferenced files go first, then unpinned trees least recently used first. CacheFull
         when even that would not do (and then nothing is evicted)."""
         digest = manifest.digest
+        with self._lock:
+            was_active = digest in self._active
         with self._tree_lock:
             need = self._to_write([manifest])  # marks it in flight
             if need == 0:
                 return
-            tried: set[str] = set()  # evicted already ("": unreferenced files), in case one frees nothing
-            while True:
-                with self._lock:
-                    active = list(self._active.values())
-                kept = self._kept()
-                blobs, partials = self._sizes("blobs"), self._sizes("partial")
-                flying = {sha: e.size for sha, (e, _) in _unique(active).items() if sha not in blobs}
-                # What the cache will hold once every fetch in flight is done, and what that frees.
-                final = sum(s.st_size for s in blobs.values()) + sum(flying.values()) + sum(s.st_size for sha, s in partials.items() if sha not in flying)
-                freeable = sum(s.st_size for sha, s in blobs.items() if sha not in kept) + sum(s.st_size for sha, s in partials.items() if sha not in kept)
-                to_write = self._to_write(active)
-                free = shutil.disk_usage(self.root).free
-                over = 0 if self.max_bytes is None else final - self.max_bytes
-                short = to_write + self.min_free - free
-                if over <= 0 and short <= 0:
-                    return
-                if over > freeable or short > freeable:
-                    raise CacheFull(self._full(digest, need, final, free))
-                if "" not in tried and self._has_orphans(kept):
-                    victim: str | None = ""
-                else:
-                    victim = self._victim(tried)
-                if victim is None:
-                    raise CacheFull(self._full(digest, need, final, free))
-                tried.add(victim)
-                freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
-                self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, for_digest=digest)
+            try:
+                self._make_room(digest, need)
+            except CacheFull:
+                if not was_active:
+                    self.release(digest)
+                raise
+
+    def _make_room(self, digest: str, need: int) -> None:
+        """Evict until what the fetches in flight need fits (the caller holds the tree lock)."""
+        tried: set[str] = set()  # evicted already ("": unreferenced files), in case one frees nothing
+        while True:
+            with self._lock:
+                active = list(self._active.values())
+            kept = self._kept()
+            blobs, partials = self._sizes("blobs"), self._sizes("partial")
+            flying = {sha: e.size for sha, (e, _) in _unique(active).items() if sha not in blobs}
+            # What the cache will hold once every fetch in flight is done, and what that frees.
+            final = sum(s.st_size for s in blobs.values()) + sum(flying.values()) + sum(s.st_size for sha, s in partials.items() if sha not in flying)
+            freeable = sum(s.st_size for sha, s in blobs.items() if sha not in kept) + sum(s.st_size for sha, s in partials.items() if sha not in kept)
+            to_write = self._to_write(active)
+            free = shutil.disk_usage(self.root).free
+            over = 0 if self.max_bytes is None else final - self.max_bytes
+            short = to_write + self.min_free - free
+            if over <= 0 and short <= 0:
+                return
+            if over > freeable or short > freeable:
+                raise CacheFull(self._full(digest, need, final, free))
+            if "" not in tried and self._has_orphans(kept):
+                victim: str | None = ""
+            else:
+                victim = self._victim(tried)
+            if victim is None:
+                raise CacheFull(self._full(digest, need, final, free))
+            tried.add(victim)
+            freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
+            self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, for_digest=digest)
 
     def _full(self, digest: str, need: int, final: int, free: int) -> str:
         pinned = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in self._pinned().items()) or "nothing"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -507,10 +508,18 @@ def test_budget_eviction_is_least_recently_used_first_and_never_takes_a_pinned_t
     assert f"{2 * size + 1} more bytes needed" in message and f"a budget of {3 * size} bytes" in message
     assert f"pinned: {a.digest[:12]} by job-1" in message and "bytes free on its disk" in message
     assert {x.digest for x in cache.entries() if x.complete} == {a.digest, c.digest, e.digest}
-    cache.release(big.digest)
     cache.unpin("job-1")
     complete_tree(cache, tmp_path, "f", size, used=6000)
     assert cache.tree(a.digest) is None  # unpinned, it was the oldest
+
+
+def test_reserve_keeps_room_on_the_disk(tmp_path: Path) -> None:
+    _, m = staged(tmp_path, "corpus", TREE)
+    margin = shutil.disk_usage(tmp_path).free + (1 << 40)  # more than the disk will have free
+    cache = Cache(tmp_path / "cache", min_free=margin)
+    with pytest.raises(CacheFull, match=rf"{m.total_bytes} more bytes needed, no budget; pinned: nothing; \d+ bytes free on its disk, keeping {margin} free"):
+        cache.reserve(m)
+    Cache(tmp_path / "cache", min_free=0).reserve(m)
 
 
 def test_a_fetch_in_flight_keeps_its_blobs_and_counts_against_the_budget(tmp_path: Path) -> None:
