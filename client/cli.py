@@ -28,6 +28,7 @@ import orjson
 from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
+from dpool.client import stage
 from dpool.client import watch as client_watch
 from dpool.client.jobtimes import JobTimes, status_object
 from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, pages
@@ -140,6 +141,11 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
         print(f"{a.job}: valid ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max}); a dry run, nothing submitted", file=sys.stderr)
         return EXIT_OK
     assert c is not None
+    try:
+        spec, trees = stage.with_content(spec)
+        stage.bring(c, c.keys, trees, lambda line: print(line, file=sys.stderr))
+    except stage.StageError as e:
+        raise BadInput(f"{a.job}: {e}") from None
     reply = c.call(m.Submit(job=spec.to_dict(), source=str(a.job)), m.Submitted)
     if a.json:
         sys.stdout.write(orjson.dumps({"id": reply.job_id}).decode() + "\n")
@@ -217,6 +223,12 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
         if j.workers:
             print()
             print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w.rank, w.node, w.share, f"{w.tokens_per_s:.0f}"] for w in j.workers]))
+        if j.staging:
+            print()
+            print(table(["NODE", "FILES", "HAVE", "OF", "RATE", "ETA", "WHY"], [
+                [r.node, r.state, f"{r.bytes / 1e6:.1f} MB", f"{r.total / 1e6:.1f} MB", f"{r.rate_bps / 1e6:.1f} MB/s" if r.rate_bps else "-", duration(r.eta_s) or "-", r.reason or ""]
+                for r in j.staging
+            ]))
         return EXIT_OK
     if not jobs:
         print("no jobs" + (f" in state {', '.join(sorted(states))}" if states else ""))

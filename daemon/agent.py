@@ -57,6 +57,7 @@ from dpool.daemon.children import clean, error_message, is_alive, is_stopped
 from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.forkserver import LM_MODULES, ForkedProcess, ForkServer, ForkServerError
 from dpool.daemon.memstore import MemoryStore, default_root
+from dpool.daemon.nodestage import NodeStaging
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
@@ -71,6 +72,7 @@ from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo
 from dpool.protocol.schema import Invalid
 from dpool.protocol.security import ClientKeys, curve_client
 from dpool.protocol.sockets import HWM, pending
+from dpool.protocol.stage_messages import JobStage
 
 LOG_FLUSH_S = 0.2
 # A trainer whose process stays stopped (SIGSTOP, SIGTSTP, a terminal's job control) this long is
@@ -115,6 +117,7 @@ class Agent(WarmTrainers):
         keys: ClientKeys | None = None,
         awake: SleepGuard | None = None,
         zygote: StartedZygote | None = None,
+        cache_max: int | None = None,
     ) -> None:
         self.keys = keys  # CURVE to the coordinator when given
         self.awake = awake or SleepGuard.for_this_machine()  # no idle sleep while a trainer runs (macOS)
@@ -153,6 +156,12 @@ class Agent(WarmTrainers):
         self.memory = MemoryStore(default_root(self.state_dir))
         self.forks = ForkServer(zygote)  # trainers forked pre-imported (`zygote`: one started before the daemon's imports)
         self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
+        host = f"[{advertise}]" if ":" in advertise else advertise
+        self.peer_keys: set[str] = set()  # the pool's nodes' public keys, as the coordinator names them (job.stage)
+        self.staging = NodeStaging(
+            self.state_dir, bind=f"tcp://{host}:0", memory_bytes=int(node_info(slots=slots, advertise=advertise)["memory_bytes"]),
+            keys=keys, authorize=self._data_peer if keys is not None else None, cache_max=cache_max, log=self.log,
+        )
 
     # -- life ----------------------------------------------------------------------------------
 
@@ -170,11 +179,13 @@ class Agent(WarmTrainers):
             shutil.rmtree(left, ignore_errors=True)
         wsock = self._bind_worker_socket()
         self.forks.start()
+        self.log.info("staging.listening", endpoint=self.staging.start(), cache=str(self.staging.cache.root))
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
         try:
             code = await self._control_loop(stopping)
         finally:
             await self._stop_all("dpd stopping")
+            self.staging.stop()
             await self.forks.close()
             self.awake.close()
             for t in list(self.export_tasks):
@@ -281,6 +292,7 @@ class Agent(WarmTrainers):
                 for h in held:
                     self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
+                self._send(self.staging.hello())  # where its data channel listens, and what it holds
                 return
             if isinstance(msg, m.Error) and msg.code in (ErrorCode.DUPLICATE_NAME, ErrorCode.BAD_BODY, ErrorCode.BAD_REQUEST):
                 raise Refused(msg.message)  # asking again cannot help (`--workers 2000`: slots are at most 1024)
@@ -370,7 +382,11 @@ class Agent(WarmTrainers):
                 self._remove_job(job)
             case m.JobWarm():
                 await self._warm_job(msg)
+            case JobStage():
+                self.peer_keys = {s.key for s in msg.sources if s.key} | self.peer_keys
+                self.staging.on_stage(msg, self._send)
             case m.JobEnded(job=job):
+                self.staging.ended(job)
                 self._retire_spares(job, "its job ended")
                 self.ended.add(job)
                 self._forget_kept(job)
@@ -460,7 +476,7 @@ class Agent(WarmTrainers):
     async def _start(self, msg: m.GroupStart) -> None:
         job_dir = self.state_dir / "jobs" / msg.job
         try:
-            spec = parse_job(msg.spec, source=f"job {msg.job}")
+            spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
             text = dump_job(spec)
             self.kinds[msg.job] = spec.model.kind
         except (JobFileError, ValueError, TypeError) as e:
@@ -722,6 +738,10 @@ class Agent(WarmTrainers):
         else:
             self.log.info("job.removed", job=job, path=str(folder), run_dirs=[], files=0, bytes=0)
         self._send(m.NodeRemoved(job=job))
+
+    def _data_peer(self, key: str) -> str | None:
+        """Who may read this node's data channel in a pool with keys: the pool's nodes."""
+        return "node:peer" if key in self.peer_keys else None
 
     def _holdings(self) -> list[Holding]:
         out = []

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 
-from dpool.daemon import netif
+from dpool.daemon import cachecmd, netif
 from dpool.daemon.childenv import UMASK, StartedZygote
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
@@ -57,6 +57,7 @@ CONFIG_KEYS = {
     "heartbeat_interval": float,
     "liveness": int,
     "stop_grace": float,
+    "cache_max": str,
     "log_level": str,
     "log_file": str,
 }
@@ -87,6 +88,7 @@ class Settings:
     log_file: Path | None = None  # dpd's own log, rotated by size (default: stderr)
     keys: ClientKeys | None = None  # this node's CURVE pair and the coordinator's public key
     server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
+    cache_max: int | None = None  # bytes the staging cache may hold (None: as the disk allows)
 
 
 def default_state_dir() -> Path:
@@ -216,7 +218,17 @@ def settings(args: argparse.Namespace) -> Settings:
         log_file=Path(log_file).expanduser().absolute() if log_file else None,
         keys=node_keys,
         server_keys=coord_keys,
+        cache_max=_cache_max(pick("cache_max", None)),
     )
+
+
+def _cache_max(value: object) -> int | None:
+    from dpool.daemon.nodestage import cache_max
+
+    try:
+        return cache_max(None if value is None else str(value))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 COORDINATOR_STOP_S = 10.0  # after the agent has stopped: the coordinator's batch in hand, then its exit
@@ -269,6 +281,7 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
             stop_grace_s=s.stop_grace,
             keys=s.keys,
             zygote=zygote,
+            cache_max=s.cache_max,
         )
         agent_task = asyncio.create_task(agent.run(stopping))
         notify_task = asyncio.create_task(sdnotify.announce(agent, stopping))  # systemd Type=notify
@@ -345,6 +358,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--keys", help="CURVE key directory made by `dpctl keys init` (else $DPOOL_KEYS, else config); with it every control-plane socket uses CURVE")
     run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.25)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
+    run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")
@@ -361,7 +375,10 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     logs.add_argument("-n", "--lines", type=int, default=100, help="the last lines to show (default 100)")
     sub.add_parser("restart", help="stop the installed service (SIGTERM: trainers checkpoint and stop) and start it again")
+    cachecmd.add_parser(sub, default_state_dir())
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return cachecmd.main(args, lock_state_dir)
     if args.command in ("install", "uninstall", "status", "logs", "restart"):
         from dpool.daemon import service
 

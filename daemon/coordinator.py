@@ -47,6 +47,7 @@ from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import TrainRow
 from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, role_of
 from dpool.protocol.sockets import HWM, pending_with_users
+from dpool.protocol.stage_messages import NodeStaged, StageOffer
 
 BATCH = 500  # frames handled between commits and ticks, at most
 BATCH_S = 0.02  # and for at most this long: a flood of registrations cannot hold back the ticks
@@ -331,7 +332,11 @@ class Coordinator:
             case m.Status(job=ref):
                 ref_ = self._job(ref)
                 job = self.pool.jobs.get(ref_.id)
-                return m.StatusReply(jobs=[job.status(now)] if job else self.store.statuses(1, only=ref_.id)), []
+                if job is None:
+                    return m.StatusReply(jobs=self.store.statuses(1, only=ref_.id)), []
+                return m.StatusReply(jobs=[dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now))]), []
+            case StageOffer(digests=wanted):
+                return self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost]), []
             case m.Nodes():
                 return m.NodesReply(nodes=self.pool.node_rows(now)), []
             case m.Metrics(job=ref, after=after, limit=limit):
@@ -426,7 +431,7 @@ class Coordinator:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 return []  # never answered: an error about an error would echo forever
             case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
-                  | m.NodeWorkerExited() | m.NodeWarmed()):
+                  | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged()):
                 pass
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

@@ -29,7 +29,13 @@ from dpool.daemon.records import Record, Send
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import JobDoc
 from dpool.protocol.payloads import StageRow
-from dpool.protocol.stage_messages import SOURCES_MAX, JobStage, NodeStaged, StageSource
+from dpool.protocol.stage_messages import (
+    SOURCES_MAX,
+    JobStage,
+    NodeStaged,
+    StageOfferReply,
+    StageSource,
+)
 
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
@@ -192,6 +198,17 @@ class Fitness:
         self.jobs.pop(job_id, None)
 
     # -- sources -----------------------------------------------------------------------------
+
+    def offer(self, wanted: list[str], live: list[str]) -> StageOfferReply:
+        """dpctl is about to submit content `wanted`: what the pool holds already, and the node
+        that takes an upload of the rest (the live node with a data channel holding the most of
+        it, else the first by name: one copy in; the nodes then fetch it from each other)."""
+        held = [d for d in wanted if any(n in live for n in self.holders(d))]
+        open_ = sorted((n for n in live if n in self.channels), key=lambda n: (-len(self.channels[n].holds & set(wanted)), n))
+        if len(held) == len(wanted) or not open_:
+            return StageOfferReply(held=held, total_nodes=len(live))
+        ch = self.channels[open_[0]]
+        return StageOfferReply(held=held, target=open_[0], endpoint=ch.endpoint, key=ch.key, total_nodes=len(live))
 
     def holders(self, digest: str) -> list[str]:
         return sorted(n for n, ch in self.channels.items() if digest in ch.holds)

@@ -51,7 +51,14 @@ from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
-from dpool.protocol.payloads import ExitedWorker, NodeRow, RankSlot, RunningWorker, StageRow, TrainRow
+from dpool.protocol.payloads import (
+    ExitedWorker,
+    NodeRow,
+    RankSlot,
+    RunningWorker,
+    StageRow,
+    TrainRow,
+)
 from dpool.protocol.stage_messages import NodeStaged
 
 __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Refused", "Send"]

@@ -47,6 +47,7 @@ class WarmTrainers:
     removing: set[str]
     kinds: dict[str, str]
     awake: Any
+    staging: Any  # daemon/nodestage.py: where this node has each job's files
 
     def _send(self, msg: m.Message, msg_id: int = 0) -> None:
         raise NotImplementedError
@@ -118,7 +119,7 @@ class WarmTrainers:
             refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
         else:
             try:
-                spec = parse_job(msg.spec, source=f"job {msg.job}")
+                spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
                 text = dump_job(spec)
                 self.kinds[msg.job] = spec.model.kind
                 job_dir = self.state_dir / "jobs" / msg.job

@@ -78,7 +78,7 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
     status = pool.dpctl_json("status", job_id)
     assert set(status) == {
         "id", "name", "state", "step", "steps", "generation", "world_size", "workers", "checkpoint_step", "loss", "val_loss", "error",
-        "submitted", "started", "finished", "elapsed_s", "eta_s",
+        "submitted", "started", "finished", "elapsed_s", "eta_s", "staging",
     }
     assert status["submitted"] <= status["started"] <= status["finished"] and status["eta_s"] is None
     assert status["elapsed_s"] == round(status["finished"] - status["started"], 3)

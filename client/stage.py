@@ -1,0 +1,87 @@
+"""`dpctl submit`'s side of staging: name the job's files by content, and make sure the pool holds
+them before the job is queued.
+
+Where `data.source` (and an mlx_lm `model.path`) exist on the machine dpctl runs on, their trees
+are hashed (protocol/content.py says which files; a hash cache in ~/.cache/dpool spares a second
+hashing of unchanged files) and their digests written into the job's `[content]`. The coordinator
+is then asked which of them some node holds (`stage.offer`); the rest are sent once, into one
+node's cache (its data channel; the other nodes fetch from it and from each other), and submit
+returns when that node holds a verified copy: the laptop may leave. A second submit of the same
+files sends nothing. Where a path does not exist here, the job goes as it is and the nodes look
+for it at that path (it may be on one of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from dpool.client.rpc import Client
+from dpool.protocol.content import data_tree, model_tree
+from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.security import ClientKeys
+from dpool.protocol.stage_messages import StageOffer, StageOfferReply
+from dpool.staging.manifest import HashCache, Manifest, ManifestError, scan
+
+
+class StageError(Exception):
+    """The job's files could not be named or brought into the pool; the message says why."""
+
+
+def hash_cache() -> HashCache:
+    base = Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "dpool"
+    base.mkdir(parents=True, exist_ok=True)
+    return HashCache(base / "hashes.sqlite")
+
+
+def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
+    """The job with `[content]` filled for each tree that exists here, and those trees."""
+    hashes = hash_cache()
+    trees: list[tuple[Path, Manifest]] = []
+    content = spec.content
+    for what, tree in (("data", data_tree(spec)), ("model", model_tree(spec))):
+        if tree is None or getattr(content, what) is not None:
+            continue
+        root, files = tree
+        try:
+            manifest = scan(root, files, hashes=hashes)
+        except (ManifestError, OSError) as e:
+            key = "data.source" if what == "data" else "model.path"
+            raise StageError(f"{key}: cannot read the files at {root}: {e}") from None
+        content = dataclasses.replace(content, **{what: manifest.digest})
+        trees.append((root, manifest))
+    return dataclasses.replace(spec, content=content), trees
+
+
+def bring(c: Client, keys: ClientKeys | None, trees: list[tuple[Path, Manifest]], say: Callable[[str], None]) -> int:
+    """Make sure the pool holds every tree: bytes sent (0 when it held them all)."""
+    if not trees:
+        return 0
+    from dpool.staging.channel import Source, upload
+
+    reply = c.call(StageOffer(digests=[m.digest for _, m in trees]), StageOfferReply)
+    todo = [(root, m) for root, m in trees if m.digest not in reply.held]
+    if not todo:
+        return 0
+    if not reply.target:
+        say("note: no node's data channel is known yet; the nodes look for the files at the job's paths")
+        return 0
+    total = sum(m.total_bytes for _, m in todo)
+    say(f"sending {total / 1e6:.1f} MB of the job's files to node {reply.target} (once; the pool copies them on)")
+    sent = 0
+    source = Source(reply.endpoint, reply.key.encode() if reply.key else None, reply.target)
+    for root, manifest in todo:
+        def progress(done: int, of: int, _base: int = sent) -> None:
+            if sys.stderr.isatty():
+                print(f"\r  {(_base + done) / 1e6:9.1f} / {total / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
+
+        try:
+            sent += upload(source, root, manifest, keys=keys, progress=progress)
+        except Exception as e:  # the channel's errors name the node and what failed
+            raise StageError(f"could not send the job's files to node {reply.target}: {e}") from None
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return sent

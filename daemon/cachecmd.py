@@ -1,0 +1,73 @@
+"""`dpd cache`: what this node's staging cache holds, and pruning it.
+
+    dpd cache [--state-dir DIR] [--json]        one row per tree: digest, size, files, last use, where from
+    dpd cache prune [DIGEST] [--state-dir DIR]  remove one tree, or every tree (and every file no tree links)
+
+A running dpd prunes by itself within `--cache-max`, least recently used first, never a tree a
+live job uses; it alone knows which those are, so `prune` refuses while it runs (its state dir is
+locked) rather than delete a tree under a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+from dpool.staging.cache import Cache
+
+
+def add_parser(sub: argparse._SubParsersAction, default_state_dir: Path) -> None:
+    cache = sub.add_parser("cache", help="what this node's staging cache holds (`prune [DIGEST]`: remove trees while dpd is stopped)")
+    cache.add_argument("action", nargs="?", choices=["list", "prune"], default="list")
+    cache.add_argument("digest", nargs="?", help="prune: only this tree (a digest, or a unique prefix of one)")
+    cache.add_argument("--state-dir", dest="state_dir", default=str(default_state_dir), help=f"the dpd's state dir (default {default_state_dir})")
+    cache.add_argument("--json", action="store_true", help="list: a JSON array on stdout")
+
+
+def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
+    """`lock(state_dir)` takes the dpd's state-dir lock (raises while a dpd runs there)."""
+    state = Path(args.state_dir).expanduser()
+    if not (state / "cache").is_dir():
+        print("[]" if args.json else f"no staging cache at {state / 'cache'} (is --state-dir the dpd's?)")
+        return 0
+    cache = Cache(state / "cache")
+    entries = cache.entries()
+    if args.action == "list":
+        if args.json:
+            sys.stdout.write(orjson.dumps([e.__dict__ for e in entries]).decode() + "\n")
+            return 0
+        if not entries:
+            print(f"the cache at {cache.root} is empty")
+            return 0
+        now = time.time()
+        print(f"{'DIGEST':14} {'SIZE':>10} {'FILES':>6} {'USED':>9}  FROM")
+        for e in entries:
+            used = f"{(now - e.last_used) / 3600:.1f}h ago" if e.last_used else "never"
+            where = e.adopted or ("cache" if e.complete else "partial")
+            print(f"{e.digest[:12]:14} {e.bytes / 1e6:9.1f}M {e.files:6} {used:>9}  {where}")
+        print(f"{sum(e.bytes for e in entries if not e.adopted) / 1e6:.1f} MB in {cache.root}")
+        return 0
+    try:
+        held = lock(state)
+    except Exception as e:  # StateDirBusy names the running dpd's pid
+        print(f"dpd cache prune: {e}; a running dpd prunes its cache itself (--cache-max)", file=sys.stderr)
+        return 2
+    try:
+        digest = None
+        if args.digest:
+            found = [e.digest for e in entries if e.digest.startswith(args.digest)]
+            if len(found) != 1:
+                print(f"dpd cache prune: {args.digest!r} names {len(found)} trees in {cache.root}; give a longer prefix", file=sys.stderr)
+                return 2
+            digest = found[0]
+        freed = cache.prune(digest)
+    finally:
+        os.close(held)
+    print(f"freed {freed / 1e6:.1f} MB")
+    return 0

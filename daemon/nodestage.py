@@ -1,0 +1,261 @@
+"""A node's side of staging: can this machine serve a job, and the files it lacks.
+
+The coordinator asks with `job.stage` (daemon/fitness.py); `NodeStaging.stage` answers with
+`node.staged`, at once ("checking"), while it fetches ("staging", with bytes and rate), and at the
+end ("ready", or "unfit" with one line naming what is wrong). For each of the job's trees (the
+data, an mlx_lm model):
+
+- the job names its content (`[content]`, written by `dpctl submit`):
+  - the node's cache holds it: served from there;
+  - the job's path exists here: its files are hashed (a hash cache spares a second hashing) and,
+    when they are the submitted ones, served from where they are (adopted, never copied); when
+    they differ, the node sits the job out naming the first file that differs;
+  - else the content is fetched from the nodes that hold it (the data channel, staging/channel.py)
+    into the cache;
+- the job names no content (a path that did not exist where it was submitted): the path must
+  exist here.
+Then a model must load as a config (`config.json` with a `model_type`) and fit in this machine's
+memory (an estimate: its weights, four times over for full fine-tuning with Adam).
+
+A trainer of the job reads the trees where this node has them: `localize` rewrites the job's paths
+(protocol/content.py `staged`), which changes neither its training hash nor its data split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpool.protocol.content import data_tree, model_tree, staged
+from dpool.protocol.jobspec import JobFileError, JobSpec, model_location, parse_job
+from dpool.protocol.messages import Message
+from dpool.protocol.stage_messages import JobStage, NodeStaged, StageSource
+from dpool.staging.cache import Cache, CacheFull
+from dpool.staging.channel import FetchError, Source, Stager
+from dpool.staging.manifest import HashCache, ManifestError, differences, scan
+
+PROGRESS_S = 0.5  # a fetching node reports its progress this often
+MANIFEST_WAIT_S = 30.0  # for a holder's manifest, to name the file of this node's copy that differs
+NO_JOB = "*"  # node.staged about no job: only this node's data channel and holdings
+FULL_FINE_TUNE_FACTOR = 4.0  # weights, gradients and two Adam moments
+ADAPTER_FACTOR = 1.2  # weights and a little for the adapters and activations
+MEMORY_SHARE = 0.9  # of the machine's memory a model may be estimated to take
+
+
+class Unfit(Exception):
+    """This node cannot serve the job; the message says why, for `dpctl nodes` and the events."""
+
+
+@dataclass(slots=True)
+class Staged:
+    """What this node serves a job from: its trees' folders here (None: the job's own path)."""
+
+    data: Path | None = None
+    model: Path | None = None
+    digests: tuple[str, ...] = ()
+
+
+class NodeStaging:
+    def __init__(
+        self, state_dir: Path, *, bind: str | None, memory_bytes: int, keys: Any = None,
+        authorize: Callable[[str], str | None] | None = None, may_put: Callable[[str, str], bool] | None = None,
+        cache_max: int | None = None, log: Any,
+    ) -> None:
+        self.log, self.memory_bytes = log, memory_bytes
+        self.cache = Cache(state_dir / "cache", max_bytes=cache_max)
+        self.hashes = HashCache(state_dir / "cache" / "hashes.sqlite")
+        self.stager = Stager(self.cache, bind=bind, keys=keys, authorize=authorize, may_put=may_put, log=log)
+        self.key = keys.public.decode() if keys is not None else ""
+        self.endpoint = ""
+        self.jobs: dict[str, Staged] = {}
+        self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> str:
+        self.endpoint = self.stager.start()
+        return self.endpoint
+
+    def stop(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        self.stager.stop()
+
+    def holds(self) -> list[str]:
+        return sorted(e.digest for e in self.cache.entries() if e.complete)[:16]
+
+    def hello(self) -> NodeStaged:
+        """What this node serves, for the coordinator (sent after it registers)."""
+        return NodeStaged(job=NO_JOB, state="ready", holds=self.holds(), endpoint=self.endpoint, key=self.key)
+
+    def localize(self, job: str, spec: JobSpec) -> JobSpec:
+        got = self.jobs.get(job)
+        return spec if got is None else staged(spec, got.data, got.model)
+
+    def ended(self, job: str) -> None:
+        self.jobs.pop(job, None)
+        self.cache.unpin(job)
+        task = self.tasks.pop(job, None)
+        if task is not None:
+            task.cancel()
+
+    # -- job.stage -----------------------------------------------------------------------------
+
+    def on_stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
+        """job.stage: (re)start the check unless one runs; new sources reach a running fetch."""
+        for s in msg.sources:
+            self.sources.setdefault(s.digest, [])
+        for digest in {s.digest for s in msg.sources}:
+            self.sources[digest] = [s for s in msg.sources if s.digest == digest]
+        running = self.tasks.get(msg.job)
+        if running is not None and not running.done():
+            return
+        self.tasks[msg.job] = asyncio.create_task(self._stage(msg, send))
+
+    async def _stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
+        def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
+            send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
+                            holds=self.holds(), endpoint=self.endpoint, key=self.key))
+
+        say("checking")
+        t0 = time.monotonic()
+        try:
+            spec = parse_job(msg.spec, source=f"job {msg.job}")
+            got = Staged()
+            got.data = await self._tree(msg.job, spec, "data", say)
+            got.model = await self._tree(msg.job, spec, "model", say)
+            self._check_model(spec, got.model)
+        except (Unfit, JobFileError) as e:
+            self.log.warning("node.unfit", job=msg.job, reason=str(e))
+            say("unfit", str(e)[:4000])
+            return
+        except Exception as e:  # a bug costs this job on this node, never the daemon
+            self.log.exception("stage.failed", job=msg.job)
+            say("unfit", f"staging failed on this node: {type(e).__name__}: {e}"[:4000])
+            return
+        self.jobs[msg.job] = got
+        self.log.info("job.staged", job=msg.job, data=str(got.data) if got.data else None, model=str(got.model) if got.model else None, seconds=round(time.monotonic() - t0, 3))
+        say("ready")
+
+    async def _tree(self, job: str, spec: JobSpec, what: str, say: Callable[..., None]) -> Path | None:
+        """The folder this node serves the job's `what` tree from (None: the job's own path)."""
+        key = "data.source" if what == "data" else "model.path"
+        given = spec.data.source if what == "data" else spec.model.path
+        digest = spec.content.data if what == "data" else spec.content.model
+        if what == "model" and spec.model.kind != "mlx_lm":
+            return None
+        if what == "data" and spec.data.source == "stdlib":
+            return None
+        local = await asyncio.to_thread(data_tree if what == "data" else model_tree, spec)
+        if digest is None:
+            if local is None and not (what == "model" and model_location(spec)[0] == "repo"):
+                where = spec.resolved_source() if what == "data" else model_location(spec)[1]
+                raise Unfit(f"{key} = {given!r}: no such files on this machine ({where})")
+            return None
+        self.cache.pin(digest, job)
+        held = self.cache.tree(digest)
+        if held is not None:
+            return held
+        if local is not None:
+            root, files = local
+            mine = await asyncio.to_thread(scan, root, files, hashes=self.hashes)
+            if mine.digest == digest:
+                self.cache.put_manifest(mine.to_bytes())
+                self.cache.adopt(digest, root)
+                return None  # served from where it is
+            raise Unfit(f"{key}: {await self._difference(digest, root)}")
+        return await self._fetch(digest, key, say)
+
+    async def _difference(self, digest: str, root: Path) -> str:
+        """The first file of `root` that differs from the submitted tree (its manifest fetched
+        from a holder when this node has none)."""
+        manifest = self.cache.manifest(digest)
+        if manifest is None and self._sources(digest)():
+            # A fetch gets the manifest first (into the cache); it is stopped once that is there.
+            future = self.stager.fetch(digest, self._sources(digest))
+            deadline = time.monotonic() + MANIFEST_WAIT_S
+            while manifest is None and not future.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)  # polled: the cache has no awaitable for a manifest's arrival
+                manifest = self.cache.manifest(digest)
+            self.stager.cancel(digest)
+            manifest = manifest or self.cache.manifest(digest)
+        if manifest is None:
+            return f"the files at {root} are not the submitted ones (content {digest[:12]}), and no holder could say which differs"
+        diffs = await asyncio.to_thread(differences, root, manifest, hashes=self.hashes)
+        if not diffs:
+            return f"the files at {root} hold extra files beside the submitted ones (content {digest[:12]})"
+        more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
+        return f"{diffs[0]}{more}, at {root}; the job was submitted with other files"
+
+    def _sources(self, digest: str) -> Callable[[], list[Source]]:
+        def current() -> list[Source]:
+            return [Source(s.endpoint, s.key.encode() if s.key else None, s.node) for s in self.sources.get(digest, [])]
+        return current
+
+    async def _fetch(self, digest: str, key: str, say: Callable[..., None]) -> Path:
+        try:
+            future = self.stager.fetch(digest, self._sources(digest))
+        except CacheFull as e:
+            raise Unfit(f"{key}: no room in this node's cache: {e}") from None
+        wrapped = asyncio.wrap_future(future)
+        while True:
+            done, _ = await asyncio.wait({wrapped}, timeout=PROGRESS_S)
+            if done:
+                break
+            p = self.stager.progress(digest)
+            if p is not None:
+                say("staging", done=p.done_bytes, total=p.total_bytes, rate=p.rate_bps)
+        try:
+            return wrapped.result()
+        except CacheFull as e:
+            raise Unfit(f"{key}: no room in this node's cache: {e}") from None
+        except (FetchError, ManifestError, OSError) as e:
+            raise Unfit(f"{key}: could not fetch the job's files: {e}") from None
+
+    def _check_model(self, spec: JobSpec, staged_model: Path | None) -> None:
+        """An mlx_lm model whose folder is here: its config loads, and it fits in memory."""
+        if spec.model.kind != "mlx_lm":
+            return
+        where, path = model_location(spec)
+        folder = staged_model or (Path(path) if where == "dir" else None)
+        if folder is None:
+            return  # a repo id mlx-lm resolves in the trainer
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except FileNotFoundError:
+            raise Unfit(f"model.path = {spec.model.path!r}: no config.json in {folder}") from None
+        except (OSError, ValueError) as e:
+            raise Unfit(f"model.path = {spec.model.path!r}: config.json does not load: {e}") from None
+        if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+            raise Unfit(f"model.path = {spec.model.path!r}: config.json names no model_type")
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        factor = FULL_FINE_TUNE_FACTOR if spec.model.fine_tune == "full" else ADAPTER_FACTOR
+        need = weights * factor
+        if self.memory_bytes and need > MEMORY_SHARE * self.memory_bytes:
+            gb = 1 << 30
+            raise Unfit(
+                f"model.path: training it ({spec.model.fine_tune}) needs about {need / gb:.1f} GiB "
+                f"(weights {weights / gb:.1f} GiB), this machine has {self.memory_bytes / gb:.1f} GiB"
+            )
+
+
+def cache_max(text: str | None) -> int | None:
+    """`--cache-max`: '50GB', '500MB', '1.5TiB' or bytes; None: no budget but the disk."""
+    if text is None:
+        return None
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0 or not os.path.isfinite(value):
+        raise ValueError(f"--cache-max {text!r}: expected a size such as 50GB, 500MB or 2TiB")
+    return int(value * units[unit])

@@ -1,0 +1,100 @@
+"""Machines prepared differently (issue 18), with real dpds, each with its own HOME: the same files
+under two homes train together on the single-process curve; a node whose files differ, or that
+lacks the model, sits the job out with `node.unfit` naming why, and the job goes on elsewhere; a job
+no node can serve fails at once, without burning restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import HomesPool, Processes
+from jobs import write_job
+
+JOB_TIMEOUT = 180.0
+
+
+def corpus(folder: Path, count: int = 16) -> Path:
+    """`count` text files (standard-library sources, the same bytes on every run)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for i, name in enumerate(sorted(p.name for p in stdlib.glob("*.py"))[:count]):
+        shutil.copyfile(stdlib / name, folder / f"doc{i:02d}.txt")
+    return folder
+
+
+def dpctl(pool: HomesPool, *args: str, home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": str(home)} if home is not None else None
+    cmd = [sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=pool.root, env=env)
+
+
+def events(pool: HomesPool, job: str, kind: str) -> list[dict]:
+    return [e for e in pool.dpctl_json("events", job) if e["kind"] == kind]
+
+
+@pytest.fixture
+def pool(processes: Processes, tmp_path: Path) -> HomesPool:
+    return HomesPool(processes, tmp_path / "pool")
+
+
+def test_the_same_files_under_two_homes_train_together_on_the_single_process_curve(pool: HomesPool, processes: Processes, tmp_path: Path) -> None:
+    pool.start(1, 1)
+    for name in ("n0", "n1"):
+        corpus(pool.home(name) / "corpus")
+    job = write_job(tmp_path, "homes", workers={"min": 2, "max": 2}, data={"source": "~/corpus/*.txt"})
+    # submitted from n0's home: the job names its files by content, and both nodes have them
+    r = dpctl(pool, "submit", str(job), home=pool.home("n0"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    assert final.state == "succeeded" and final.world_size == 2 and final.generation == 1, (final, pool.dpctl("logs", job_id).stdout[-2000:])
+    assert pool.dpctl_json("status", job_id)["staging"] == []
+    # the same job, alone, on the files in a third folder of another name
+    elsewhere = corpus(tmp_path / "other-place" / "texts")
+    alone_job = write_job(tmp_path, "homes", file="alone.toml", workers={"min": 1, "max": 1}, data={"source": str(elsewhere / "*.txt")})
+    alone = processes.start([sys.executable, "-m", "dpool.trainer", str(alone_job), "--run-dir", str(tmp_path / "alone")], tmp_path / "alone.log")
+    assert alone.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "alone.log").read_text()[-2000:]
+    alone_loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    pooled = [r for r in pool.dpctl_json("metrics", job_id) if r["kind"] == "train"]
+    assert [r["step"] for r in pooled] == list(range(1, 21))
+    for r in pooled:
+        assert abs(r["loss"] - alone_loss[r["step"]]) < 1e-4, (r["step"], r["loss"], alone_loss[r["step"]])
+
+
+def test_a_node_whose_files_differ_sits_the_job_out_naming_the_file(pool: HomesPool, tmp_path: Path) -> None:
+    pool.start(1, 1)
+    corpus(pool.home("n0") / "corpus")
+    theirs = corpus(pool.home("n1") / "corpus")
+    (theirs / "doc03.txt").write_text("not the same text\n")
+    job = write_job(tmp_path, "differ", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"})
+    r = dpctl(pool, "submit", str(job), home=pool.home("n0"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    assert final.state == "succeeded" and final.world_size == 1, final
+    (unfit,) = events(pool, job_id, "node.unfit")
+    assert unfit["node"] == "n1" and "doc03.txt" in unfit["reason"], unfit
+
+
+def test_a_node_without_the_files_sits_out_and_a_job_no_node_can_serve_fails_at_once(pool: HomesPool, tmp_path: Path) -> None:
+    pool.start(1, 1)
+    corpus(pool.home("n0") / "corpus")
+    job = write_job(tmp_path, "only-n0", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"})
+    job_id = pool.submit(job)  # from a home without the files: the nodes look at the job's path
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    assert final.state == "succeeded" and final.world_size == 1, final
+    (unfit,) = events(pool, job_id, "node.unfit")
+    assert unfit["node"] == "n1" and "no such files on this machine" in unfit["reason"]
+
+    nowhere = write_job(tmp_path, "nowhere", data={"source": "~/missing/*.txt"})
+    job_id = pool.submit(nowhere)
+    final = pool.wait_end(job_id, 60)
+    assert final.state == "failed" and final.generation == 0, final
+    assert (final.error or "").startswith("no node can serve this job: n0: data.source = '~/missing/*.txt': no such files"), final.error
