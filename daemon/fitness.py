@@ -165,6 +165,7 @@ class Fitness:
             # -> UNFIT: the node sits this job out, and says why (once per reason)
             actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
         elif state is FitState.READY and old is not None and old.state is FitState.STAGING:
+            # STAGING -> READY: it fetched what it lacked (`total_bytes`: how much)
             actions.append(Record(msg.job, "node.staged", now, {"node": node, "bytes": msg.total_bytes, "seconds": round(now - old.started, 3) if old.started else None}))
         elif state is FitState.STAGING and (old is None or old.state is not FitState.STAGING):
             actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))

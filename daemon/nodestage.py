@@ -124,11 +124,12 @@ class NodeStaging:
 
         say("checking")
         t0 = time.monotonic()
+        fetched = [0]  # bytes this check fetched
         try:
             spec = parse_job(msg.spec, source=f"job {msg.job}")
             got = Staged()
-            got.data = await self._tree(msg.job, spec, "data", say)
-            got.model = await self._tree(msg.job, spec, "model", say)
+            got.data = await self._tree(msg.job, spec, "data", say, fetched)
+            got.model = await self._tree(msg.job, spec, "model", say, fetched)
             self._check_model(spec, got.model)
         except (Unfit, JobFileError) as e:
             self.log.warning("node.unfit", job=msg.job, reason=str(e))
@@ -140,9 +141,9 @@ class NodeStaging:
             return
         self.jobs[msg.job] = got
         self.log.info("job.staged", job=msg.job, data=str(got.data) if got.data else None, model=str(got.model) if got.model else None, seconds=round(time.monotonic() - t0, 3))
-        say("ready")
+        say("ready", done=fetched[0], total=fetched[0])
 
-    async def _tree(self, job: str, spec: JobSpec, what: str, say: Callable[..., None]) -> Path | None:
+    async def _tree(self, job: str, spec: JobSpec, what: str, say: Callable[..., None], fetched: list[int]) -> Path | None:
         """The folder this node serves the job's `what` tree from (None: the job's own path)."""
         key = "data.source" if what == "data" else "model.path"
         given = spec.data.source if what == "data" else spec.model.path
@@ -169,7 +170,7 @@ class NodeStaging:
                 self.cache.adopt(digest, root)
                 return None  # served from where it is
             raise Unfit(f"{key}: {await self._difference(digest, root)}")
-        return await self._fetch(digest, key, say)
+        return await self._fetch(digest, key, say, fetched)
 
     async def _difference(self, digest: str, root: Path) -> str:
         """The first file of `root` that differs from the submitted tree (its manifest fetched
@@ -197,12 +198,13 @@ class NodeStaging:
             return [Source(s.endpoint, s.key.encode() if s.key else None, s.node) for s in self.sources.get(digest, [])]
         return current
 
-    async def _fetch(self, digest: str, key: str, say: Callable[..., None]) -> Path:
+    async def _fetch(self, digest: str, key: str, say: Callable[..., None], fetched: list[int]) -> Path:
         try:
             future = self.stager.fetch(digest, self._sources(digest))
         except CacheFull as e:
             raise Unfit(f"{key}: no room in this node's cache: {e}") from None
         wrapped = asyncio.wrap_future(future)
+        say("staging")  # at once: the coordinator places this node in the chain of fetchers
         while True:
             done, _ = await asyncio.wait({wrapped}, timeout=PROGRESS_S)
             if done:
@@ -211,7 +213,11 @@ class NodeStaging:
             if p is not None:
                 say("staging", done=p.done_bytes, total=p.total_bytes, rate=p.rate_bps)
         try:
-            return wrapped.result()
+            tree = wrapped.result()
+            p = self.stager.progress(digest)
+            manifest = self.cache.manifest(digest)
+            fetched[0] += p.done_bytes if p is not None else manifest.total_bytes if manifest is not None else 0
+            return tree
         except CacheFull as e:
             raise Unfit(f"{key}: no room in this node's cache: {e}") from None
         except (FetchError, ManifestError, OSError) as e:

@@ -98,3 +98,31 @@ def test_a_node_without_the_files_sits_out_and_a_job_no_node_can_serve_fails_at_
     final = pool.wait_end(job_id, 60)
     assert final.state == "failed" and final.generation == 0, final
     assert (final.error or "").startswith("no node can serve this job: n0: data.source = '~/missing/*.txt': no such files"), final.error
+
+
+def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_nothing_recomputed(pool: HomesPool, processes: Processes, tmp_path: Path) -> None:
+    pool.start(1, 1)
+    for name in ("n0", "n1"):
+        corpus(pool.home(name) / "corpus")
+    job = write_job(tmp_path, "join", workers={"min": 2, "max": 3}, data={"source": "~/corpus/*.txt"}, train={"steps": 800})
+    r = dpctl(pool, "submit", str(job), home=pool.home("n0"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    pool.wait_status(job_id, "the job running on two nodes", lambda s: s.state == "running" and s.step >= 3, JOB_TIMEOUT)
+    pool.start_daemon("n2")  # its HOME has no corpus: it fetches the job's files from the others
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    events = pool.dpctl_json("events", job_id)
+    assert final.state == "succeeded" and final.world_size == 3, (final, events)
+    assert [e["node"] for e in events if e["kind"] == "node.staged"] == ["n2"], events
+    (resumed,) = [e for e in events if e["kind"] == "group.resumed"]
+    assert resumed["cause"] == "membership" and resumed["steps_recomputed"] == 0, resumed
+    assert not [e for e in events if e["kind"] == "worker.failed"], events
+    # the job ended on the curve of one process training the same files
+    alone_job = write_job(tmp_path, "join", file="alone.toml", workers={"min": 1, "max": 1}, data={"source": str(corpus(tmp_path / "texts") / "*.txt")}, train={"steps": 800})
+    alone = processes.start([sys.executable, "-m", "dpool.trainer", str(alone_job), "--run-dir", str(tmp_path / "alone")], tmp_path / "alone.log")
+    assert alone.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "alone.log").read_text()[-2000:]
+    alone_loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    pooled = [r for r in pool.dpctl_json("metrics", job_id) if r["kind"] == "train"]
+    assert [r["step"] for r in pooled] == list(range(1, 801)) and {r["world_size"] for r in pooled} == {2, 3}
+    for r in pooled:
+        assert abs(r["loss"] - alone_loss[r["step"]]) < 1e-4, (r["step"], r["loss"], alone_loss[r["step"]])
