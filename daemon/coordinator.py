@@ -9,8 +9,10 @@ starts is on disk, so a restarted coordinator cannot start that generation numbe
 
 With CURVE keys every connection has a role, named by the ZAP handler (protocol/security.py): a
 node key may send `node.*` and register only under its own name, a client key dpctl's requests, a
-viewer key only the read-only ones; anything else is answered `forbidden` and logged. A node's
-report about a rank the plan gave another node is refused by the pool (`Refused`) and logged.
+viewer key only the read-only ones; anything else is answered `forbidden` and logged. A key taken
+out of the allow-list is refused on its connection's next message, and the node that connection
+registered is gone. A node's report about a rank the plan gave another node is refused by the pool
+(`Refused`) and logged.
 
 Nothing a peer sends stops the loop. Each request and each tick is one unit of work: its database
 writes are a savepoint and its messages wait in the outbox, so a unit that raises is undone whole
@@ -137,6 +139,8 @@ class Coordinator:
                 timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
                     until = time.monotonic() + BATCH_S
+                    if self.curve is not None:
+                        self.curve.refresh()  # the allow-list as it is now judges this batch (a stat per folder)
                     for frames, user in pending_with_users(raw, BATCH, frames=m.MAX_FRAMES + 1, users=self.curve is not None):
                         self._handle_frames(frames, user)
                         if time.monotonic() > until:
@@ -207,12 +211,17 @@ class Coordinator:
     # -- frames --------------------------------------------------------------------------------
 
     def _handle_frames(self, frames: list[bytes], user: str | None = None) -> None:
-        """One message; `user`: its connection's User-Id with CURVE ("node:mac1"), else None (no roles)."""
+        """One message; `user`: its connection's User-Id with CURVE ("node:mac1:KEY"), else None (no roles)."""
         self.stats["frames"] += 1
         if len(frames) < 2:
             return  # not even a routing id and a frame: nothing to answer to
         peer, body = frames[0], frames[1:]
         role, key_name = role_of(user) if user is not None else ("", "")
+        if user is not None:
+            if self.curve is not None and not self.curve.admits(user):
+                self._revoked(peer, body, role, key_name)
+                return
+            user = f"{role}:{key_name}"  # as messages and logs name it: the key stays out of them
         try:
             # A type the key's role may not send is refused from its header, before its body is read.
             msg, msg_id = m.decode(body, m.COORDINATOR_ACCEPTS if user is None else ROLE_SENDS.get(role, frozenset()))
@@ -240,6 +249,37 @@ class Coordinator:
         if reply is not None:
             self._send_to(peer, reply, msg_id)
         self._run(actions)
+
+    def _revoked(self, peer: bytes, body: list[bytes], role: str, name: str) -> None:
+        """A message of a connection whose key left the allow-list (deleted, or given another role
+        or name) after its handshake: refused, one line per key every REFUSAL_LOG_S, and the node
+        this connection registered is gone as if its dpd had stopped (its workers are lost).
+
+        A node is answered once, when it is dropped (and each `node.register`): an answered
+        heartbeat would keep its link alive, while unanswered its dpd connects again, and the
+        handshake refuses it from then on. An `error` is never answered."""
+        self.stats["rejected"] += 1
+        user = f"{role}:{name}"
+        try:
+            msg_type: MsgType | None
+            msg_type, msg_id = m.decode_header(body[0])
+        except ProtocolError:
+            msg_type, msg_id = None, 0
+        dropped = role == "node" and self.node_of.get(peer) == name
+        if dropped:
+            self._unit("revoked", lambda: self._drop_node(peer, name))
+        held = self._refused_log.allow(f"revoked {user}", self.clock())
+        if held is not None:
+            self.log.warning("auth.revoked", user=user, type=str(msg_type), peer=peer.hex(), dropped=dropped, repeated=held)
+        if msg_type is not MsgType.ERROR and (role != "node" or dropped or msg_type is MsgType.NODE_REGISTER):
+            self._send_to(peer, m.Error(code=str(ErrorCode.FORBIDDEN), message=f"key of {user} was removed from the pool's allow-list"), msg_id)
+
+    def _drop_node(self, peer: bytes, name: str) -> None:
+        self.node_of.pop(peer, None)
+        self.peer_of.pop(name, None)
+        node = self.pool.nodes.get(name)
+        if node is not None and not node.lost:
+            self._run(self.pool._node_gone(node, self.clock(), "its key was removed from the pool's allow-list"))
 
     def _reject(self, peer: bytes, err: ProtocolError) -> None:
         self.stats["rejected"] += 1

@@ -16,8 +16,10 @@ A bundle holds `coordinator.key`, `node-NAME.key[_secret]` when NAME is a node, 
 
 Secret files are 0600 and refused when group or others can read them (as ssh does); a key directory
 or allow-list folder that group or others can write is refused. The coordinator reads `allowed/`
-again only when one of its folders changed, so deleting a key file revokes that key for new
-connections. The ipc socket between a daemon and its trainers stays plain: it is local and protected
+again only when one of its folders changed, so deleting a key file revokes that key: a new
+connection is refused its handshake, and an open one its next message (the connection's User-Id
+carries its key, checked against the allow-list as it is when the coordinator reads that message's
+batch). The ipc socket between a daemon and its trainers stays plain: it is local and protected
 by the state directory's permissions.
 """
 
@@ -51,6 +53,7 @@ KEYS_ENV = "DPOOL_KEYS"
 REFUSAL_LOG_S = 10.0
 RECOPY = "copy it again from the pool's key directory (`dpctl keys init DIR` made it)"
 SETTLED_S = 2.0  # allowed/ is trusted from its cache once its folders are this much older than the read
+RECHECK_S = 0.1  # while it is not: read again at most this often for the per-message check (handshakes: each)
 HANDSHAKE_REASONS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "the peer does not use CURVE (a dpd or dpctl without --keys)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "the peer's CURVE handshake does not decrypt (it holds another pool's coordinator.key)",
@@ -69,9 +72,17 @@ ROLE_SENDS: dict[str, frozenset[MsgType]] = {
 }
 
 
+def user_parts(user_id: str) -> tuple[str, str, str]:
+    """("node", "mac1", KEY) from the User-Id "node:mac1:KEY" the ZAP handler gave a connection
+    (KEY: its public key, 40 z85 characters, which may include ':'; a name never does)."""
+    role, _, rest = user_id.partition(":")
+    name, _, key = rest.partition(":")
+    return role, name, key
+
+
 def role_of(user_id: str) -> tuple[str, str]:
-    """("node", "mac1") from the User-Id "node:mac1" the ZAP handler gave a connection."""
-    role, _, name = user_id.partition(":")
+    """("node", "mac1") from the User-Id "node:mac1:KEY"."""
+    role, name, _ = user_parts(user_id)
     return role, name
 
 
@@ -221,36 +232,57 @@ def server_keys(directory: Path) -> ServerKeys:
 
 
 class AllowList:
-    """The coordinator's allow-list: a public key (z85) -> its User-Id, "ROLE:NAME", from
+    """The coordinator's allow-list: a public key (z85) -> "ROLE:NAME", from
     `allowed/ROLES/NAME.key`. Read again only when one of its folders changed (their inode, mtime
-    and ctime: a key file added, removed or renamed, a chmod), and on every lookup while the newest
-    change is under SETTLED_S old, so a change within a file system's timestamp granularity is never
-    missed. A file that cannot be used is skipped and reported to `warn(event, what, **fields)`:
-    malformed, not a regular file, writable by others, a name dpd would not take, a key that is in
-    two places (refused in both: it could not have one role), a file outside the role folders. A
-    folder that group or others can write admits no key."""
+    and ctime: a key file added, removed or renamed, a chmod), and on every handshake while the
+    newest change is under SETTLED_S old, so a change within a file system's timestamp granularity
+    is never missed (for the per-message check: at most every RECHECK_S meanwhile). A file that
+    cannot be used is skipped and reported to `warn(event, what, **fields)`: malformed, not a
+    regular file, writable by others, a name dpd would not take, a key that is in two places
+    (refused in both: it could not have one role), a file outside the role folders. A folder that
+    group or others can write admits no key."""
 
     def __init__(self, root: Path, warn: Callable[..., None], *, settled_s: float = SETTLED_S) -> None:
         self.root, self.warn, self.settled_s = root, warn, settled_s
         self.reads = 0  # how often the folders were read
         self._keys: dict[bytes, str] = {}
+        self._folders = [str(root), *(str(root / f) for f in ROLE_FOLDERS.values())]
         self._seen: tuple[Any, ...] | None = None
         self._settled = False
+        self._read_at = 0.0  # time.monotonic() of the last read
 
     def get(self, key: bytes) -> str | None:
+        """The role and name ("node:mac1") of `key` (z85) as the folders are now; None: not allowed."""
+        self.refresh()
+        return self._keys.get(key)
+
+    def roles(self) -> dict[str, str]:
+        """Every key allowed now: its z85 text -> "role:name"."""
+        self.refresh()
+        return {key.decode(): who for key, who in self._keys.items()}
+
+    def holds(self, key: bytes, who: str) -> bool:
+        """Whether `key` (z85) is allowed as `who` ("node:mac1") as of the last read: no file system
+        access (`refresh` looks)."""
+        return self._keys.get(key) == who
+
+    def refresh(self, *, recheck_s: float = 0.0) -> None:
+        """Read the folders again if one of them changed (four stat calls tell), and while the
+        newest change is under `settled_s` old also when the last read is `recheck_s` old (0: at
+        every call)."""
         seen, newest = self._signature()
-        if seen != self._seen or not self._settled:
+        if seen != self._seen or (not self._settled and time.monotonic() - self._read_at >= recheck_s):
             self._keys = self._read()
             self.reads += 1
+            self._read_at = time.monotonic()
             self._seen, self._settled = seen, time.time() - newest > self.settled_s
-        return self._keys.get(key)
 
     def _signature(self) -> tuple[tuple[Any, ...], float]:
         sig: list[Any] = []
         newest = 0.0
-        for d in (self.root, *(self.root / f for f in ROLE_FOLDERS.values())):
+        for d in self._folders:
             try:
-                st = d.stat()
+                st = os.stat(d)
             except OSError:
                 sig.append(None)
                 continue
@@ -328,7 +360,8 @@ def curve_client(sock: zmq.Socket[Any], keys: ClientKeys) -> None:
 
 class CurveServer:
     """The coordinator's side: a CURVE server socket, a ZAP handler that admits only the allow-list
-    and names each connection's role ("node:mac1": its User-Id, on every message it sends), and a
+    and names each connection's role, name and key ("node:mac1:KEY": its User-Id, on every message
+    it sends, so that `admits` can check each message against the allow-list as it is now), and a
     socket monitor that logs handshakes failing before ZAP is asked (a peer without keys, or with
     another pool's coordinator key). Create before bind(), inside the running event loop.
 
@@ -344,6 +377,18 @@ class CurveServer:
         self.monitor: zmq.asyncio.Socket | None = None
         self._throttle = Throttle(lines=1, every=REFUSAL_LOG_S)
         self.allowed = AllowList(keys.allowed_dir, self._warn)
+
+    def refresh(self) -> None:
+        """Look for changes to the allow-list (four stat calls, and a read if one changed): the
+        coordinator calls it once per batch of messages it reads, before `admits` judges them."""
+        self.allowed.refresh(recheck_s=RECHECK_S)
+
+    def admits(self, user_id: str) -> bool:
+        """Whether a message of the connection whose User-Id is `user_id` may be served: its key is
+        still in the allow-list with the same role and name, as of the last `refresh` (a dict
+        lookup: this runs for every message)."""
+        role, name, key = user_parts(user_id)
+        return self.allowed.holds(key.encode(), f"{role}:{name}")
 
     def apply(self, sock: zmq.asyncio.Socket) -> None:
         sock.curve_server = True
@@ -388,7 +433,7 @@ class CurveServer:
             self._warn("auth.refused", "not curve", peer=peer, mechanism=mechanism.decode(errors="replace"), reason="not CURVE")
         if who is None:
             return [version, request_id, b"400", b"public key not allowed", b"", b""]
-        return [version, request_id, b"200", b"OK", who.encode(), b""]
+        return [version, request_id, b"200", b"OK", f"{who}:{key.decode()}".encode(), b""]
 
     def _on_event(self, _mon: zmq.Socket[Any], frames: list[bytes]) -> None:
         event = parse_monitor_message(frames)
