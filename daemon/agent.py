@@ -157,7 +157,6 @@ class Agent(WarmTrainers):
         self.forks = ForkServer(zygote)  # trainers forked pre-imported (`zygote`: one started before the daemon's imports)
         self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
         host = f"[{advertise}]" if ":" in advertise else advertise
-        self.peer_keys: set[str] = set()  # the pool's nodes' public keys, as the coordinator names them (job.stage)
         self.staging = NodeStaging(
             self.state_dir, bind=f"tcp://{host}:0", memory_bytes=int(node_info(slots=slots, advertise=advertise)["memory_bytes"]),
             keys=keys, authorize=self._data_peer if keys is not None else None, cache_max=cache_max, log=self.log,
@@ -383,7 +382,6 @@ class Agent(WarmTrainers):
             case m.JobWarm():
                 await self._warm_job(msg)
             case JobStage():
-                self.peer_keys = {s.key for s in msg.sources if s.key} | self.peer_keys
                 self.staging.on_stage(msg, self._send)
             case m.JobEnded(job=job):
                 self.staging.ended(job)
@@ -741,7 +739,7 @@ class Agent(WarmTrainers):
 
     def _data_peer(self, key: str) -> str | None:
         """Who may read this node's data channel in a pool with keys: the pool's nodes."""
-        return "node:peer" if key in self.peer_keys else None
+        return "node:peer" if key in self.staging.peers else None
 
     def _holdings(self) -> list[Holding]:
         out = []

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from dpool.daemon import cachecmd, netif
 from dpool.daemon.childenv import UMASK, StartedZygote
+from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -58,6 +59,7 @@ CONFIG_KEYS = {
     "liveness": int,
     "stop_grace": float,
     "cache_max": str,
+    "stage_rate": str,
     "log_level": str,
     "log_file": str,
 }
@@ -89,6 +91,7 @@ class Settings:
     keys: ClientKeys | None = None  # this node's CURVE pair and the coordinator's public key
     server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
     cache_max: int | None = None  # bytes the staging cache may hold (None: as the disk allows)
+    stage_rate: float = TRAINING_RATE_BPS  # with --serve: bytes/s a fetch is paced to while its sources train (0: never)
 
 
 def default_state_dir() -> Path:
@@ -219,7 +222,21 @@ def settings(args: argparse.Namespace) -> Settings:
         keys=node_keys,
         server_keys=coord_keys,
         cache_max=_cache_max(pick("cache_max", None)),
+        stage_rate=_stage_rate(pick("stage_rate", None)),
     )
+
+
+def _stage_rate(value: object) -> float:
+    from dpool.daemon.nodestage import cache_max
+
+    if value is None:
+        return TRAINING_RATE_BPS
+    if str(value).strip() in ("0", "off"):
+        return 0.0
+    try:
+        return float(cache_max(str(value)) or 0)
+    except ValueError:
+        raise UsageError(f"--stage-rate {value!r}: expected bytes a second such as 25MB or 100MiB, or 0 (never paced)") from None
 
 
 def _cache_max(value: object) -> int | None:
@@ -257,7 +274,7 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
         if s.serve:
             serve = s.serve
             coord = CoordinatorThread(
-                lambda: Coordinator(ctx, serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys)
+                lambda: Coordinator(ctx, serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys, stage_rate_bps=s.stage_rate)
             )
             coord.start()
             try:
@@ -359,6 +376,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.25)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
+    run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 25MB; 0: never paced)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")

@@ -39,6 +39,7 @@ import zmq.asyncio
 from dpool.daemon import export_relay as xr
 from dpool.daemon import jobstate as js
 from dpool.daemon.export_relay import ExportRelay
+from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
 from dpool.daemon.records import JobRef
 from dpool.daemon.store import Store
@@ -80,12 +81,13 @@ class Coordinator:
         liveness: int = 6,
         clock: Callable[[], float] | None = None,
         keys: ServerKeys | None = None,
+        stage_rate_bps: float = TRAINING_RATE_BPS,
     ) -> None:
         self.ctx, self.addr, self.clock = ctx, addr, clock or steady_clock()
         self.keys = keys  # CURVE with an allow-list when given
         self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
-        self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness)
+        self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps)
         self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
         self.log = get_logger(component="coordinator")

@@ -37,6 +37,7 @@ from dpool.protocol.stage_messages import (
     StageSource,
 )
 
+TRAINING_RATE_BPS = 25e6  # a fetch whose sources train is paced to this by default (a fifth of 1 GbE)
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
 
@@ -77,7 +78,9 @@ def digests(spec: JobSpec) -> list[str]:
 
 
 class Fitness:
-    def __init__(self) -> None:
+    def __init__(self, training_rate_bps: float = TRAINING_RATE_BPS) -> None:
+        self.training_rate_bps = training_rate_bps  # 0: never paced
+        self.busy: set[str] = set()  # nodes running a group now (the pool sets it before it asks)
         self.fits: dict[str, dict[str, Fit]] = {}  # job id -> node -> where it stands
         self.channels: dict[str, Channel] = {}  # node -> its data channel and what it holds
         self.jobs: dict[str, tuple[set[str], JobSpec, JobDoc]] = {}  # live job -> its content digests, spec, doc
@@ -139,8 +142,17 @@ class Fitness:
                 fits[node] = Fit(FitState.ASKED, now)
             else:
                 fit.since = now  # stays unfit (and out of the plan) until it answers otherwise
-            out.append(Send(node, JobStage(job=job_id, spec=doc, sources=self._sources(job_id, spec, node))))
+            out.append(Send(node, self._stage_msg(job_id, spec, doc, node)))
         return out
+
+    def _stage_msg(self, job_id: str, spec: JobSpec, doc: JobDoc, node: str) -> JobStage:
+        """job.stage for `node`: its sources, paced while any of them trains (their links carry a
+        ring's gradients: staging beside it must not slow its steps), and the keys of the pool's
+        nodes, which may read its own data channel."""
+        sources = self._sources(job_id, spec, node)
+        rate = self.training_rate_bps if any(s.node in self.busy for s in sources) else 0.0
+        keys = sorted({ch.key for ch in self.channels.values() if ch.key})
+        return JobStage(job=job_id, spec=doc, sources=sources, rate_bps=rate, peers=keys)
 
     def staged(self, now: float, node: str, msg: NodeStaged, spec: JobSpec | None, doc: JobDoc | None) -> list[Record | Send]:
         """A node's answer. Its data channel and holdings are kept whatever the job; the job's
@@ -245,5 +257,5 @@ class Fitness:
             _, spec, doc = tracked
             for node, fit in fits.items():
                 if node != exclude and fit.state in (FitState.STAGING, FitState.CHECKING, FitState.ASKED):
-                    out.append(Send(node, JobStage(job=job_id, spec=doc, sources=self._sources(job_id, spec, node))))
+                    out.append(Send(node, self._stage_msg(job_id, spec, doc, node)))
         return out

@@ -76,6 +76,8 @@ class NodeStaging:
         self.jobs: dict[str, Staged] = {}
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.rates: dict[str, float | None] = {}  # job -> the pace its fetches keep (None: unpaced)
+        self.peers: set[str] = set()  # the pool's node keys (z85), which may read this node's data channel
 
     def start(self) -> str:
         self.endpoint = self.stager.start()
@@ -112,6 +114,10 @@ class NodeStaging:
             self.sources.setdefault(s.digest, [])
         for digest in {s.digest for s in msg.sources}:
             self.sources[digest] = [s for s in msg.sources if s.digest == digest]
+        self.peers |= set(msg.peers)
+        for digest in {s.digest for s in msg.sources}:
+            self.stager.set_rate(digest, msg.rate_bps or None)  # a fetch under way follows the pace too
+        self.rates[msg.job] = msg.rate_bps or None
         running = self.tasks.get(msg.job)
         if running is not None and not running.done():
             return
@@ -170,7 +176,7 @@ class NodeStaging:
                 self.cache.adopt(digest, root)
                 return None  # served from where it is
             raise Unfit(f"{key}: {await self._difference(digest, root)}")
-        return await self._fetch(digest, key, say, fetched)
+        return await self._fetch(digest, key, say, fetched, self.rates.get(job))
 
     async def _difference(self, digest: str, root: Path) -> str:
         """The first file of `root` that differs from the submitted tree (its manifest fetched
@@ -198,9 +204,9 @@ class NodeStaging:
             return [Source(s.endpoint, s.key.encode() if s.key else None, s.node) for s in self.sources.get(digest, [])]
         return current
 
-    async def _fetch(self, digest: str, key: str, say: Callable[..., None], fetched: list[int]) -> Path:
+    async def _fetch(self, digest: str, key: str, say: Callable[..., None], fetched: list[int], rate: float | None) -> Path:
         try:
-            future = self.stager.fetch(digest, self._sources(digest))
+            future = self.stager.fetch(digest, self._sources(digest), rate_bps=rate)
         except CacheFull as e:
             raise Unfit(f"{key}: no room in this node's cache: {e}") from None
         wrapped = asyncio.wrap_future(future)

@@ -29,7 +29,7 @@ import collections
 from typing import TypeAlias
 
 from dpool.daemon import jobstate as js
-from dpool.daemon.fitness import Fitness
+from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
@@ -78,7 +78,7 @@ RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCh
 
 
 class Pool:
-    def __init__(self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None) -> None:
+    def __init__(self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None, stage_rate_bps: float = TRAINING_RATE_BPS) -> None:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.expiry_s = heartbeat_s * liveness
         # A node of a group stopped at once (a failure, a cancel) is lost unless heard from within
@@ -91,7 +91,7 @@ class Pool:
         self._finished: collections.deque[str] = collections.deque()
         self.forgotten = 0  # jobs that left memory (the store alone has them)
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
-        self.fitness = Fitness()  # which nodes can serve which job, and who holds its files (staging)
+        self.fitness = Fitness(stage_rate_bps)  # which nodes can serve which job, and who holds its files (staging)
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -710,6 +710,7 @@ class Pool:
         """job.stage to the usable nodes that have not said whether they can serve each live job
         that names files (daemon/fitness.py; only what is due is sent)."""
         usable = [n.name for n in self.nodes.values() if not n.lost and n.hold is None]
+        self.fitness.busy = {n.name for n in self.nodes.values() if n.used and not n.lost}
         actions: list[Action] = []
         for job in self.live.values():
             if not job.machine.terminal:

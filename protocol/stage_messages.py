@@ -25,6 +25,7 @@ from dpool.protocol.schema import Float, Items, OneOf, Record, Str, record
 
 DIGESTS_MAX = 16  # content digests one message names (a job has two: data and model)
 SOURCES_MAX = 256  # holders named for one digest
+MAX_PEERS = 16384  # node keys one job.stage names
 Digest: TypeAlias = Annotated[str, Str(64, 64)]
 Endpoint: TypeAlias = Annotated[str, Str(300)]  # tcp://host:port
 PublicKey: TypeAlias = Annotated[str, Str(40)]  # z85; "" on a pool without keys
@@ -54,6 +55,8 @@ class JobStage(Message):
     job: JobId
     spec: JobDoc
     sources: Annotated[list[StageSource], Items(DIGESTS_MAX * SOURCES_MAX)] = field(default_factory=list)
+    rate_bps: Annotated[float, Float(0.0, 1e13)] = 0.0  # pace the fetch to this (its sources train); 0: unpaced
+    peers: Annotated[list[PublicKey], Items(MAX_PEERS)] = field(default_factory=list)  # keys that may read this node's data channel
 
 
 @message
