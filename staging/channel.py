@@ -37,6 +37,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import hashlib
 import math
@@ -86,6 +87,7 @@ MAX_SOURCES = 4  # sources one fetch pulls from at once
 HOLD_S = 10.0  # how long a node holds a request for a chunk it is fetching (and a fetcher asks for)
 TIMEOUT_S = 30.0  # a source silent this long with requests out is dropped; a fetch without progress this long fails
 RETRY_S = 0.25  # a chunk a source is still fetching (or is busy) is asked of it again after this
+RATE_WINDOW_S = 3.0  # a fetch's rate is measured over this much of its recent past
 SOURCES_EVERY_S = 1.0  # `sources()` is called at most this often
 MAX_LOSSES = 2  # times a source may be dropped for silence or a lost connection before it is left for good
 IO_THREADS = 4  # cache reads, writes and hashing, off the loop
@@ -305,7 +307,8 @@ class Stager:
             job = self._fetches.get(digest)
         if job is None:
             return None
-        return Progress(digest, job.done_bytes, job.total_bytes, job.rate_bps, list(job.source_names))
+        rate = job.rate_bps if time.monotonic() - job.rate_at < RATE_WINDOW_S else 0.0  # nothing came of late
+        return Progress(digest, job.done_bytes, job.total_bytes, rate, list(job.source_names))
 
     def set_rate(self, digest: str | None, rate_bps: float | None) -> None:
         """Pace one fetch (None: unpaced), or with digest None set the limit of every fetch, now and
@@ -751,7 +754,8 @@ class _Server:
             self._send(rid, error_frames(exc))
         elif exc is not None:
             self._warn("put.failed", type(exc).__name__, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            code = Code.FULL if isinstance(exc, CacheFull | OSError) else Code.BAD_REQUEST
+            full = isinstance(exc, CacheFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT))
+            code = Code.FULL if full else Code.INTERNAL
             self._send(rid, error_frames(WireError(code, f"{type(exc).__name__}: {str(exc)[:1000]}", msg_id)))
         else:
             reply, data = fut.result()
@@ -899,7 +903,8 @@ class _Fetch:
         self.manifest_bytes: bytes | None = None
         self.chunk_bytes = 0
         self.done_bytes = self.total_bytes = 0
-        self.rate_bps = 0.0
+        self.rate_bps = 0.0  # over the last RATE_WINDOW_S, as of rate_at
+        self.rate_at = 0.0
         self.samples: collections.deque[tuple[float, int]] = collections.deque()
         self.source_names: tuple[str, ...] = ()
         self.sources_at = -math.inf
@@ -1166,16 +1171,21 @@ class _Fetch:
                 self._drop(link, f"no answer for {timeout:g} s", ban=False)
 
     async def _watch(self, link: _Link) -> None:
+        """The link's socket events: its handshake done or refused, its connection lost."""
         while not link.closed:
-            event = parse_monitor_message(await link.monitor.recv_multipart())
-            kind, value = event["event"], int(event["value"])
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.up, link.heard = True, time.monotonic()
-            elif kind == zmq.EVENT_DISCONNECTED:
-                if link.up:
-                    self._drop(link, "connection lost", ban=False)
-            elif failed := _handshake_failure(kind, value):
-                self._drop(link, failed, ban=True)
+            frames = await link.monitor.recv_multipart()
+            try:
+                event = parse_monitor_message(frames)
+                kind, value = event["event"], int(event["value"])
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    link.up, link.heard = True, time.monotonic()
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    if link.up:
+                        self._drop(link, "connection lost", ban=False)
+                elif failed := _handshake_failure(kind, value):
+                    self._drop(link, failed, ban=True)
+            except Exception as e:  # a bug: the fetch fails with it rather than hang
+                self.failure = e
             self.wake.set()
 
     async def _read(self, link: _Link) -> None:
@@ -1290,10 +1300,11 @@ class _Fetch:
             if self.s.server is not None:
                 self.s.server.landed(item.key)
             self.samples.append((now, self.done_bytes))
-            while len(self.samples) > 2 and now - self.samples[0][0] > 3.0:
+            while len(self.samples) > 2 and now - self.samples[0][0] > RATE_WINDOW_S:
                 self.samples.popleft()
             t0, b0 = self.samples[0]
             self.rate_bps = (self.done_bytes - b0) / (now - t0) if now > t0 else 0.0
+            self.rate_at = now
 
 
 # -- dpctl's push into a node ---------------------------------------------------------------------

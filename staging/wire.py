@@ -78,6 +78,7 @@ class Code(enum.StrEnum):
     BUSY = "busy"  # too much in progress here: ask again shortly
     FULL = "full"  # no room in the cache for an offered manifest
     BAD_CHUNK = "bad_chunk"  # a put whose bytes do not hash to the chunk's sha256
+    INTERNAL = "internal"  # the node failed at it (a disk error, a bug): the message says what
 
 
 class WireError(Exception):

@@ -310,7 +310,8 @@ def test_a_cancelled_fetch_keeps_its_verified_chunks_and_the_next_one_resumes(no
     f = nodes.node("f", bind=None)
     total = unique_bytes(m)
     slow = f.fetch(m, a, rate_bps=total / 4)
-    wait_for("a third of the tree", lambda: (p := f.stager.progress(m.digest)) is not None and p.done_bytes >= total // 3, 30, 0.02)
+    progress = wait_for("a third of the tree", lambda: (p := f.stager.progress(m.digest)) is not None and p.done_bytes >= total // 3 and p, 30, 0.02)
+    assert progress.total_bytes == m.total_bytes and progress.sources == ["a"] and progress.rate_bps > 0
     f.stager.cancel(m.digest)
     with pytest.raises(concurrent.futures.CancelledError):
         slow.result(10)
@@ -326,10 +327,11 @@ def test_stop_ends_the_thread_promptly_and_a_running_fetch_fails(nodes: Nodes, s
     f = nodes.node("f")
     future = f.fetch(m, a, rate_bps=1000)  # an hour and more at this pace
     wait_for("the fetch to start", lambda: f.stager.progress(m.digest), 10, 0.02)
-    f.stager.stop()
+    threads = sum(t.name == "staging" for t in threading.enumerate())
+    f.stager.stop()  # returns once its thread has ended
+    assert sum(t.name == "staging" for t in threading.enumerate()) == threads - 1
     with pytest.raises(FetchError, match="stopped"):
         future.result(0)
-    assert not any(t.name == "staging" and t.is_alive() for t in threading.enumerate() if t is f.stager._thread)
     with pytest.raises(FetchError, match="not running"):
         f.fetch(m, a).result(0)
 
