@@ -25,6 +25,7 @@ from typing import Any
 import argcomplete
 import orjson
 
+from dpool.client import cache as client_cache
 from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
@@ -581,6 +582,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_undrain)
 
     client_plot.add_parser(sub)
+    client_cache.add_parser(sub)
     client_watch.add_parser(sub)
     client_demo.add_parser(sub)
     client_keys.add_parser(sub)

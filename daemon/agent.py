@@ -61,7 +61,7 @@ from dpool.daemon.nodestage import NodeStaging
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
-from dpool.daemon.worker import Worker, write_file
+from dpool.daemon.worker import EarlyReports, Worker, write_file
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
 from dpool.protocol.jobfile import dump_job
@@ -72,7 +72,7 @@ from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo
 from dpool.protocol.schema import Invalid
 from dpool.protocol.security import ClientKeys, curve_client
 from dpool.protocol.sockets import HWM, pending
-from dpool.protocol.stage_messages import JobStage
+from dpool.protocol.stage_messages import JobStage, StagePrune
 
 LOG_FLUSH_S = 0.2
 # A trainer whose process stays stopped (SIGSTOP, SIGTSTP, a terminal's job control) this long is
@@ -84,8 +84,11 @@ LOG_BATCH_LINES = 500
 LOG_LINE_MAX = 8192
 IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
 EXITS_KEPT = 64
-HELD_MAX = 20_000  # metric, sample and checkpoint reports kept while the coordinator is away
-KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint)
+HELD_MAX = 20_000  # reports kept while the coordinator is away
+# Kept while away, sent once registered again: the job's record (metrics, samples, checkpoints), and
+# what the coordinator waits on: a rank's hello (its group counts as started only once every rank
+# said it) and a warm trainer's readiness (a growth waits for it).
+KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint, m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeWarmed)
 WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
 WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
 SPARE_LINES = 200  # output lines of a spare kept until it is used
@@ -149,7 +152,8 @@ class Agent(WarmTrainers):
         self.spare_tasks: set[asyncio.Task[Any]] = set()
         self.spares_starting: set[int] = set()
         self.ended: set[str] = set()  # jobs over whose state in memory goes once their workers here have exited
-        self.warm_wanted: set[tuple[str, int]] = set()  # (job, slot) whose spare's readiness the coordinator awaits (job.warm)
+        self.warm_wanted: dict[tuple[str, int], float] = {}  # (job, slot) the coordinator awaits (job.warm) -> answer deadline
+        self.early = EarlyReports()  # what trainers said before they were recorded
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
         self.stopped_s = _seconds(os.environ.get(ENV_STOPPED), STOPPED_S)
@@ -380,11 +384,14 @@ class Agent(WarmTrainers):
             case m.JobRemove(job=job):
                 self._remove_job(job)
             case m.JobWarm():
-                await self._warm_job(msg)
+                self._warm_job(msg)
             case JobStage():
                 self.staging.on_stage(msg, self._send)
+            case StagePrune():
+                self._send(await self.staging.prune())
             case m.JobEnded(job=job):
-                self.staging.ended(job)
+                if self.staging.ended(job):
+                    self._send(self.staging.hello())  # its trees may be pruned now: say so
                 self._retire_spares(job, "its job ended")
                 self.ended.add(job)
                 self._forget_kept(job)
@@ -540,6 +547,7 @@ class Agent(WarmTrainers):
         w.tasks.append(asyncio.create_task(self._watch(w)))
         self._send(m.NodeWorkerStarted(job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid))
         self.log.info("worker.started", job=w.job, generation=w.generation, rank=rank, slot=slot, pid=proc.pid, warm=False, forked=isinstance(proc, ForkedProcess))
+        self._recorded(w)  # a hello read before this record counts now
 
     def _run_dir(self, job: str, slot: int) -> Path:
         """Where a trainer of `job` in `slot` runs, its spare too (`job` checked as a job id)."""
@@ -591,9 +599,8 @@ class Agent(WarmTrainers):
         if w.warm:  # a spare never used: nothing to report
             if self.spares.get(slot) is w:
                 del self.spares[slot]
-            if (w.job, w.slot) in self.warm_wanted:  # the coordinator waits for it: it need not
-                self.warm_wanted.discard((w.job, w.slot))
-                self._send(m.NodeWarmed(job=w.job, slots=[], error=clean(f"the warm trainer in slot {w.slot} exited with {code}: {w.error or 'no error line'}")))
+            # The coordinator waits for it (job.warm): it need not.
+            self._warm_answered(w.job, w.slot, clean(f"the warm trainer in slot {w.slot} exited with {code}: {w.error or 'no error line'}"))
             log = self.log.info if w.stopping else self.log.warning
             log("spare.exited", job=w.job, slot=w.slot, pid=w.pid, code=code, stopped=w.stopping, error=w.error, output=w.lines[-5:] if not w.stopping else None)
             return
@@ -678,17 +685,28 @@ class Agent(WarmTrainers):
             self._signal(w, signal.SIGKILL)
 
     def _check_stopped(self, now: float) -> None:
+        """Kill a trainer whose process has stayed stopped for `stopped_s`. A worker's exit is then
+        its failure (its group cannot step without it). One being stopped already is killed too:
+        a SIGSTOP after our SIGCONT would hold it, and its slot, until the grace's SIGKILL; and a
+        stopped spare, so that no generation is handed a process that cannot run."""
         if self.stopped_s <= 0:
             return
-        for w in list(self.workers.values()):
-            if w.stopping or w.proc.returncode is not None or not is_stopped(w.pid):
+        for w in [*self.workers.values(), *self.spares.values()]:
+            if w.proc.returncode is not None or not is_stopped(w.pid):
                 w.stopped_since = None
             elif w.stopped_since is None:
                 w.stopped_since = now
             elif now - w.stopped_since >= self.stopped_s:
-                w.error = f"its process was stopped (SIGSTOP or job control) for {now - w.stopped_since:.1f} s; its group cannot step without it"
-                self.log.warning("worker.stopped_process", job=w.job, rank=w.rank, pid=w.pid, stopped_s=round(now - w.stopped_since, 2))
-                self._signal(w, signal.SIGKILL)  # not `stopping`: its exit is reported as a failure
+                stopped_s = round(now - w.stopped_since, 2)
+                w.stopped_since = None
+                if w.warm and w.slot in self.spares and self.spares[w.slot] is w:
+                    del self.spares[w.slot]  # not to be given a rank; its exit answers a job.warm waiting on it
+                if w.stopping or w.warm:
+                    w.stopping = True  # its exit is ours, not a failure
+                else:
+                    w.error = f"its process was stopped (SIGSTOP or job control) for {stopped_s:.1f} s; its group cannot step without it"
+                self.log.warning("worker.stopped_process", job=w.job, rank=w.rank, pid=w.pid, stopped_s=stopped_s, spare=w.warm, stopping=w.stopping)
+                self._signal(w, signal.SIGKILL)
 
     def _signal(self, w: Worker, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -779,21 +797,19 @@ class Agent(WarmTrainers):
         if isinstance(msg, m.WorkerReady):
             w = next((w for w in [*self.spares.values(), *self.workers.values()] if w.pid == msg.pid), None)
             if w is None:
-                self.log.warning("worker.unknown", pid=msg.pid)
+                self._early(msg.pid, peer, msg)
                 return
             w.peer = peer
             if w.go is not None:
                 self._to_worker(peer, w.go)
                 w.go = None
             self.log.info("spare.ready", job=w.job, slot=w.slot, pid=w.pid, used=not w.warm)
-            if (w.job, w.slot) in self.warm_wanted:
-                self.warm_wanted.discard((w.job, w.slot))
-                self._send(m.NodeWarmed(job=w.job, slots=[w.slot]))
+            self._warm_answered(w.job, w.slot)
             return
         if isinstance(msg, m.WorkerHello):
             w = next((w for w in self.workers.values() if w.pid == msg.pid), None)
             if w is None:
-                self.log.warning("worker.unknown", pid=msg.pid)
+                self._early(msg.pid, peer, msg)
                 return
             w.peer = peer
             if w.stop_at_checkpoint:
@@ -802,15 +818,14 @@ class Agent(WarmTrainers):
             return
         w = next((w for w in self.workers.values() if w.peer == peer), None)
         if w is None:
-            return  # a worker that has not said hello, or one that has exited
+            self.early.follow(peer, msg)  # kept if its trainer's hello is (not yet recorded); else one that has exited
+            return
         match msg:
             case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds):
                 self._send(m.NodeProgress(job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds))
                 w.steps += 1
-                if w.steps == SPARE_AFTER_STEPS and self.warm and not w.stopping and not w.stop_at_checkpoint:
-                    task = asyncio.create_task(self._start_spare(w.job, w.slot))  # the slot's next generation starts warm
-                    self.spare_tasks.add(task)
-                    task.add_done_callback(self.spare_tasks.discard)
+                if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:
+                    self._spare_soon(w.job, w.slot)  # the slot's next generation starts warm
             case m.WorkerMetric(row=row):
                 self._send(m.NodeMetric(job=w.job, generation=w.generation, row=row))
             case m.WorkerSample(row=row):
@@ -819,6 +834,25 @@ class Agent(WarmTrainers):
                 self._send(m.NodeCheckpoint(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, step=step, seconds=seconds, memory=memory))
             case _:
                 self.log.warning("message.unexpected", source="worker", type=str(msg.TYPE))
+
+    def _early(self, pid: int, peer: bytes, msg: Message) -> None:
+        """A worker.ready or worker.hello from a pid not recorded (yet): kept until its record is
+        made, which may come later (its start has not returned), or EARLY_S has passed."""
+        self.log.info("worker.early", pid=pid, type=str(msg.TYPE))
+        dropped = self.early.hold(pid, peer, msg, time.monotonic())
+        if dropped is not None:
+            self.log.warning("worker.unknown", pid=dropped.pid, reports=len(dropped.messages), why="too many unrecorded trainers")
+
+    def _recorded(self, w: Worker) -> None:
+        """`w` was just recorded (or stopped as not needed): what it said before is handled now, in order."""
+        early = self.early.take(w.pid)
+        if early is None:
+            return
+        if not any(x is w for x in (*self.spares.values(), *self.workers.values())):
+            return  # stopped at once: its reports go with it
+        self.log.info("worker.early_handled", pid=w.pid, reports=len(early.messages), dropped=early.dropped, waited_s=round(time.monotonic() - early.at, 3))
+        for msg in early.messages:
+            self._on_worker(early.peer, msg)
 
     def _to_worker(self, peer: bytes, msg: Message) -> None:
         assert self.wraw is not None
@@ -833,6 +867,9 @@ class Agent(WarmTrainers):
                 self._flush(w)
             now = time.monotonic()
             self._check_stopped(now)
+            self._check_warm(now)
+            for early in self.early.expire(now):
+                self.log.warning("worker.unknown", pid=early.pid, reports=len(early.messages), waited_s=round(now - early.at, 1))
             if now >= next_sweep:  # listing the memory folders: not every batching interval
                 next_sweep = now + SWEEP_S
                 self._check_spares(now)

@@ -50,7 +50,15 @@ from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import TrainRow
 from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, role_of
 from dpool.protocol.sockets import HWM, pending_with_users
-from dpool.protocol.stage_messages import NodeStaged, StageOffer
+from dpool.protocol.stage_messages import (
+    Cache,
+    CachePrune,
+    CachePruneReply,
+    CacheReply,
+    NodeStaged,
+    StageOffer,
+    StagePrune,
+)
 
 BATCH = 500  # frames handled between commits and ticks, at most
 BATCH_S = 0.02  # and for at most this long: a flood of registrations cannot hold back the ticks
@@ -379,6 +387,15 @@ class Coordinator:
                 return m.StatusReply(jobs=[dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now))]), []
             case StageOffer(digests=wanted):
                 return self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost]), []
+            case Cache(node=name):
+                if name is not None and name not in self.pool.nodes:
+                    raise ProtocolError(ErrorCode.NOT_FOUND, f"no node {name!r} in the pool")
+                return CacheReply(rows=self.pool.fitness.cache_rows(name)), []
+            case CachePrune(node=name):
+                if name is not None and name not in self.pool.nodes:
+                    raise ProtocolError(ErrorCode.NOT_FOUND, f"no node {name!r} in the pool")
+                asked = sorted(n.name for n in self.pool.nodes.values() if not n.lost and name in (None, n.name))
+                return CachePruneReply(nodes=asked), [Send(n, StagePrune()) for n in asked]
             case m.Nodes():
                 return m.NodesReply(nodes=self.pool.node_rows(now)), []
             case m.Metrics(job=ref, after=after, limit=limit):

@@ -22,6 +22,7 @@ to the nodes still fetching whenever a holder appears or goes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from dpool.protocol.messages import JobDoc
 from dpool.protocol.payloads import StageRow
 from dpool.protocol.stage_messages import (
     SOURCES_MAX,
+    CacheRow,
     JobStage,
     NodeStaged,
     StageOfferReply,
@@ -66,6 +68,7 @@ class Channel:
     endpoint: str
     key: str = ""
     holds: set[str] = field(default_factory=set)
+    cached: list[CacheRow] = field(default_factory=list)  # its cache, as it said last
 
 
 def needs_files(spec: JobSpec) -> bool:
@@ -163,6 +166,9 @@ class Fitness:
             ch.endpoint, ch.key = msg.endpoint, msg.key
             gained = set(msg.holds) - ch.holds
             ch.holds |= set(msg.holds)
+            if msg.cached is not None:  # the whole listing: what it no longer holds goes too
+                ch.cached = msg.cached
+                ch.holds = {r.digest for r in msg.cached if r.complete}
             if gained:
                 actions += self._resend(gained, exclude=node)
         if spec is None or doc is None:
@@ -222,6 +228,10 @@ class Fitness:
             return StageOfferReply(held=held, total_nodes=len(live))
         ch = self.channels[open_[0]]
         return StageOfferReply(held=held, target=open_[0], endpoint=ch.endpoint, key=ch.key, total_nodes=len(live))
+
+    def cache_rows(self, node: str | None) -> list[CacheRow]:
+        """`dpctl cache`: each node's trees, as the nodes said last."""
+        return [dataclasses.replace(r, node=n) for n, ch in sorted(self.channels.items()) if node in (None, n) for r in ch.cached]
 
     def holders(self, digest: str) -> list[str]:
         return sorted(n for n, ch in self.channels.items() if digest in ch.holds)

@@ -35,7 +35,13 @@ from typing import Any
 from dpool.protocol.content import data_tree, model_tree, staged
 from dpool.protocol.jobspec import JobFileError, JobSpec, model_location, parse_job
 from dpool.protocol.messages import Message
-from dpool.protocol.stage_messages import JobStage, NodeStaged, StageSource
+from dpool.protocol.stage_messages import (
+    CACHE_ROWS_MAX,
+    CacheRow,
+    JobStage,
+    NodeStaged,
+    StageSource,
+)
 from dpool.staging.cache import Cache, CacheFull
 from dpool.staging.channel import FetchError, Source, Stager
 from dpool.staging.manifest import HashCache, ManifestError, differences, scan
@@ -92,19 +98,35 @@ class NodeStaging:
         return sorted(e.digest for e in self.cache.entries() if e.complete)[:16]
 
     def hello(self) -> NodeStaged:
-        """What this node serves, for the coordinator (sent after it registers)."""
-        return NodeStaged(job=NO_JOB, state="ready", holds=self.holds(), endpoint=self.endpoint, key=self.key)
+        """What this node serves and its cache holds, for the coordinator (sent after it
+        registers, and after a prune)."""
+        return NodeStaged(job=NO_JOB, state="ready", holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached())
+
+    def cached(self) -> list[CacheRow]:
+        return [
+            CacheRow(digest=e.digest, bytes=e.bytes, files=e.files, last_used=max(0.0, e.last_used), complete=e.complete, pinned=bool(e.pinned_by), adopted=e.adopted)
+            for e in self.cache.entries()[:CACHE_ROWS_MAX]
+        ]
+
+    async def prune(self) -> NodeStaged:
+        """stage.prune: every tree no live job here uses goes (what it frees is logged)."""
+        freed = await asyncio.to_thread(self.cache.prune)
+        self.log.info("cache.pruned", freed_bytes=freed)
+        return self.hello()
 
     def localize(self, job: str, spec: JobSpec) -> JobSpec:
         got = self.jobs.get(job)
         return spec if got is None else staged(spec, got.data, got.model)
 
-    def ended(self, job: str) -> None:
-        self.jobs.pop(job, None)
+    def ended(self, job: str) -> bool:
+        """The job is over: its trees may be evicted. Whether this node had staged it."""
+        had = self.jobs.pop(job, None) is not None or job in self.tasks
         self.cache.unpin(job)
+        self.rates.pop(job, None)
         task = self.tasks.pop(job, None)
         if task is not None:
             task.cancel()
+        return had
 
     # -- job.stage -----------------------------------------------------------------------------
 
@@ -125,8 +147,9 @@ class NodeStaging:
 
     async def _stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
         def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
+            final = state in ("ready", "unfit")  # the cache listing changes only with a fetch's end
             send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
-                            holds=self.holds(), endpoint=self.endpoint, key=self.key))
+                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final else None))
 
         say("checking")
         t0 = time.monotonic()

@@ -639,6 +639,13 @@ class Pool:
                 actions += self._abort_start(job, now, f"no answer to group.prepare from {', '.join(missing)}")
             if job.reconcile_by is not None and now >= job.reconcile_by:
                 actions += self._reconcile(job, now)
+            if (w := job.warming) is not None and w.waiting and now >= w.deadline:
+                # A growth waits no longer for warm trainers than a cold start may take: the slots
+                # not answered for are given up on, said, and started cold.
+                for name in sorted({n for n, _ in w.waiting}):
+                    fields = {"node": name, "slots": sorted(i for n, i in w.waiting if n == name), "error": f"no node.warmed within {job.spec.recovery.start_timeout_s:g} s"}
+                    actions.append(Record(job.id, "group.warmed", now, fields))
+                w.waiting.clear()
             if job.id in self.live:
                 actions += self._feed(job, js.Tick(), now)
             if job.id in self.live:
@@ -821,7 +828,7 @@ class Pool:
     def _ended(self, job: Job) -> list[Action]:
         """job.ended to the nodes that ran it lately or warmed a trainer of it: what they keep
         for its restarts is no longer needed."""
-        names = {n for placed in job.placed.values() for n in placed}
+        names = {n for placed in job.placed.values() for n in placed} | set(self.fitness.fits.get(job.id, {}))  # and those that staged it
         if job.warming is not None:
             names |= {n for n, _ in job.warming.asked}
         job.warming = None

@@ -168,6 +168,11 @@ class MsgType(enum.StrEnum):
     NODE_STAGED = "node.staged"  # dpd -> coordinator
     STAGE_OFFER = "stage.offer"  # dpctl -> coordinator
     STAGE_OFFER_REPLY = "stage.offer.reply"
+    CACHE = "cache"  # dpctl -> coordinator: what each node's staging cache holds
+    CACHE_REPLY = "cache.reply"
+    CACHE_PRUNE = "cache.prune"  # dpctl -> coordinator
+    CACHE_PRUNE_REPLY = "cache.prune.reply"
+    STAGE_PRUNE = "stage.prune"  # coordinator -> dpd
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -1077,20 +1082,20 @@ class WorkerGo(Message):
 FROM_CLIENT = frozenset({
     MsgType.SUBMIT, MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES,
     MsgType.LOGS, MsgType.CANCEL, MsgType.DRAIN, MsgType.UNDRAIN, MsgType.EXPORT, MsgType.EXPORT_READ,
-    MsgType.EXPORT_CLOSE, MsgType.RM, MsgType.STAGE_OFFER,
+    MsgType.EXPORT_CLOSE, MsgType.RM, MsgType.STAGE_OFFER, MsgType.CACHE, MsgType.CACHE_PRUNE,
 })
 FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is not MsgType.NODE_REGISTERED)
 TO_NODE = frozenset({
     MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
     MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
-    MsgType.JOB_WARM, MsgType.JOB_ENDED, MsgType.JOB_STAGE, MsgType.ERROR,
+    MsgType.JOB_WARM, MsgType.JOB_ENDED, MsgType.JOB_STAGE, MsgType.STAGE_PRUNE, MsgType.ERROR,
 })
 FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t not in (MsgType.WORKER_STOP, MsgType.WORKER_GO))
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}
 TO_CLIENT = frozenset({
     MsgType.SUBMITTED, MsgType.STATUS_REPLY, MsgType.NODES_REPLY, MsgType.METRICS_REPLY, MsgType.EVENTS_REPLY,
     MsgType.SAMPLES_REPLY, MsgType.LOGS_REPLY, MsgType.CANCEL_REPLY, MsgType.DRAIN_REPLY, MsgType.UNDRAIN_REPLY,
-    MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.RM_REPLY, MsgType.STAGE_OFFER_REPLY, MsgType.ERROR,
+    MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.RM_REPLY, MsgType.STAGE_OFFER_REPLY, MsgType.CACHE_REPLY, MsgType.CACHE_PRUNE_REPLY, MsgType.ERROR,
 })
 TO_WORKER = frozenset({MsgType.WORKER_STOP, MsgType.WORKER_GO})
 

@@ -8,6 +8,10 @@
     dpctl -> coordinator  stage.offer        before a submit: which of these digests does the pool
                                              hold, and which node takes an upload of the rest
                           stage.offer.reply
+    dpctl -> coordinator  cache, cache.prune what each node's cache holds (as the nodes last said);
+                                             prune the trees no live job uses, on one node or all
+    coordinator -> dpd    stage.prune        prune this node's cache (answered by node.staged about
+                                             no job, with what it holds now)
 
 The bytes themselves never travel here: they go on each dpd's data channel (staging/README.md).
 Registered in messages.REGISTRY on import; a process that does not import this module refuses
@@ -26,6 +30,7 @@ from dpool.protocol.schema import Float, Items, OneOf, Record, Str, record
 DIGESTS_MAX = 16  # content digests one message names (a job has two: data and model)
 SOURCES_MAX = 256  # holders named for one digest
 MAX_PEERS = 16384  # node keys one job.stage names
+CACHE_ROWS_MAX = 1024  # trees one node's cache lists
 Digest: TypeAlias = Annotated[str, Str(64, 64)]
 Endpoint: TypeAlias = Annotated[str, Str(300)]  # tcp://host:port
 PublicKey: TypeAlias = Annotated[str, Str(40)]  # z85; "" on a pool without keys
@@ -42,6 +47,21 @@ class StageSource(Record):
     endpoint: Endpoint
     key: PublicKey = ""
     partial: bool = False
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class CacheRow(Record):
+    """One tree in a node's staging cache (`dpctl cache --json`'s object, with `node`)."""
+
+    digest: Digest
+    bytes: Count
+    files: Count
+    last_used: Annotated[float, Float(0.0, 1e11)]
+    complete: bool
+    pinned: bool  # a live job uses it: never evicted
+    adopted: Annotated[str, Str(4096)] | None = None  # served from this folder outside the cache (the node's own copy)
+    node: Annotated[str, Str(63)] = ""
 
 
 @message
@@ -76,6 +96,7 @@ class NodeStaged(Message):
     holds: Annotated[list[Digest], Items(DIGESTS_MAX)] = field(default_factory=list)
     endpoint: Endpoint = ""
     key: PublicKey = ""
+    cached: Annotated[list[CacheRow], Items(CACHE_ROWS_MAX)] | None = None  # what its cache holds (None: unchanged)
 
 
 @message
@@ -100,3 +121,46 @@ class StageOfferReply(Message):
     endpoint: Endpoint = ""
     key: PublicKey = ""
     total_nodes: Count = 0
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class Cache(Message):
+    """What the nodes' staging caches hold (`node`: one node's only)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CACHE
+    node: Annotated[str, Str(63)] | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CacheReply(Message):
+    TYPE: ClassVar[MsgType] = MsgType.CACHE_REPLY
+    rows: Annotated[list[CacheRow], Items(CACHE_ROWS_MAX * 64)]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CachePrune(Message):
+    """Prune the trees no live job uses, on `node` (None: every live node)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CACHE_PRUNE
+    node: Annotated[str, Str(63)] | None = None
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class CachePruneReply(Message):
+    """The nodes asked to prune; each says what it holds after (`cache` shows it)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CACHE_PRUNE_REPLY
+    nodes: Annotated[list[NodeName], Items(100_000)]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StagePrune(Message):
+    """Prune this node's cache: every tree no live job of this node uses. No answer but a
+    node.staged about no job, with `cached`."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_PRUNE

@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import HomesPool, Processes
+from conftest import HomesPool, Processes, wait_for
 from jobs import write_job
 
 JOB_TIMEOUT = 180.0
@@ -126,3 +126,25 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     assert [r["step"] for r in pooled] == list(range(1, 801)) and {r["world_size"] for r in pooled} == {2, 3}
     for r in pooled:
         assert abs(r["loss"] - alone_loss[r["step"]]) < 1e-4, (r["step"], r["loss"], alone_loss[r["step"]])
+
+
+def test_dpctl_cache_lists_what_each_node_holds_and_prune_frees_what_no_live_job_uses(pool: HomesPool, tmp_path: Path) -> None:
+    pool.start(1, 1)
+    laptop = tmp_path / "home-laptop"  # the files are only where dpctl runs: they are sent into the pool
+    corpus(laptop / "corpus")
+    job = write_job(tmp_path, "cached", workers={"min": 2, "max": 2}, data={"source": "~/corpus/*.txt"})
+    r = dpctl(pool, "submit", str(job), home=laptop)
+    assert r.returncode == 0, r.stderr
+    assert pool.wait_end(r.stdout.strip(), JOB_TIMEOUT).state == "succeeded"
+    rows = pool.dpctl_json("cache")
+    assert {row["node"] for row in rows} == {"n0", "n1"} and len({row["digest"] for row in rows}) == 1, rows
+    assert all(row["complete"] and row["bytes"] > 0 and row["files"] == 16 for row in rows), rows
+    # the job is over: nothing pins its files any more
+    wait_for("the nodes to say the job's files are no longer in use", lambda: not any(row["pinned"] for row in pool.dpctl_json("cache")), 30)
+    listing = dpctl(pool, "cache")
+    assert listing.returncode == 0 and "n0" in listing.stdout and "n1" in listing.stdout, listing.stdout
+    assert pool.dpctl_json("cache", "prune", "n1") == {"nodes": ["n1"]}
+    wait_for("n1's cache to empty", lambda: pool.dpctl_json("cache", "n1") == [], 30)
+    assert [row["node"] for row in pool.dpctl_json("cache")] == ["n0"]  # n0 was not asked: it keeps its copy
+    local = subprocess.run([sys.executable, "-m", "dpool.daemon.cli", "cache", "--state-dir", str(pool.daemons["n0"].state_dir), "--json"], capture_output=True, text=True, timeout=60)
+    assert local.returncode == 0 and [row["files"] for row in json.loads(local.stdout)] == [16], local.stdout + local.stderr
