@@ -18,6 +18,9 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from dpool.client.rpc import Client
 from dpool.protocol.content import data_tree, model_tree
@@ -25,6 +28,8 @@ from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
 from dpool.staging.manifest import HashCache, Manifest, ManifestError, scan
+
+ACCEPT_WAIT_S = 10.0
 
 
 class StageError(Exception):
@@ -56,11 +61,30 @@ def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
     return dataclasses.replace(spec, content=content), trees
 
 
+def _upload(source: Any, root: Path, manifest: Manifest, keys: ClientKeys | None, progress: Callable[[int, int], None]) -> int:
+    """One tree into the target. With keys, the target learns from the coordinator that it may
+    take this client's upload (stage.accept) while dpctl is told where to send it: a refusal at
+    first is retried, with backoff, for ACCEPT_WAIT_S."""
+    from dpool.staging.channel import UploadError, upload
+
+    try:
+        for attempt in Retrying(stop=stop_after_delay(ACCEPT_WAIT_S), wait=wait_random_exponential(0.05, 1.0), retry=retry_if_exception(_refused), reraise=True):
+            with attempt:
+                return int(upload(source, root, manifest, keys=keys, progress=progress))
+    except UploadError as e:  # the channel's errors name the node and what failed
+        raise StageError(f"could not send the job's files to node {source.name}: {e}") from None
+    raise AssertionError("unreachable: Retrying returns or raises")
+
+
+def _refused(e: BaseException) -> bool:
+    return getattr(e, "code", "") == "refused"
+
+
 def bring(c: Client, keys: ClientKeys | None, trees: list[tuple[Path, Manifest]], say: Callable[[str], None]) -> int:
     """Make sure the pool holds every tree: bytes sent (0 when it held them all)."""
     if not trees:
         return 0
-    from dpool.staging.channel import Source, upload
+    from dpool.staging.channel import Source
 
     reply = c.call(StageOffer(digests=[m.digest for _, m in trees]), StageOfferReply)
     todo = [(root, m) for root, m in trees if m.digest not in reply.held]
@@ -78,10 +102,7 @@ def bring(c: Client, keys: ClientKeys | None, trees: list[tuple[Path, Manifest]]
             if sys.stderr.isatty():
                 print(f"\r  {(_base + done) / 1e6:9.1f} / {total / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
 
-        try:
-            sent += upload(source, root, manifest, keys=keys, progress=progress)
-        except Exception as e:  # the channel's errors name the node and what failed
-            raise StageError(f"could not send the job's files to node {reply.target}: {e}") from None
+        sent += _upload(source, root, manifest, keys, progress)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     return sent

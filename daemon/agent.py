@@ -72,7 +72,7 @@ from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo
 from dpool.protocol.schema import Invalid
 from dpool.protocol.security import ClientKeys, curve_client
 from dpool.protocol.sockets import HWM, pending
-from dpool.protocol.stage_messages import JobStage, StagePrune
+from dpool.protocol.stage_messages import JobStage, StageAccept, StagePeers, StagePrune
 
 LOG_FLUSH_S = 0.2
 # A trainer whose process stays stopped (SIGSTOP, SIGTSTP, a terminal's job control) this long is
@@ -163,7 +163,7 @@ class Agent(WarmTrainers):
         host = f"[{advertise}]" if ":" in advertise else advertise
         self.staging = NodeStaging(
             self.state_dir, bind=f"tcp://{host}:0", memory_bytes=int(node_info(slots=slots, advertise=advertise)["memory_bytes"]),
-            keys=keys, authorize=self._data_peer if keys is not None else None, cache_max=cache_max, log=self.log,
+            keys=keys, cache_max=cache_max, log=self.log,
         )
 
     # -- life ----------------------------------------------------------------------------------
@@ -387,6 +387,10 @@ class Agent(WarmTrainers):
                 self._warm_job(msg)
             case JobStage():
                 self.staging.on_stage(msg, self._send)
+            case StageAccept():
+                self.staging.accept(msg)
+            case StagePeers(peers=peers):
+                self.staging.peers = set(peers)
             case StagePrune():
                 self._send(await self.staging.prune())
             case m.JobEnded(job=job):
@@ -754,10 +758,6 @@ class Agent(WarmTrainers):
         else:
             self.log.info("job.removed", job=job, path=str(folder), run_dirs=[], files=0, bytes=0)
         self._send(m.NodeRemoved(job=job))
-
-    def _data_peer(self, key: str) -> str | None:
-        """Who may read this node's data channel in a pool with keys: the pool's nodes."""
-        return "node:peer" if key in self.staging.peers else None
 
     def _holdings(self) -> list[Holding]:
         out = []

@@ -48,7 +48,7 @@ from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import TrainRow
-from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, role_of
+from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, user_parts
 from dpool.protocol.sockets import HWM, pending_with_users
 from dpool.protocol.stage_messages import (
     Cache,
@@ -56,6 +56,7 @@ from dpool.protocol.stage_messages import (
     CachePruneReply,
     CacheReply,
     NodeStaged,
+    StageAccept,
     StageOffer,
     StagePrune,
 )
@@ -93,6 +94,7 @@ class Coordinator:
     ) -> None:
         self.ctx, self.addr, self.clock = ctx, addr, clock or steady_clock()
         self.keys = keys  # CURVE with an allow-list when given
+        self.sender_key, self.sender_name = "", ""  # the key and name that sent the message being served
         self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps)
@@ -226,7 +228,7 @@ class Coordinator:
         if len(frames) < 2:
             return  # not even a routing id and a frame: nothing to answer to
         peer, body = frames[0], frames[1:]
-        role, key_name = role_of(user) if user is not None else ("", "")
+        role, key_name, sender_key = user_parts(user) if user is not None else ("", "", "")
         if user is not None:
             if self.curve is not None and not self.curve.admits(user):
                 self._revoked(peer, body, role, key_name)
@@ -246,6 +248,7 @@ class Coordinator:
         if role == "node" and isinstance(msg, m.NodeRegister) and msg.name != key_name:
             self._forbid(peer, user or "", str(msg.TYPE), msg_id, f"the key of node {key_name!r} may register as {key_name!r} only, not as {msg.name!r}")
             return
+        self.sender_key, self.sender_name = sender_key, key_name  # who sent the message being served ("": no keys)
         raised = self._unit(str(msg.TYPE), lambda: self._serve(peer, msg, msg_id, bound=user is not None))
         if isinstance(raised, ProtocolError):
             self._reject(peer, ProtocolError(raised.code, raised.message, msg_id))
@@ -386,7 +389,13 @@ class Coordinator:
                     return m.StatusReply(jobs=self.store.statuses(1, only=ref_.id)), []
                 return m.StatusReply(jobs=[dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now))]), []
             case StageOffer(digests=wanted):
-                return self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost]), []
+                offer = self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost])
+                if not (offer.target and self.sender_key):
+                    return offer, []
+                # With keys the target takes this client's upload of these digests, and nothing else.
+                client = self.sender_name or "client"
+                accept = StageAccept(key=self.sender_key, client=client, digests=[d for d in wanted if d not in offer.held])
+                return offer, [Send(offer.target, accept)]
             case Cache(node=name):
                 if name is not None and name not in self.pool.nodes:
                     raise ProtocolError(ErrorCode.NOT_FOUND, f"no node {name!r} in the pool")

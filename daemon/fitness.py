@@ -36,6 +36,7 @@ from dpool.protocol.stage_messages import (
     JobStage,
     NodeStaged,
     StageOfferReply,
+    StagePeers,
     StageSource,
 )
 
@@ -86,7 +87,8 @@ class Fitness:
         self.busy: set[str] = set()  # nodes running a group now (the pool sets it before it asks)
         self.fits: dict[str, dict[str, Fit]] = {}  # job id -> node -> where it stands
         self.channels: dict[str, Channel] = {}  # node -> its data channel and what it holds
-        self.jobs: dict[str, tuple[set[str], JobSpec, JobDoc]] = {}  # live job -> its content digests, spec, doc
+        self.jobs: dict[str, tuple[set[str], JobSpec, JobDoc]] = {}
+        self.keys_sent: list[str] = []  # the node keys last sent in stage.peers  # live job -> its content digests, spec, doc
 
     # -- questions the pool asks -------------------------------------------------------------
 
@@ -154,8 +156,15 @@ class Fitness:
         nodes, which may read its own data channel."""
         sources = self._sources(job_id, spec, node)
         rate = self.training_rate_bps if any(s.node in self.busy for s in sources) else 0.0
+        return JobStage(job=job_id, spec=doc, sources=sources, rate_bps=rate)
+
+    def _peers(self) -> list[Send]:
+        """stage.peers to every node with a data channel, when the pool's node keys changed."""
         keys = sorted({ch.key for ch in self.channels.values() if ch.key})
-        return JobStage(job=job_id, spec=doc, sources=sources, rate_bps=rate, peers=keys)
+        if keys == self.keys_sent:
+            return []
+        self.keys_sent = keys
+        return [Send(n, StagePeers(peers=keys)) for n in sorted(self.channels)]
 
     def staged(self, now: float, node: str, msg: NodeStaged, spec: JobSpec | None, doc: JobDoc | None) -> list[Record | Send]:
         """A node's answer. Its data channel and holdings are kept whatever the job; the job's
@@ -171,6 +180,7 @@ class Fitness:
                 ch.holds = {r.digest for r in msg.cached if r.complete}
             if gained:
                 actions += self._resend(gained, exclude=node)
+            actions += self._peers()  # a new node's key: every node learns it may read from it
         if spec is None or doc is None:
             return actions
         fits = self.fits.setdefault(msg.job, {})
@@ -205,7 +215,8 @@ class Fitness:
         ch = self.channels.pop(node, None)
         for fits in self.fits.values():
             fits.pop(node, None)
-        return self._resend(ch.holds, exclude=node) if ch is not None and ch.holds else []
+        out = self._resend(ch.holds, exclude=node) if ch is not None and ch.holds else []
+        return out + (self._peers() if ch is not None and ch.key else [])
 
     def track(self, job_id: str, spec: JobSpec, doc: JobDoc) -> None:
         """A live job that names files: a new holder of its content is sent to its fetchers."""

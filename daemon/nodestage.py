@@ -36,10 +36,12 @@ from dpool.protocol.content import data_tree, model_tree, staged
 from dpool.protocol.jobspec import JobFileError, JobSpec, model_location, parse_job
 from dpool.protocol.messages import Message
 from dpool.protocol.stage_messages import (
+    ACCEPT_S,
     CACHE_ROWS_MAX,
     CacheRow,
     JobStage,
     NodeStaged,
+    StageAccept,
     StageSource,
 )
 from dpool.staging.cache import Cache, CacheFull
@@ -70,13 +72,12 @@ class Staged:
 class NodeStaging:
     def __init__(
         self, state_dir: Path, *, bind: str | None, memory_bytes: int, keys: Any = None,
-        authorize: Callable[[str], str | None] | None = None, may_put: Callable[[str, str], bool] | None = None,
         cache_max: int | None = None, log: Any,
     ) -> None:
         self.log, self.memory_bytes = log, memory_bytes
         self.cache = Cache(state_dir / "cache", max_bytes=cache_max)
         self.hashes = HashCache(state_dir / "cache" / "hashes.sqlite")
-        self.stager = Stager(self.cache, bind=bind, keys=keys, authorize=authorize, may_put=may_put, log=log)
+        self.stager = Stager(self.cache, bind=bind, keys=keys, authorize=self.authorize if keys is not None else None, may_put=self.may_put, log=log)
         self.key = keys.public.decode() if keys is not None else ""
         self.endpoint = ""
         self.jobs: dict[str, Staged] = {}
@@ -84,6 +85,7 @@ class NodeStaging:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.rates: dict[str, float | None] = {}  # job -> the pace its fetches keep (None: unpaced)
         self.peers: set[str] = set()  # the pool's node keys (z85), which may read this node's data channel
+        self.uploads: dict[str, tuple[str, set[str], float]] = {}  # client key -> (its name, digests it may put, until)
 
     def start(self) -> str:
         self.endpoint = self.stager.start()
@@ -93,6 +95,28 @@ class NodeStaging:
         for t in self.tasks.values():
             t.cancel()
         self.stager.stop()
+
+    # -- who may use this node's data channel (a pool with keys; without, everyone on the link) ------
+
+    def authorize(self, key: str) -> str | None:
+        """At each handshake and request: the pool's nodes read; a client the coordinator named
+        (stage.accept) puts what it submitted; any other key is refused."""
+        if key in self.peers:
+            return "node:peer"
+        upload = self.uploads.get(key)
+        if upload is not None and time.monotonic() < upload[2]:
+            return f"client:{upload[0]}"
+        return None
+
+    def may_put(self, role: str, digest: str) -> bool:
+        name = role.partition(":")[2]
+        now = time.monotonic()
+        return any(n == name and digest in digests and now < until for n, digests, until in self.uploads.values())
+
+    def accept(self, msg: StageAccept) -> None:
+        _, digests, _ = self.uploads.get(msg.key, (msg.client, set(), 0.0))
+        self.uploads[msg.key] = (msg.client, digests | set(msg.digests), time.monotonic() + ACCEPT_S)
+        self.log.info("staging.upload_accepted", client=msg.client, digests=[d[:12] for d in msg.digests])
 
     def holds(self) -> list[str]:
         return sorted(e.digest for e in self.cache.entries() if e.complete)[:16]
@@ -136,7 +160,6 @@ class NodeStaging:
             self.sources.setdefault(s.digest, [])
         for digest in {s.digest for s in msg.sources}:
             self.sources[digest] = [s for s in msg.sources if s.digest == digest]
-        self.peers |= set(msg.peers)
         for digest in {s.digest for s in msg.sources}:
             self.stager.set_rate(digest, msg.rate_bps or None)  # a fetch under way follows the pace too
         self.rates[msg.job] = msg.rate_bps or None

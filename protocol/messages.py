@@ -173,6 +173,8 @@ class MsgType(enum.StrEnum):
     CACHE_PRUNE = "cache.prune"  # dpctl -> coordinator
     CACHE_PRUNE_REPLY = "cache.prune.reply"
     STAGE_PRUNE = "stage.prune"  # coordinator -> dpd
+    STAGE_ACCEPT = "stage.accept"  # coordinator -> dpd
+    STAGE_PEERS = "stage.peers"  # coordinator -> dpd
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
@@ -1088,7 +1090,7 @@ FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is
 TO_NODE = frozenset({
     MsgType.NODE_REGISTERED, MsgType.COORD_HEARTBEAT, MsgType.GROUP_PREPARE, MsgType.GROUP_START,
     MsgType.GROUP_STOP, MsgType.EXPORT_PREPARE, MsgType.EXPORT_FETCH, MsgType.EXPORT_RELEASE, MsgType.JOB_REMOVE,
-    MsgType.JOB_WARM, MsgType.JOB_ENDED, MsgType.JOB_STAGE, MsgType.STAGE_PRUNE, MsgType.ERROR,
+    MsgType.JOB_WARM, MsgType.JOB_ENDED, MsgType.JOB_STAGE, MsgType.STAGE_PRUNE, MsgType.STAGE_ACCEPT, MsgType.STAGE_PEERS, MsgType.ERROR,
 })
 FROM_WORKER = frozenset(t for t in MsgType if t.value.startswith("worker.") and t not in (MsgType.WORKER_STOP, MsgType.WORKER_GO))
 COORDINATOR_ACCEPTS = FROM_CLIENT | FROM_NODE | {MsgType.ERROR}

@@ -12,6 +12,10 @@
                                              prune the trees no live job uses, on one node or all
     coordinator -> dpd    stage.prune        prune this node's cache (answered by node.staged about
                                              no job, with what it holds now)
+    coordinator -> dpd    stage.accept       take this client's upload of these digests (with keys,
+                                             a client may put nothing else)
+    coordinator -> dpd    stage.peers        the pool's node keys: with keys, only they may read
+                                             this node's data channel
 
 The bytes themselves never travel here: they go on each dpd's data channel (staging/README.md).
 Registered in messages.REGISTRY on import; a process that does not import this module refuses
@@ -76,7 +80,6 @@ class JobStage(Message):
     spec: JobDoc
     sources: Annotated[list[StageSource], Items(DIGESTS_MAX * SOURCES_MAX)] = field(default_factory=list)
     rate_bps: Annotated[float, Float(0.0, 1e13)] = 0.0  # pace the fetch to this (its sources train); 0: unpaced
-    peers: Annotated[list[PublicKey], Items(MAX_PEERS)] = field(default_factory=list)  # keys that may read this node's data channel
 
 
 @message
@@ -164,3 +167,29 @@ class StagePrune(Message):
     node.staged about no job, with `cached`."""
 
     TYPE: ClassVar[MsgType] = MsgType.STAGE_PRUNE
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StageAccept(Message):
+    """Take an upload of `digests` from client `client` (its public key `key`): it offered them
+    before a submit and this node is the target (stage.offer.reply). No answer. Good for
+    ACCEPT_S; with keys, a client may put nothing else."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_ACCEPT
+    key: PublicKey
+    client: Annotated[str, Str(63, 1)]
+    digests: Annotated[list[Digest], Items(DIGESTS_MAX)]
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class StagePeers(Message):
+    """The public keys of the pool's nodes (their data channels): with keys, only they may read
+    this node's data channel. Sent to every node whenever the set changes. No answer."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STAGE_PEERS
+    peers: Annotated[list[PublicKey], Items(MAX_PEERS)]
+
+
+ACCEPT_S = 3600.0  # how long a node takes a client's upload after the coordinator said so

@@ -1062,15 +1062,18 @@ def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_o
     assert asked == [[], ["c"]]
 
 
-def test_a_fetch_from_nodes_that_train_is_paced_and_names_the_keys_that_may_read() -> None:
+def test_a_fetch_from_nodes_that_train_is_paced_and_every_node_learns_the_keys_that_may_read() -> None:
     from dpool.daemon.fitness import TRAINING_RATE_BPS
-    from dpool.protocol.stage_messages import JobStage, NodeStaged
+    from dpool.protocol.stage_messages import JobStage, NodeStaged, StagePeers
 
     pool = running_pool(("a", "b"))  # a and b train job "j"
     join(pool, "c", 1, now=2.0)
     digest = "e" * 64
     # a's data channel, and what it holds, as a dpd says after it registers (about no job)
-    assert pool.from_node(2.0, "a", NodeStaged(job="*", state="ready", holds=[digest], endpoint="tcp://a:1", key="A" * 40)) == []
+    out = pool.from_node(2.0, "a", NodeStaged(job="*", state="ready", holds=[digest], endpoint="tcp://a:1", key="A" * 40))
+    assert [(s.node, s.msg) for s in sends(out, StagePeers)] == [("a", StagePeers(peers=["A" * 40]))]
+    out = pool.from_node(2.0, "c", NodeStaged(job="*", state="ready", endpoint="tcp://c:1", key="C" * 40))
+    assert sorted(s.node for s in sends(out, StagePeers)) == ["a", "c"] and sends(out, StagePeers)[0].msg.peers == ["A" * 40, "C" * 40]
     out = pool.submit(2.1, "k", parse_job({**files_spec("k").to_dict(), "content": {"data": digest}}))
     (to_c,) = [s.msg for s in sends(out, JobStage) if s.node == "c"]
-    assert isinstance(to_c, JobStage) and to_c.rate_bps == TRAINING_RATE_BPS and to_c.peers == ["A" * 40]
+    assert isinstance(to_c, JobStage) and to_c.rate_bps == TRAINING_RATE_BPS

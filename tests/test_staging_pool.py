@@ -148,3 +148,32 @@ def test_dpctl_cache_lists_what_each_node_holds_and_prune_frees_what_no_live_job
     assert [row["node"] for row in pool.dpctl_json("cache")] == ["n0"]  # n0 was not asked: it keeps its copy
     local = subprocess.run([sys.executable, "-m", "dpool.daemon.cli", "cache", "--state-dir", str(pool.daemons["n0"].state_dir), "--json"], capture_output=True, text=True, timeout=60)
     assert local.returncode == 0 and [row["files"] for row in json.loads(local.stdout)] == [16], local.stdout + local.stderr
+
+
+def test_with_keys_a_client_uploads_only_what_it_offered_and_nodes_fetch_from_each_other_over_curve(processes: Processes, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "dpool.client.cli", "keys", "init", str(keys), "--node", "n0", "--node", "n1", "--client", "laptop"], capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    pool = HomesPool(processes, tmp_path / "pool")
+    pool.start_daemon("n0", serve=True, args=("--keys", str(keys)))
+    pool.start_daemon("n1", args=("--keys", str(keys / "bundles" / "n1")))
+    laptop = tmp_path / "home-laptop"
+    corpus(laptop / "corpus")
+    job = write_job(tmp_path, "keyed", workers={"min": 2, "max": 2}, data={"source": "~/corpus/*.txt"})
+    base = [sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "--keys", str(keys / "bundles" / "laptop")]
+    env = {**os.environ, "HOME": str(laptop)}
+    from conftest import wait_for
+
+    wait_for("both nodes registered", lambda: len(json.loads(subprocess.run([*base, "nodes", "--json"], capture_output=True, text=True, env=env, timeout=30).stdout or "[]")) == 2, 60)
+    r = subprocess.run([*base, "submit", str(job)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "sending" in r.stderr, r.stderr
+    job_id = r.stdout.strip()
+
+    def ended() -> dict | None:
+        st = json.loads(subprocess.run([*base, "status", job_id, "--json"], capture_output=True, text=True, env=env, timeout=30).stdout)
+        return st if st["state"] in ("succeeded", "failed", "cancelled") else None
+
+    final = wait_for(f"job {job_id} to end", ended, JOB_TIMEOUT)
+    events = json.loads(subprocess.run([*base, "events", job_id, "--json"], capture_output=True, text=True, env=env, timeout=30).stdout)
+    assert final["state"] == "succeeded" and final["world_size"] == 2, (final, events)
+    assert len([e for e in events if e["kind"] == "node.staged"]) == 1, events  # one node took the upload, the other fetched over CURVE
