@@ -548,7 +548,7 @@ class _Server:
         key = z85.encode(creds[0]).decode()
         role = self._authorize(key)
         if role is None:
-            self._warn("auth.refused", key, peer=address.decode(errors="replace"), key=key, reason="public key not allowed")
+            self._warn("auth.refused", "not allowed", peer=address.decode(errors="replace"), key=key, reason="public key not allowed")
             return [version, request_id, b"400", b"public key not allowed", b"", b""]
         name, value = KEY_PROPERTY.encode(), key.encode()
         metadata = bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value  # ZMTP property encoding
@@ -605,21 +605,21 @@ class _Server:
             return
         role = self._role(inc)
         if role is None:
-            self._refuse(rid, msg_id, inc, "this key is not allowed (any more)")
+            self._refuse(rid, msg_id, inc, "revoked", "this key is not allowed (any more)")
         elif isinstance(msg, GetChunk | GetManifest):
             if role.partition(":")[0] not in READ_ROLES:
-                self._refuse(rid, msg_id, inc, f"role {role!r} may not read")
+                self._refuse(rid, msg_id, inc, "read", f"role {role!r} may not read")
             else:
                 self._read(rid, msg_id, msg, None)
         elif isinstance(msg, Offer | Put):
             if not self._may_put(role, msg.digest):
-                self._refuse(rid, msg_id, inc, f"{role} may not put chunks of {_shown(msg.digest)}")
+                self._refuse(rid, msg_id, inc, "put", f"{role} may not put chunks of {_shown(msg.digest)}")
             elif data is not None:
                 self._write(rid, msg_id, msg, data)
 
-    def _refuse(self, rid: bytes, msg_id: int, inc: Incoming, why: str) -> None:
+    def _refuse(self, rid: bytes, msg_id: int, inc: Incoming, kind: str, why: str) -> None:
         self.s.count("refused")
-        self._warn("request.refused", why, user=inc.user, key=inc.key, reason=why)
+        self._warn("request.refused", kind, user=inc.user, key=inc.key, reason=why)
         self._send(rid, error_frames(WireError(Code.REFUSED, why, msg_id)))
 
     def _busy(self, nbytes: int) -> bool:
@@ -833,6 +833,8 @@ class _Server:
             self.raw.send_multipart([rid, *frames], copy=False)
 
     def _warn(self, event: str, what: str, **fields: Any) -> None:
+        """A line at most 5 times a second per event and `what` (a small set: codes, kinds of
+        refusal, exception types), with the count held back: a peer cannot flood the log."""
         held = self.throttle.allow(f"{event} {what}", time.monotonic())
         if held is not None:
             self.log.warning(event, repeated=held, **fields)

@@ -26,7 +26,16 @@ from conftest import free_port, wait_for
 
 from dpool.protocol.security import ClientKeys
 from dpool.staging.cache import Cache
-from dpool.staging.channel import WINDOW, FetchError, Pacer, Source, Stager, UploadError, upload
+from dpool.staging.channel import (
+    WINDOW,
+    ChannelError,
+    FetchError,
+    Pacer,
+    Source,
+    Stager,
+    UploadError,
+    upload,
+)
 from dpool.staging.manifest import Manifest, scan
 from dpool.staging.wire import (
     MAX_DATA_BYTES,
@@ -334,6 +343,12 @@ def test_stop_ends_the_thread_promptly_and_a_running_fetch_fails(nodes: Nodes, s
         future.result(0)
     with pytest.raises(FetchError, match="not running"):
         f.fetch(m, a).result(0)
+
+
+def test_a_stager_that_cannot_bind_says_where_and_why(nodes: Nodes) -> None:
+    a = nodes.node("a")
+    with pytest.raises(ChannelError, match=rf"could not start on {a.endpoint}: Address already in use"):
+        nodes.node("b", bind=a.endpoint)
 
 
 # -- pacing ----------------------------------------------------------------------------------------
