@@ -54,7 +54,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from dpool.protocol.logs import Throttle, get_logger
-from dpool.protocol.security import HANDSHAKE_REASONS, ClientKeys
+from dpool.protocol.security import HANDSHAKE_REASONS, ZAP_ENDPOINT, ClientKeys
 from dpool.staging.cache import Cache, CacheFull
 from dpool.staging.manifest import Entry, Manifest, ManifestError
 from dpool.staging.wire import (
@@ -97,7 +97,6 @@ MAX_HOLDS = 4096  # requests held for chunks on their way
 BATCH = 256  # messages read from a socket before the loop serves others
 SERVER_HWM = 64  # messages queued per peer, each way (a well-behaved peer has WINDOW out)
 READ_ROLES = frozenset({"node", "client"})  # roles that may ask for manifests and chunks
-ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by RFC 27; this Stager's context has its own
 KEY_PROPERTY = "X-Key"  # the ZAP reply's metadata: the connection's public key, for re-authorizing
 LINK_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
