@@ -9,11 +9,21 @@ interpreter, the imports and the build. A spare is invisible to the coordinator 
 stopped when its job finishes or is removed here, when its slot starts another job, and after
 `SPARE_IDLE_S` without a worker of its job on this node. A joining node is asked for spares by the
 coordinator (`job.warm`) before its group grows, and says which are ready (`node.warmed`).
+
+No hand-off here depends on the order messages arrive in:
+- a spare's `worker.ready` read before its start returned (a forked one's pid comes back on another
+  pipe) is kept by the agent and handled once the spare is recorded (daemon/worker.py, EarlyReports);
+- `worker.go` for a spare not yet ready waits on it; a `worker.ready` comes before or after it;
+- every slot a `job.warm` names is answered once (`node.warmed`): ready, or an error saying why not
+  (the slot is busy, no spare could be started, it exited, or it is not ready by the job's
+  `recovery.start_timeout_s`), never silence. Spares start in tasks of their own, so a slow fork
+  never holds up the daemon's link (its heartbeats) while the coordinator waits for the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +52,9 @@ class WarmTrainers:
     log: Any  # a structlog logger
     workers: dict[int, Worker]
     spares: dict[int, Worker]  # slot -> a warm trainer waiting for worker.go
-    spares_starting: set[int]
-    warm_wanted: set[tuple[str, int]]  # (job, slot) whose spare's readiness the coordinator awaits (job.warm)
+    spares_starting: set[int]  # slots whose spare is being started (marked before its task runs)
+    spare_tasks: set[asyncio.Task[Any]]
+    warm_wanted: dict[tuple[str, int], float]  # (job, slot) the coordinator awaits an answer for (job.warm) -> answer deadline (monotonic)
     removing: set[str]
     kinds: dict[str, str]
     awake: Any
@@ -67,6 +78,9 @@ class WarmTrainers:
     async def _watch(self, w: Worker) -> None:
         raise NotImplementedError
 
+    def _recorded(self, w: Worker) -> None:
+        raise NotImplementedError
+
     def _go(self, spare: Worker, msg: m.GroupStart, hostfile: Path | None, rank: int) -> None:
         """The slot's spare becomes the rank: told by worker.go (now, or once it is ready)."""
         spare.warm, spare.generation, spare.rank, spare.idle_since = False, msg.generation, rank, None
@@ -83,12 +97,21 @@ class WarmTrainers:
         self._send(m.NodeWorkerStarted(job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid))
         self.log.info("worker.started", job=spare.job, generation=msg.generation, rank=rank, slot=spare.slot, pid=spare.pid, warm=True, ready=spare.peer is not None)
 
-    async def _start_spare(self, job: str, slot: int) -> None:
-        """A warm trainer of `job` for `slot`, ready for its next generation."""
+    def _spare_soon(self, job: str, slot: int) -> bool:
+        """Start a warm trainer of `job` for `slot` in a task of its own, unless the slot has one
+        or one is starting; the slot counts as starting from now. False: none will start."""
         if not self.warm or self.closing or slot in self.spares or slot in self.spares_starting or job in self.removing:
-            return
-        run_dir = self._run_dir(job, slot)
+            return False
         self.spares_starting.add(slot)
+        task = asyncio.create_task(self._start_spare(job, slot))
+        self.spare_tasks.add(task)
+        task.add_done_callback(self.spare_tasks.discard)
+        return True
+
+    async def _start_spare(self, job: str, slot: int) -> None:
+        """A warm trainer of `job` for `slot` (marked starting by `_spare_soon`), ready for its
+        next generation."""
+        run_dir = self._run_dir(job, slot)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             # A spare builds at a low priority where this node trains (its cores are the workers');
@@ -97,9 +120,7 @@ class WarmTrainers:
             proc = await self._launch(job, slot, run_dir, [str(run_dir.parent / "job.toml"), "--run-dir", str(run_dir), "--warm"], {"DPOOL_WARM_LOW": low})
         except OSError as e:
             self.log.warning("spare.start_failed", job=job, slot=slot, error=str(e))
-            if (job, slot) in self.warm_wanted:
-                self.warm_wanted.discard((job, slot))
-                self._send(m.NodeWarmed(job=job, slots=[], error=clean(f"cannot start a warm trainer in slot {slot}: {e}")))
+            self._warm_answered(job, slot, clean(f"cannot start a warm trainer in slot {slot}: {e}"))
             return
         finally:
             self.spares_starting.discard(slot)
@@ -107,34 +128,40 @@ class WarmTrainers:
         w.tasks.append(asyncio.create_task(self._watch(w)))
         if self.closing or slot in self.spares:
             self._stop(w, "now", "not needed")
+            self._recorded(w)  # what it said already goes with it
             return
         self.spares[slot] = w
         self.log.info("spare.started", job=job, slot=slot, pid=proc.pid, forked=isinstance(proc, ForkedProcess))
+        self._recorded(w)  # a worker.ready read before this record counts now
 
-    async def _warm_job(self, msg: m.JobWarm) -> None:
+    def _warm_job(self, msg: m.JobWarm) -> None:
         """job.warm: a spare of the job in each of these free slots, ahead of a group that will
-        include them; node.warmed says which are ready (now, or as each says worker.ready)."""
+        include them. Each slot is answered by node.warmed: the ready ones now, the others as each
+        says worker.ready, or with the reason none will be (`_check_warm`)."""
         refused = None
+        deadline = 0.0
         if not self.warm:
             refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
         else:
             try:
-                spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
+                spec = parse_job(msg.spec, source=f"job {msg.job}")
                 text = dump_job(spec)
                 self.kinds[msg.job] = spec.model.kind
                 job_dir = self.state_dir / "jobs" / msg.job
                 job_dir.mkdir(parents=True, exist_ok=True)
                 write_file(job_dir / "job.toml", text.encode())
+                deadline = time.monotonic() + spec.recovery.start_timeout_s  # what the coordinator waits at most
             except (JobFileError, ValueError, TypeError, OSError) as e:
                 refused = clean(f"cannot prepare job {msg.job} on node {self.name}: {e}")
         if refused is not None:
             self.log.warning("job.warm_refused", job=msg.job, error=refused)
             self._send(m.NodeWarmed(job=msg.job, slots=[], error=refused))
             return
-        ready = []
+        ready, busy = [], []
         for slot in msg.slots:
             if not 0 <= slot < self.slots or slot in self.workers:
-                continue  # taken meanwhile: the growth will not include it
+                busy.append(slot)  # taken meanwhile (or never ours): the growth must not wait for it
+                continue
             spare = self.spares.get(slot)
             if spare is not None and spare.job == msg.job and spare.peer is not None:
                 ready.append(slot)
@@ -142,11 +169,35 @@ class WarmTrainers:
             if spare is not None and spare.job != msg.job:
                 del self.spares[slot]
                 self._stop(spare, "now", f"its slot warms job {msg.job}")
-            self.warm_wanted.add((msg.job, slot))
-            await self._start_spare(msg.job, slot)
+            self.warm_wanted[(msg.job, slot)] = deadline
+            self._spare_soon(msg.job, slot)  # none when one is there or starting: its worker.ready answers
         if ready:
             self._send(m.NodeWarmed(job=msg.job, slots=ready))
-        self.log.info("job.warming", job=msg.job, slots=list(msg.slots), ready=ready)
+        if busy:
+            self._send(m.NodeWarmed(job=msg.job, slots=[], error=f"slots {busy} of node {self.name} are busy or do not exist"))
+        self.log.info("job.warming", job=msg.job, slots=list(msg.slots), ready=ready, busy=busy)
+
+    def _warm_answered(self, job: str, slot: int, error: str | None = None) -> None:
+        """node.warmed for (job, slot), if the coordinator waits for it: ready, or why it will not be."""
+        if self.warm_wanted.pop((job, slot), None) is None:
+            return
+        self._send(m.NodeWarmed(job=job, slots=[] if error else [slot], error=error))
+
+    def _check_warm(self, now: float) -> None:
+        """Every job.warm gets its answer: a spare that is ready says so (whatever the order its
+        record and its worker.ready came in); a slot with no spare of the job, none starting, or
+        one not ready by the deadline is answered with the reason."""
+        for (job, slot), deadline in list(self.warm_wanted.items()):
+            spare = self.spares.get(slot)
+            ours = spare is not None and spare.job == job and not spare.stopping
+            if ours and spare is not None and spare.peer is not None:
+                self._warm_answered(job, slot)
+            elif not ours and slot not in self.spares_starting:
+                why = "this node is stopping" if self.closing else "its job is being removed here" if job in self.removing else "none runs or starts there"
+                self._warm_answered(job, slot, f"no warm trainer of job {job} in slot {slot} of node {self.name}: {why}")
+            elif now >= deadline:
+                self.log.warning("spare.not_ready", job=job, slot=slot, pid=spare.pid if spare else None)
+                self._warm_answered(job, slot, f"the warm trainer of job {job} in slot {slot} of node {self.name} was not ready in time")
 
     def _retire_spares(self, job: str, why: str) -> None:
         for slot, spare in list(self.spares.items()):

@@ -1,5 +1,5 @@
 """A trainer process as its dpd knows it (a worker of a running generation, or a spare waiting for
-one), and the files it is given to read."""
+one), what it said before its dpd knew it, and the files it is given to read."""
 
 from __future__ import annotations
 
@@ -10,8 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpool.daemon.forkserver import ForkedProcess
+from dpool.daemon.forkserver import REPLY_TIMEOUT_S, ForkedProcess
 from dpool.protocol import messages as m
+
+# A trainer runs from its fork (or exec) on, and the dpd records it only once the start returns
+# (a forked one's pid comes back from the zygote on another pipe than the one its reports use), so
+# its first reports can be read before its record is made. They are kept this long: the start's own
+# deadline (the zygote's reply), twice over; a pid unclaimed by then is not one of ours.
+EARLY_S = 2 * REPLY_TIMEOUT_S
+EARLY_PIDS = 32  # trainers whose reports are kept before their record, at most (the oldest goes first)
+EARLY_MESSAGES = 16  # reports kept per such trainer: its worker.ready or worker.hello, then its first steps
 
 
 @dataclass(slots=True)
@@ -37,6 +45,71 @@ class Worker:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+@dataclass(slots=True)
+class Early:
+    """What one trainer said before its dpd recorded it, in order."""
+
+    pid: int
+    peer: bytes  # its connection to the dpd's worker socket
+    at: float  # when its first report was read (monotonic)
+    messages: list[m.Message] = field(default_factory=list)
+    dropped: int = 0  # reports past EARLY_MESSAGES
+
+
+class EarlyReports:
+    """Reports of trainers not yet recorded, kept by pid (`worker.ready` and `worker.hello` name
+    theirs; what follows on the same connection joins them) until the record is made (`take`) or
+    EARLY_S has passed (`expire`). Bounded: EARLY_PIDS trainers, EARLY_MESSAGES reports each."""
+
+    def __init__(self) -> None:
+        self.by_pid: dict[int, Early] = {}
+        self.by_peer: dict[bytes, Early] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_pid)
+
+    def hold(self, pid: int, peer: bytes, msg: m.Message, now: float) -> Early | None:
+        """Keep `msg`, the first report naming `pid`; returns what was dropped to make room (the
+        oldest trainer's reports), if anything."""
+        early = self.by_pid.get(pid)
+        if early is None:
+            early = self.by_pid[pid] = Early(pid, peer, now)
+            self.by_peer[peer] = early
+        self._add(early, msg)
+        if len(self.by_pid) <= EARLY_PIDS:
+            return None
+        return self._forget(min(self.by_pid.values(), key=lambda e: e.at).pid)
+
+    def follow(self, peer: bytes, msg: m.Message) -> bool:
+        """Keep `msg` if its connection's trainer has reports kept here."""
+        early = self.by_peer.get(peer)
+        if early is None:
+            return False
+        self._add(early, msg)
+        return True
+
+    def take(self, pid: int) -> Early | None:
+        """What `pid` said before its record, now that it exists (or is not wanted)."""
+        return self._forget(pid)
+
+    def expire(self, now: float) -> list[Early]:
+        """Drop (and return) what waited more than EARLY_S for its record."""
+        old = [pid for pid, e in self.by_pid.items() if now - e.at > EARLY_S]
+        return [e for pid in old if (e := self._forget(pid)) is not None]
+
+    def _add(self, early: Early, msg: m.Message) -> None:
+        if len(early.messages) < EARLY_MESSAGES:
+            early.messages.append(msg)
+        else:
+            early.dropped += 1
+
+    def _forget(self, pid: int) -> Early | None:
+        early = self.by_pid.pop(pid, None)
+        if early is not None and self.by_peer.get(early.peer) is early:
+            del self.by_peer[early.peer]
+        return early
 
 
 def write_file(path: Path, data: bytes) -> None:
