@@ -134,11 +134,15 @@ def read_job(path: str, sets: Sequence[str] = ()) -> JobSpec:
 def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
     spec = read_job(a.job, a.set or ())
     if a.dry_run:
+        try:
+            spec, _ = stage.with_content(spec)  # the digests submit would write, of the files here
+        except stage.StageError as e:
+            raise BadInput(f"{a.job}: {e}") from None
         emit_json({"job": spec.to_dict()}) if a.json else sys.stdout.write(dump_job(spec))
         try:
             check_paths(spec, a.job)
         except JobFileError as e:
-            print(f"note: {e}; every machine that trains the job needs it there", file=sys.stderr)
+            print(f"note: {e}; the pool's nodes then look for it at that path (a machine that has it serves the others)", file=sys.stderr)
         print(f"{a.job}: valid ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max}); a dry run, nothing submitted", file=sys.stderr)
         return EXIT_OK
     assert c is not None

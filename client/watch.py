@@ -66,6 +66,8 @@ def status_line(s: JobStatus) -> str:
     ]
     if s.checkpoint_step is not None:
         parts.append(f"ckpt {s.checkpoint_step}")
+    for r in s.staging:
+        parts.append(f"{r.node} {r.state}" + (f" {r.bytes / 1e6:.0f}/{r.total / 1e6:.0f} MB" if r.total else "") + (f" ({r.reason})" if r.reason else ""))
     if s.error:
         parts.append(f"error: {s.error}")
     return "  ".join(parts)
@@ -106,6 +108,14 @@ def view(s: JobStatus, events: list[EventRow], times: JobTimes | None = None, no
         parts.append(workers)
     else:
         parts += [Text(""), Text("no workers running", style="dim"), Text("")]
+    if s.staging:
+        staging = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 3))
+        for name in ("NODE", "FILES", "HAVE", "RATE", "ETA", "WHY"):
+            staging.add_column(name, justify="left" if name in ("NODE", "FILES", "WHY") else "right", no_wrap=name != "WHY", overflow="ellipsis")
+        for r in s.staging:
+            have = f"{r.bytes / 1e6:.0f}/{r.total / 1e6:.0f} MB" if r.total else "-"
+            staging.add_row(r.node, r.state, have, f"{r.rate_bps / 1e6:.1f} MB/s" if r.rate_bps else "-", duration(r.eta_s) or "-", r.reason or "")
+        parts.append(staging)
     recent = Table.grid(padding=(0, 2))
     recent.add_column(no_wrap=True, style="dim", min_width=12)
     recent.add_column(no_wrap=True, min_width=16)
@@ -179,7 +189,8 @@ def _watch_lines(c: Client, w: Watched, out: TextIO, poll_s: float, *, json: boo
     patient = RideOut(c, "dpctl watch")
     while True:
         s, new = patient(lambda: w.poll(c))
-        key = (s.state, s.step, s.generation, s.world_size, tuple((x.rank, x.node, x.share) for x in s.workers), s.error)
+        staging = tuple((r.node, r.state, r.bytes >> 24, r.reason) for r in s.staging)  # a line per 16 MB staged
+        key = (s.state, s.step, s.generation, s.world_size, tuple((x.rank, x.node, x.share) for x in s.workers), s.error, staging)
         if json:
             if key != last_key:
                 out.write(orjson.dumps(status_object(s, w.times, time.time())).decode() + "\n")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -314,6 +314,6 @@ def cache_max(text: str | None) -> int | None:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in units or value <= 0 or not os.path.isfinite(value):
+    if unit not in units or value <= 0 or not math.isfinite(value):
         raise ValueError(f"--cache-max {text!r}: expected a size such as 50GB, 500MB or 2TiB")
     return int(value * units[unit])

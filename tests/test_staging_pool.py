@@ -177,3 +177,61 @@ def test_with_keys_a_client_uploads_only_what_it_offered_and_nodes_fetch_from_ea
     events = json.loads(subprocess.run([*base, "events", job_id, "--json"], capture_output=True, text=True, env=env, timeout=30).stdout)
     assert final["state"] == "succeeded" and final["world_size"] == 2, (final, events)
     assert len([e for e in events if e["kind"] == "node.staged"]) == 1, events  # one node took the upload, the other fetched over CURVE
+
+
+def test_files_that_differ_where_no_content_was_named_cost_one_attempt_not_the_restart_budget(pool: HomesPool, tmp_path: Path) -> None:
+    """Submitted from a machine without the files, the job names no content: both nodes have files
+    at the path and start, rank 0's data rules, and the node whose data differs sits out."""
+    pool.start(1, 1)
+    corpus(pool.home("n0") / "corpus")
+    theirs = corpus(pool.home("n1") / "corpus")
+    (theirs / "doc05.txt").write_text("something else entirely\n" * 50)
+    job_id = pool.submit(write_job(tmp_path, "differ-late", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"}, recovery={"max_restarts": 0}))
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    events = pool.dpctl_json("events", job_id)
+    assert final.state == "succeeded" and final.world_size == 1, (final, events)
+    (unfit,) = [e for e in events if e["kind"] == "node.unfit"]
+    assert "differs from rank 0's" in unfit["reason"], unfit
+    # max_restarts = 0: a restart counted as a failure would have failed the job
+    assert {e["cause"] for e in events if e["kind"] == "group.resumed"} == {"membership"}, events
+
+
+def test_a_node_whose_cache_cannot_hold_the_files_sits_the_job_out_and_harms_nothing_else(pool: HomesPool, tmp_path: Path) -> None:
+    pool.start_daemon("n0", serve=True)
+    pool.start_daemon("n1", args=("--cache-max", "10KB"))
+    pool.wait_registered(2)
+    laptop = tmp_path / "home-laptop"
+    corpus(laptop / "corpus")
+    job = write_job(tmp_path, "full", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"})
+    r = dpctl(pool, "submit", str(job), home=laptop)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    events = pool.dpctl_json("events", job_id)
+    assert final.state == "succeeded", (final, events)
+    unfit = [e for e in events if e["kind"] == "node.unfit"]
+    assert [e["node"] for e in unfit] == ["n1"] and "no room in this node's cache" in unfit[0]["reason"], events
+
+
+@pytest.mark.parametrize("flag", ["--cache-max", "--stage-rate"])
+def test_a_size_flag_that_is_not_a_size_is_refused_naming_it(tmp_path: Path, flag: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "dpool.daemon.cli", "run", "--join", "tcp://127.0.0.1:9", flag, "lots", "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{flag} 'lots'" in r.stderr and "such as" in r.stderr, r.stderr
+    assert not (tmp_path / "state").exists()
+
+
+def test_watch_and_its_line_mode_show_each_nodes_staging() -> None:
+    from dpool.client.watch import render, status_line
+    from dpool.protocol.payloads import JobStatus, StageRow
+
+    rows = [
+        StageRow(node="n2", state="staging", bytes=300_000_000, total=1_000_000_000, rate_bps=50e6, eta_s=14.0),
+        StageRow(node="n3", state="unfit", bytes=0, total=0, rate_bps=0.0, reason="data.source: corpus/a.txt: content differs"),
+    ]
+    s = JobStatus(id="j-1", name="j", state="running", step=5, steps=50, generation=1, world_size=2, workers=[],
+                  checkpoint_step=None, loss=None, val_loss=None, error=None, staging=rows)
+    screen = "\n".join(render(s, [], width=160))
+    assert "n2" in screen and "300/1000 MB" in screen and "50.0 MB/s" in screen and "14s" in screen, screen
+    assert "corpus/a.txt: content differs" in screen, screen
+    line = status_line(s)
+    assert "n2 staging 300/1000 MB" in line and "n3 unfit (data.source: corpus/a.txt: content differs)" in line, line

@@ -24,7 +24,7 @@ from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
-from dpool.trainer.data import split_shares
+from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import TARGET, AutoInterval
 from dpool.trainer.memstate import MemoryState, memory_dir
@@ -201,11 +201,12 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
         if differ:
             source = spec.data.source if what == "data" else spec.model.path
             key = "data.source" if what == "data" else "model.path"
-            raise RuntimeError(
-                f"{differ} rank(s) hold different {what} than rank 0 for {key} = {source!r}; "
-                "every node needs the same files"
-                + (" (and, for 'stdlib', the same Python version)" if source == "stdlib" else "")
-            )
+            hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
+            if fp0 != mine:
+                # Bad input on this machine (exit 2): its node sits the job out, and the group
+                # restarts without it instead of failing the same way again.
+                raise DataError(f"{key} = {source!r}: this machine's {what} differs from rank 0's; every node needs the same files{hint}")
+            raise RuntimeError(f"{differ} rank(s) hold different {what} than rank 0 for {key} = {source!r}; every node needs the same files{hint}")
 
 
 def run(
