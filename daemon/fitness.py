@@ -72,6 +72,17 @@ class Channel:
     cached: list[CacheRow] = field(default_factory=list)  # its cache, as it said last
 
 
+@dataclass(frozen=True, slots=True)
+class Found:
+    """A node found the files of a job that names no content (it was submitted from a machine
+    without them): the pool may name the job's content by them, so the nodes lacking them fetch."""
+
+    job: str
+    node: str
+    data: str | None
+    model: str | None
+
+
 def needs_files(spec: JobSpec) -> bool:
     """Whether a node must check files before it serves the job (the built-in corpus needs none)."""
     return spec.model.kind == "mlx_lm" or spec.data.source != "stdlib"
@@ -166,10 +177,10 @@ class Fitness:
         self.keys_sent = keys
         return [Send(n, StagePeers(peers=keys)) for n in sorted(self.channels)]
 
-    def staged(self, now: float, node: str, msg: NodeStaged, spec: JobSpec | None, doc: JobDoc | None) -> list[Record | Send]:
+    def staged(self, now: float, node: str, msg: NodeStaged, spec: JobSpec | None, doc: JobDoc | None) -> list[Record | Send | Found]:
         """A node's answer. Its data channel and holdings are kept whatever the job; the job's
         part only while the job is live (`spec` not None)."""
-        actions: list[Record | Send] = []
+        actions: list[Record | Send | Found] = []
         if msg.endpoint:
             ch = self.channels.setdefault(node, Channel(msg.endpoint, msg.key))
             ch.endpoint, ch.key = msg.endpoint, msg.key
@@ -189,6 +200,10 @@ class Fitness:
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fits[node] = fit
+        data = msg.found_data if spec.content.data is None else None
+        model = msg.found_model if spec.content.model is None and spec.model.kind == "mlx_lm" else None
+        if state is FitState.READY and (data or model):
+            actions.append(Found(msg.job, node, data, model))
         if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or old.reason != msg.reason):
             # -> UNFIT: the node sits this job out, and says why (once per reason)
             actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
@@ -222,6 +237,10 @@ class Fitness:
         """A live job that names files: a new holder of its content is sent to its fetchers."""
         if needs_files(spec):
             self.jobs[job_id] = (set(digests(spec)), spec, doc)
+
+    def ask_again(self, job_id: str) -> None:
+        """Every node is asked about the job afresh (its content was named meanwhile)."""
+        self.fits.pop(job_id, None)
 
     def forget(self, job_id: str) -> None:
         self.fits.pop(job_id, None)

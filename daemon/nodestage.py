@@ -169,10 +169,13 @@ class NodeStaging:
         self.tasks[msg.job] = asyncio.create_task(self._stage(msg, send))
 
     async def _stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
+        found: dict[str, str] = {}  # a job without [content]: what this node found at its paths
+
         def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
             final = state in ("ready", "unfit")  # the cache listing changes only with a fetch's end
             send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
-                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final else None))
+                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final else None,
+                            found_data=found.get("data") if final else None, found_model=found.get("model") if final else None))
 
         say("checking")
         t0 = time.monotonic()
@@ -180,8 +183,8 @@ class NodeStaging:
         try:
             spec = parse_job(msg.spec, source=f"job {msg.job}")
             got = Staged()
-            got.data = await self._tree(msg.job, spec, "data", say, fetched)
-            got.model = await self._tree(msg.job, spec, "model", say, fetched)
+            got.data = await self._tree(msg.job, spec, "data", say, fetched, found)
+            got.model = await self._tree(msg.job, spec, "model", say, fetched, found)
             self._check_model(spec, got.model)
         except (Unfit, JobFileError) as e:
             self.log.warning("node.unfit", job=msg.job, reason=str(e))
@@ -195,7 +198,7 @@ class NodeStaging:
         self.log.info("job.staged", job=msg.job, data=str(got.data) if got.data else None, model=str(got.model) if got.model else None, seconds=round(time.monotonic() - t0, 3))
         say("ready", done=fetched[0], total=fetched[0])
 
-    async def _tree(self, job: str, spec: JobSpec, what: str, say: Callable[..., None], fetched: list[int]) -> Path | None:
+    async def _tree(self, job: str, spec: JobSpec, what: str, say: Callable[..., None], fetched: list[int], found: dict[str, str]) -> Path | None:
         """The folder this node serves the job's `what` tree from (None: the job's own path)."""
         key = "data.source" if what == "data" else "model.path"
         given = spec.data.source if what == "data" else spec.model.path
@@ -209,6 +212,14 @@ class NodeStaging:
             if local is None and not (what == "model" and model_location(spec)[0] == "repo"):
                 where = spec.resolved_source() if what == "data" else model_location(spec)[1]
                 raise Unfit(f"{key} = {given!r}: no such files on this machine ({where})")
+            if local is not None:
+                # The job was submitted from a machine without these files: this node names what
+                # it found, and serves it, so the pool can bring it to the nodes that lack it.
+                root, files = local
+                mine = await asyncio.to_thread(scan, root, files, hashes=self.hashes)
+                self.cache.put_manifest(mine.to_bytes())
+                self.cache.adopt(mine.digest, root)
+                found[what] = mine.digest
             return None
         self.cache.pin(digest, job)
         held = self.cache.tree(digest)

@@ -26,10 +26,11 @@ checkpoint, so the new generation resumes from it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import TypeAlias
 
 from dpool.daemon import jobstate as js
-from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness
+from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
@@ -323,8 +324,26 @@ class Pool:
                 return self._warmed(now, node, msg)
             case NodeStaged():
                 job = self.live.get(msg.job)
-                return list(self.fitness.staged(now, node.name, msg, job.spec if job else None, job.doc if job else None))
+                out: list[Action] = []
+                for a in self.fitness.staged(now, node.name, msg, job.spec if job else None, job.doc if job else None):
+                    out += self._found(now, a) if isinstance(a, Found) else [a]
+                return out
         return []
+
+    def _found(self, now: float, f: Found) -> list[Action]:
+        """QUEUED, never started: the job names the content a node found at its paths, so every
+        node checks against it, and the nodes that lack the files fetch them. Once a group has
+        run, the job's training hash (its checkpoints) stays as it was: nothing changes."""
+        job = self.live.get(f.job)
+        if job is None or job.state is not JobState.QUEUED or job.machine.generation or job.pending is not None:
+            return []
+        content = dataclasses.replace(job.spec.content, data=f.data or job.spec.content.data, model=f.model or job.spec.content.model)
+        job.spec = dataclasses.replace(job.spec, content=content)
+        job._doc = None
+        self.fitness.track(job.id, job.spec, job.doc)
+        self.fitness.ask_again(job.id)
+        fields = {"node": f.node, **({"data": f.data} if f.data else {}), **({"model": f.model} if f.model else {})}
+        return [Record(job.id, "job.content", now, fields), JobChanged(job.id)]
 
     def staging_rows(self, job_id: str, now: float) -> list[StageRow]:
         return self.fitness.rows(job_id, now)

@@ -100,6 +100,8 @@ class NodeStaged(Message):
     endpoint: Endpoint = ""
     key: PublicKey = ""
     cached: Annotated[list[CacheRow], Items(CACHE_ROWS_MAX)] | None = None  # what its cache holds (None: unchanged)
+    found_data: Digest | None = None  # a job that names no content: the digest of the data it found at the job's path
+    found_model: Digest | None = None  # ... and of the model
 
 
 @message

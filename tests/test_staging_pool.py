@@ -235,3 +235,18 @@ def test_watch_and_its_line_mode_show_each_nodes_staging() -> None:
     assert "corpus/a.txt: content differs" in screen, screen
     line = status_line(s)
     assert "n2 staging 300/1000 MB" in line and "n3 unfit (data.source: corpus/a.txt: content differs)" in line, line
+
+
+def test_files_on_one_node_only_reach_the_others(pool: HomesPool, tmp_path: Path) -> None:
+    """Submitted from a machine without the files: the node that has them names their content,
+    and the other fetches them from it."""
+    pool.start(1, 1)
+    corpus(pool.home("n0") / "corpus")
+    job_id = pool.submit(write_job(tmp_path, "one-holder", workers={"min": 2, "max": 2}, data={"source": "~/corpus/*.txt"}))
+    final = pool.wait_end(job_id, JOB_TIMEOUT)
+    events = pool.dpctl_json("events", job_id)
+    assert final.state == "succeeded" and final.world_size == 2 and final.generation == 1, (final, events)
+    (named,) = [e for e in events if e["kind"] == "job.content"]
+    assert named["node"] == "n0" and len(named["data"]) == 64, named
+    assert [e["node"] for e in events if e["kind"] == "node.staged"] == ["n1"], events
+    assert pool.dpctl_json("status", job_id)["state"] == "succeeded"
