@@ -43,6 +43,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dpool.protocol.logs import get_logger
 from dpool.staging.manifest import (
@@ -83,11 +84,15 @@ class CacheEntry:
 
 @dataclass
 class _Partial:
-    """A partial file's verified chunks: index -> the chunk's sha256."""
+    """A partial file's verified chunks: index -> the chunk's sha256. `whole` hashes the file as
+    its chunks land, in order (`hashed`: how many so far), so the last chunk needs no second read
+    of the whole file to check it."""
 
     size: int
     chunk_bytes: int
     have: dict[int, str] = field(default_factory=dict)
+    whole: Any = field(default_factory=hashlib.sha256)
+    hashed: int = 0
 
 
 def _is_hex(value: object) -> bool:
@@ -495,6 +500,7 @@ class Cache:
                 f.write(f"{index} {entry.chunks[index]}\n".encode())
             with self._lock:
                 p.have[index] = entry.chunks[index]
+            self._hash_on(sha, p, index, data)
             if len(p.have) == len(entry.chunks) and not self._finish(sha, p):
                 return False
         with self._lock:
@@ -506,11 +512,27 @@ class Cache:
                 self.log.error("cache.callback_failed", sha256=sha, index=index, error=repr(e)[:300])
         return True
 
+    def _hash_on(self, sha: str, p: _Partial, index: int, data: bytes) -> None:
+        """Feed the whole-file hash the chunks that are now in order (the one just written from
+        memory, those that landed ahead of it from the page cache). The caller holds the blob's lock."""
+        while p.hashed in p.have:
+            if p.hashed == index:
+                piece: bytes | None = data
+            else:
+                piece = _pread(self._partial(sha), p.hashed * p.chunk_bytes, min(p.chunk_bytes, p.size - p.hashed * p.chunk_bytes))
+            if piece is None:
+                return  # unreadable now: _finish hashes the file whole instead
+            p.whole.update(piece)
+            p.hashed += 1
+
     def _finish(self, sha: str, p: _Partial) -> bool:
         """Every chunk is in: check the file whole, make it durable and read-only, move it to blobs/.
         The caller holds the blob's lock."""
         with open(self._partial(sha), "rb") as f:
-            size, whole, _ = hash_file(f, p.chunk_bytes)
+            if p.hashed * p.chunk_bytes >= p.size:  # hashed in order as the chunks landed
+                size, whole = p.size, p.whole.hexdigest()
+            else:
+                size, whole, _ = hash_file(f, p.chunk_bytes)
             if (size, whole) != (p.size, sha):
                 self._discard(sha, f"its chunks matched but the whole file hashes to {whole} ({size} bytes)")
                 return False

@@ -688,3 +688,22 @@ def test_a_writer_killed_mid_fetch_loses_no_chunk_it_had_written(tmp_path: Path)
     assert not set(left) & set(written) and len(left) <= 65 - 30
     fetch(cache, m, source)
     assert differences(cache.complete(m), m) == []
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_a_file_whose_chunks_match_but_whose_whole_hash_lies_never_becomes_its_blob(tmp_path: Path, order: tuple[int, ...]) -> None:
+    """A hostile manifest: each chunk hash true, the file's sha256 another file's. The chunks are
+    taken, but the file is checked whole as they land (in any order), so blobs/<sha256> never
+    holds bytes that do not hash to its name."""
+    chunk = SMALL
+    data = os.urandom(3 * chunk)
+    pieces = [data[i * chunk : (i + 1) * chunk] for i in range(3)]
+    lie = hashlib.sha256(b"another file").hexdigest()
+    entry = Entry(path="a.bin", size=len(data), sha256=lie, chunks=tuple(hashlib.sha256(p).hexdigest() for p in pieces))
+    cache = Cache(tmp_path / "cache")
+    results = [cache.write_chunk(entry, i, pieces[i], chunk) for i in order]
+    assert results[:2] == [True, True] and results[2] is False
+    assert not (tmp_path / "cache" / "blobs" / lie).exists()
+    honest = Entry(path="a.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest(), chunks=entry.chunks)
+    assert all(cache.write_chunk(honest, i, pieces[i], chunk) for i in order)
+    assert (tmp_path / "cache" / "blobs" / honest.sha256).read_bytes() == data
