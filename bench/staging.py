@@ -42,8 +42,8 @@ Each figure beside its baseline, measured in the same run:
    its metrics row's tokens over its tokens/s; when it reached the coordinator, from the job's
    status polled every 50 ms.
 
-Every namespace, link and process is ended at the end (processes by PID), on failure and on
-Ctrl-C too; the temporary folder (files, logs) is kept with --keep or when a figure fails.
+Every namespace, link and process is ended at the end (processes by PID), on failure, Ctrl-C and
+SIGTERM too; the temporary folder (files, logs) is kept with --keep or when a figure fails.
 """
 
 from __future__ import annotations
@@ -746,6 +746,10 @@ def log_events(log: Path) -> list[dict[str, Any]]:
     return out
 
 
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", type=size_arg, default=GIB, help="the job's files in all (default 1GiB)")
@@ -760,22 +764,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.loopback and (sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None):
         print("bench/staging.py: network namespaces need Linux, root and iproute2 (or --loopback: nothing shaped)", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # the finally below cleans up
+    signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the pool and the links are ended below
     root = Path(tempfile.mkdtemp(prefix="dpool-staging-"))
     net: Net = Loopback() if args.loopback else Namespaces([LAPTOP, *NODES, *stagers(args.rounds)], shape=not args.no_shape)
     bench = Bench(args, root, net)
-    load, started, ok = os.getloadavg(), time.monotonic(), False
+    load, started, ok, stopped = os.getloadavg(), time.monotonic(), False, False
     try:
         net.up()
         bench.run()
         ok = True
     except (BenchError, TimeoutError, LocalPoolError) as e:
         print(f"bench/staging.py: {e}\n  the logs are kept in {root}", file=sys.stderr)
+    except KeyboardInterrupt:
+        stopped = True
+        print("bench/staging.py: interrupted: ending the pool and removing the links", file=sys.stderr)
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not leave namespaces behind
         recovery.stop_pool(bench.pool, root)
         net.down()
-        if ok and not args.keep:
+        if (ok or stopped) and not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    if stopped:
+        return 130
     print()
     print(f"Staging {gib(args.size)} through a pool of dpds in {'network namespaces' if not args.loopback else 'one namespace'}; links: {net.shaping}; "
           f"load average before {', '.join(f'{x:.2f}' for x in load)}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
