@@ -12,6 +12,7 @@ trainer's pid comes back from the zygote on another pipe than the one its report
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -155,9 +156,14 @@ def scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, play: Callable[[Co
             await play(coord, agent)
         finally:
             stopping.set()
-            await asyncio.wait_for(run, WAIT_S)  # stops every trainer it runs
-            shutil.rmtree(agent.memory.root, ignore_errors=True)
-            ctx.destroy(linger=0)
+            try:
+                await asyncio.wait_for(run, WAIT_S)  # stops every trainer it runs
+            finally:
+                for pid in agent.started:  # one it could not stop (a failed test) is not left behind
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                shutil.rmtree(agent.memory.root, ignore_errors=True)
+                ctx.destroy(linger=0)
 
     with structlog.testing.capture_logs() as logs:
         asyncio.run(main(logs))
