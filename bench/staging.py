@@ -19,11 +19,12 @@ fetching) and `node.staged` (its `seconds` and `bytes`).
 Each figure beside its baseline, measured in the same run:
 
 1. The files to one node (n1 fetches from n0): the pool's time against a raw TCP copy of the same
-   files over the same links (a Python sender and receiver in n0's and n1's namespaces, measured
-   before any dpd runs); raw / pool, goal >= 0.9. Beside it, dpctl's upload into n0 (laptop -> n0)
-   against a raw copy laptop -> n0: the first submit's wall time less the second's (which sends
-   nothing: the same start-up, offer and submit; the files are hashed beforehand into the
-   laptop's hash cache, so neither hashes them).
+   files over the same links (a Python sender's sendfile and a receiver that writes them, in n0's
+   and n1's namespaces; the mean of one just before and one just after); raw / pool, goal >= 0.9.
+   Beside it, dpctl's upload into n0 (laptop -> n0) against raw copies laptop -> n0 the same way:
+   the first submit's wall time less the second's (which sends nothing: the same start-up, offer
+   and submit; the files are hashed beforehand into the laptop's hash cache, so neither hashes
+   them).
 2. The files to 4 nodes at once (n3..n6, one submit once all four are up): from the first
    `node.staging` to the last `node.staged`, against the one-node time of figure 1; goal <= 1.5x (a
    star from one source would be ~4x). The bytes each host sent say whether the fetchers chained.
@@ -495,6 +496,7 @@ class Bench:
         self.figures: list[Figure] = []
         self.files: list[Path] = []
         self.digest = ""
+        self.raws = 0
         self.one_node: Staged | None = None
         self.one_node_into: int | None = None
 
@@ -508,18 +510,15 @@ class Bench:
         hashes = HashCache(pool.home(LAPTOP) / ".cache" / "dpool" / "hashes.sqlite")
         self.digest = digest = scan(self.files[0].parent, self.files, hashes=hashes).digest
         self.say(f"{gib(self.size)} in {len(self.files)} files under the laptop's home (content {digest[:12]}); links: {self.net.shaping}")
-        raw_node = raw_copy(self.net, "n0", "n1", self.files, self.root / "raw-n1")
-        raw_upload = raw_copy(self.net, LAPTOP, "n0", self.files, self.root / "raw-n0")
-        self.say(f"raw TCP copies: n0 -> n1 {raw_node:.2f} s, laptop -> n0 {raw_upload:.2f} s")
 
         pool.start_node("n0")
         pool.wait_nodes(["n0"])
         wait_for("n0's data channel known to the coordinator",
                  lambda: pool.call(StageOffer(digests=[digest]), StageOfferReply).target == "n0", 30, every=0.1)
         with recovery.figure("figure 3 (two submits of the same files)"):
-            self.submits(raw_upload)
+            self.submits()
         with recovery.figure("figure 1 (one node)"):
-            job = self.one(raw_node)
+            job = self.one()
         with recovery.figure("figure 4 (a source killed half way)"):
             self.killed(job)
         pool.cancel(job)
@@ -532,13 +531,25 @@ class Bench:
         with recovery.figure("figure 5 (staging beside training)"):
             self.beside_training()
 
-    def submits(self, raw_upload: float) -> None:
-        """Figure 3, and figure 1's upload: the first submit sends the files into n0, the second nothing."""
+    def raw(self, src: str, dst: str) -> float:
+        """A raw TCP copy of the files from `src` to `dst`: its seconds, also said."""
+        self.raws += 1
+        seconds = raw_copy(self.net, src, dst, self.files, self.root / f"raw-{self.raws}")
+        self.say(f"raw TCP copy {src} -> {dst}: {seconds:.2f} s")
+        return seconds
+
+    def submits(self) -> None:
+        """Figure 3, and figure 1's upload: the first submit sends the files into n0, the second
+        nothing. A raw copy laptop -> n0 just before the first and just after it: their mean is
+        the upload's baseline (this machine's speed drifts within minutes)."""
+        raws = [self.raw(LAPTOP, "n0")]
         laptop = Link(self.net, LAPTOP)
         first, sent, wall1 = self.pool.submit_files(staging_job(self.root, "stage-first"))
         first_bytes = laptop.into(), laptop.out_of()
         if not sent:
             raise BenchError("the first submit sent no files (no 'sending' line): n0 held them already?")
+        raws.append(self.raw(LAPTOP, "n0"))
+        raw_upload = statistics.mean(raws)
         wait_held(self.pool, self.digest)
         laptop = Link(self.net, LAPTOP)
         second, sent2, wall2 = self.pool.submit_files(staging_job(self.root, "stage-second"))
@@ -551,7 +562,8 @@ class Bench:
             f"{upload:.2f} s (first submit {wall1:.2f} s less the second's {wall2:.2f} s)", f"raw TCP copy {raw_upload:.2f} s",
             f"raw/upload {raw_upload / upload:.2f}" if upload > 0 else "-", f">= {RAW_GOAL}",
             raw_upload / upload >= RAW_GOAL if upload > 0 else None,
-            data={"upload_s": upload, "first_submit_s": wall1, "second_submit_s": wall2, "raw_s": raw_upload},
+            notes=[f"raw copies just before and just after: {raws[0]:.2f} s, {raws[1]:.2f} s"],
+            data={"upload_s": upload, "first_submit_s": wall1, "second_submit_s": wall2, "raw_s": raws},
         ))
         out1 = first_bytes[1]
         self.figures.append(Figure(
@@ -564,20 +576,27 @@ class Bench:
             data={"second_sent": sent2, "second_link_bytes": out2, "first_link_bytes": out1},
         ))
 
-    def one(self, raw_node: float) -> str:
-        """Figure 1: n1 fetches the files from n0. The job stays live: n2 stages it in figure 4."""
+    def one(self) -> str:
+        """Figure 1: n1 fetches the files from n0, between two raw copies n0 -> n1. The job stays
+        live: n2 stages it in figure 4."""
         pool = self.pool
         pool.start_node("n1")
         pool.wait_nodes(["n1"])
+        raws = [self.raw("n0", "n1")]
         link = Link(self.net, "n1")
         job, _, _ = pool.submit_files(staging_job(self.root, "stage-one"))
         got = wait_staged(pool, job, ["n1"], self.timeout(1))["n1"]
         self.one_node, self.one_node_into = got, link.into()
+        raws.append(self.raw("n0", "n1"))
+        raw_node = statistics.mean(raws)
         self.figures.append(Figure(
             "1", f"{gib(self.size)} to one node (n0 -> n1)", f"staged in {got.seconds:.2f} s ({gib(got.bytes)})",
             f"raw TCP copy {raw_node:.2f} s", f"raw/staged {raw_node / got.seconds:.2f}", f">= {RAW_GOAL}", raw_node / got.seconds >= RAW_GOAL,
-            notes=[f"bytes into n1's link: {gib(self.one_node_into)}" if self.one_node_into is not None else "no per-host link counters on loopback"],
-            data={"staged_s": got.seconds, "raw_s": raw_node, "bytes": got.bytes, "link_bytes": self.one_node_into},
+            notes=[
+                f"raw copies just before and just after: {raws[0]:.2f} s, {raws[1]:.2f} s",
+                f"bytes into n1's link: {gib(self.one_node_into)}" if self.one_node_into is not None else "no per-host link counters on loopback",
+            ],
+            data={"staged_s": got.seconds, "raw_s": raws, "bytes": got.bytes, "link_bytes": self.one_node_into},
         ))
         return job
 
