@@ -6,7 +6,9 @@ Sockets:
   when it passes, the socket is closed, a new one made and the node registers again (bounded,
   jittered retries via tenacity, each round logged; the workers keep training meanwhile).
 - a ROUTER its trainers connect to (`DPOOL_WORKER_ADDR`), an ipc socket in the state dir (tcp on
-  loopback where the ipc path would be too long). A worker is known by the pid in its hello.
+  loopback where the ipc path would be too long). A worker is known by the pid in its hello (a
+  spare by the one in its ready); one read before that trainer's start has returned is kept until
+  its record is made (daemon/worker.py, EarlyReports), so no report depends on which comes first.
 
 Faults of this machine are the rank's, never the daemon's: a job folder that cannot be written at a
 group start (a full disk) is reported as that rank's exit with the reason, and a `worker.log` that

@@ -67,9 +67,6 @@ class EarlyReports:
         self.by_pid: dict[int, Early] = {}
         self.by_peer: dict[bytes, Early] = {}
 
-    def __len__(self) -> int:
-        return len(self.by_pid)
-
     def hold(self, pid: int, peer: bytes, msg: m.Message, now: float) -> Early | None:
         """Keep `msg`, the first report naming `pid`; returns what was dropped to make room (the
         oldest trainer's reports), if anything."""
