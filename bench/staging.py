@@ -515,19 +515,25 @@ class Bench:
         pool.wait_nodes(["n0"])
         wait_for("n0's data channel known to the coordinator",
                  lambda: pool.call(StageOffer(digests=[digest]), StageOfferReply).target == "n0", 30, every=0.1)
-        with recovery.figure("figure 3 (two submits of the same files)"):
-            self.submits()
-        with recovery.figure("figure 1 (one node)"):
-            job = self.one()
-        with recovery.figure("figure 4 (a source killed half way)"):
-            self.killed(job)
-        pool.cancel(job)
-        pool.stop_node("n2")
-        with recovery.figure("figure 2 (four nodes)"):
-            self.fanout()
-        for name in FANOUT:
-            if name not in TRAINERS:
-                pool.stop_node(name)
+        if self.args.training_only:
+            job, _, _ = pool.submit_files(staging_job(self.root, "stage-first"))
+            wait_held(pool, digest)
+            pool.cancel(job)
+            self.stage_to([n for n in TRAINERS if n != "n0"], "stage-trainers")  # nothing trains yet: unpaced
+        else:
+            with recovery.figure("figure 3 (two submits of the same files)"):
+                self.submits()
+            with recovery.figure("figure 1 (one node)"):
+                job = self.one()
+            with recovery.figure("figure 4 (a source killed half way)"):
+                self.killed(job)
+            pool.cancel(job)
+            pool.stop_node("n2")
+            with recovery.figure("figure 2 (four nodes)"):
+                self.fanout()
+            for name in FANOUT:
+                if name not in TRAINERS:
+                    pool.stop_node(name)
         with recovery.figure("figure 5 (staging beside training)"):
             self.beside_training()
 
@@ -646,14 +652,8 @@ class Bench:
 
     def fanout(self) -> None:
         """Figure 2: four fresh nodes stage the files at once (one submit, once all four are up)."""
-        pool = self.pool
         links = {h: Link(self.net, h) for h in ("n0", *FANOUT)}
-        for name in FANOUT:
-            pool.start_node(name)
-        pool.wait_nodes(FANOUT)
-        job, _, _ = pool.submit_files(staging_job(self.root, "stage-four"))
-        got = wait_staged(pool, job, FANOUT, self.timeout(len(FANOUT)))
-        pool.cancel(job)
+        got = self.stage_to(FANOUT, "stage-four")
         span = max(g.ended for g in got.values()) - min(g.began for g in got.values())
         one = self.one_node.seconds if self.one_node else float("nan")
         served = {h: link.out_of() for h, link in links.items()}
@@ -667,6 +667,17 @@ class Bench:
             ],
             data={"span_s": span, "one_node_s": one, "each_s": {n: g.seconds for n, g in got.items()}, "served_bytes": served},
         ))
+
+    def stage_to(self, names: Sequence[str], job_name: str) -> dict[str, Staged]:
+        """Fresh nodes `names` started, then a parked job submitted from the laptop: each stages
+        the files (together); the job is cancelled once all have."""
+        for name in names:
+            self.pool.start_node(name)
+        self.pool.wait_nodes(names)
+        job, _, _ = self.pool.submit_files(staging_job(self.root, job_name))
+        got = wait_staged(self.pool, job, names, self.timeout(len(names)))
+        self.pool.cancel(job)
+        return got
 
     def beside_training(self) -> None:
         """Figure 5: n0, n3, n4 train a 3-rank GPT; fresh nodes (n7, n8, ...: `--rounds`) stage the
@@ -706,10 +717,14 @@ class Bench:
                 with contextlib.suppress(Exception):
                     pool.cancel(job)
         seconds, at = step_seconds(pool, train), clock.times()
-        without = [seconds[s] for lo, hi in quiet for s in range(lo + 1, hi + 1) if s in seconds]
-        during = [seconds[s] for s, t in at.items() if s in seconds and any(g.began <= t <= g.ended for g in staged)]
+        windows = [[seconds[s] for s in range(lo + 1, hi + 1) if s in seconds] for lo, hi in quiet]
+        parts = [[seconds[s] for s, t in at.items() if s in seconds and g.began <= t <= g.ended] for g in staged]
+        without, during = [x for w in windows for x in w], [x for p in parts for x in p]
         base = statistics.median(without) if without else float("nan")
         busy = statistics.median(during) if len(during) >= 3 else None
+        # each part against the windows on either side of it: the machine's drift cancels
+        paired = [statistics.median(p) / statistics.mean([statistics.median(windows[i]), statistics.median(windows[i + 1])])
+                  for i, p in enumerate(parts) if len(p) >= 3 and windows[i] and windows[i + 1]]
         self.figures.append(Figure(
             "5", f"step time of a 3-rank GPT ({', '.join(TRAINERS)}) while another node stages {gib(self.size)} from them",
             f"median {1000 * busy:.0f} ms over {len(during)} steps during staging" if busy is not None else f"n/a: only {len(during)} steps during staging",
@@ -719,11 +734,13 @@ class Bench:
                 "staged: " + ", ".join(f"{g.node} in {g.seconds:.2f} s ({g.bytes / g.seconds / 1e6:.1f} MB/s)" for g in staged if g.seconds > 0)
                 + f"; --stage-rate {self.args.stage_rate or f'default, {TRAINING_RATE_BPS / 1e6:g}MB'}",
                 "bytes each trainer sent meanwhile (its ring's share too): " + (", ".join(f"{h} {gib(b)}" for h, b in served.items() if b is not None) or "n/a on loopback"),
-                "medians without staging, window by window: " + ", ".join(
-                    f"{1000 * statistics.median(v):.0f}" for lo, hi in quiet if (v := [seconds[s] for s in range(lo + 1, hi + 1) if s in seconds])) + " ms",
+                "medians, window by window: " + ", ".join(f"{1000 * statistics.median(w):.0f}" for w in windows if w) + " ms without; "
+                + ", ".join(f"{1000 * statistics.median(p):.0f}" for p in parts if p) + " ms during",
+                "each staging against the windows either side of it: " + (", ".join(f"{r:.2f}x" for r in paired) or "n/a")
+                + (f" (median {statistics.median(paired):.2f}x)" if paired else ""),
             ],
             data={"during_ms": [1000 * x for x in during], "without_ms": [1000 * x for x in without], "staged": [dataclasses.asdict(g) for g in staged],
-                  "stage_rate": self.args.stage_rate, "served_bytes": served},
+                  "paired": paired, "stage_rate": self.args.stage_rate, "served_bytes": served},
         ))
 
     def submit_parked(self, name: str) -> str:
@@ -775,6 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--stage-rate", help="n0's dpd --stage-rate: the pace of a fetch whose sources train (default: the dpd's)")
     ap.add_argument("--window-steps", type=int, default=30, help="figure 5: steps in each window without staging")
     ap.add_argument("--rounds", type=int, default=2, help="figure 5: fresh nodes that stage the files one after the other, each after a window without staging")
+    ap.add_argument("--training-only", action="store_true", help="figure 5 alone (n0 takes the upload, n3 and n4 fetch the files, unmeasured): to try other --stage-rate values")
     ap.add_argument("--loopback", action="store_true", help="no namespaces: every host on 127.0.0.1, nothing shaped (needs no root)")
     ap.add_argument("--no-shape", action="store_true", help="namespaces, but links as fast as veth goes")
     ap.add_argument("--json", help="also write the figures here")
