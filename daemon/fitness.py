@@ -42,6 +42,7 @@ from dpool.protocol.stage_messages import (
 
 TRAINING_RATE_BPS = 25e6  # a fetch whose sources train is paced to this by default (a fifth of 1 GbE)
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
+CHECK_WAIT_S = 10.0  # a job's first group waits this long at most for nodes still checking their files
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
 
 
@@ -112,6 +113,14 @@ class Fitness:
     def unfit_reason(self, job_id: str, node: str) -> str | None:
         fit = self.fits.get(job_id, {}).get(node)
         return fit.reason if fit is not None and fit.state is FitState.UNFIT else None
+
+    def checking(self, job_id: str, nodes: list[str], now: float) -> bool:
+        """Whether some of `nodes` are still checking their files for the job (asked, or hashing
+        what they have), for less than CHECK_WAIT_S: a job starts with every node that is about
+        to be ready rather than start small and restart to grow a second later. A node fetching
+        is not waited for (that takes as long as the bytes take)."""
+        fits = self.fits.get(job_id, {})
+        return any(f.state in (FitState.ASKED, FitState.CHECKING) and now - f.since < CHECK_WAIT_S for n in nodes if (f := fits.get(n)) is not None)
 
     def hopeless(self, job_id: str, nodes: list[str]) -> str | None:
         """One line naming why no node can serve the job, when every one of `nodes` (the live,
@@ -197,6 +206,13 @@ class Fitness:
         fits = self.fits.setdefault(msg.job, {})
         old = fits.get(node)
         state = FitState(msg.state)
+        stale = (msg.found_data is not None and spec.content.data not in (None, msg.found_data)) or (
+            msg.found_model is not None and spec.content.model not in (None, msg.found_model)
+        )
+        if stale:
+            # The answer to a job.stage sent before the job named its content, with other files
+            # than those it names now: the node was asked again, and that answer counts.
+            return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fits[node] = fit

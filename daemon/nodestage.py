@@ -24,6 +24,7 @@ A trainer of the job reads the trees where this node has them: `localize` rewrit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -83,6 +84,7 @@ class NodeStaging:
         self.jobs: dict[str, Staged] = {}
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.sources_changed = asyncio.Event()  # set when job.stage names holders
         self.rates: dict[str, float | None] = {}  # job -> the pace its fetches keep (None: unpaced)
         self.peers: set[str] = set()  # the pool's node keys (z85), which may read this node's data channel
         self.uploads: dict[str, tuple[str, set[str], float]] = {}  # client key -> (its name, digests it may put, until)
@@ -160,6 +162,8 @@ class NodeStaging:
             self.sources.setdefault(s.digest, [])
         for digest in {s.digest for s in msg.sources}:
             self.sources[digest] = [s for s in msg.sources if s.digest == digest]
+        if msg.sources:
+            self.sources_changed.set()
         for digest in {s.digest for s in msg.sources}:
             self.stager.set_rate(digest, msg.rate_bps or None)  # a fetch under way follows the pace too
         self.rates[msg.job] = msg.rate_bps or None
@@ -239,15 +243,24 @@ class NodeStaging:
         """The first file of `root` that differs from the submitted tree (its manifest fetched
         from a holder when this node has none)."""
         manifest = self.cache.manifest(digest)
-        if manifest is None and self._sources(digest)():
+        deadline = time.monotonic() + MANIFEST_WAIT_S
+        while manifest is None and time.monotonic() < deadline:
+            if not self._sources(digest)():
+                # No holder named yet (it may be checking its own copy now): the coordinator sends
+                # job.stage again when one appears.
+                self.sources_changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.sources_changed.wait(), max(0.0, deadline - time.monotonic()))
+                continue
             # A fetch gets the manifest first (into the cache); it is stopped once that is there.
             future = self.stager.fetch(digest, self._sources(digest))
-            deadline = time.monotonic() + MANIFEST_WAIT_S
             while manifest is None and not future.done() and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)  # polled: the cache has no awaitable for a manifest's arrival
                 manifest = self.cache.manifest(digest)
             self.stager.cancel(digest)
             manifest = manifest or self.cache.manifest(digest)
+            if manifest is None and future.done():
+                self.sources.pop(digest, None)  # those holders could not give it: wait for others
         if manifest is None:
             return f"the files at {root} are not the submitted ones (content {digest[:12]}), and no holder could say which differs"
         diffs = await asyncio.to_thread(differences, root, manifest, hashes=self.hashes)

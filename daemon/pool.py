@@ -712,6 +712,8 @@ class Pool:
                 if hopeless is not None:
                     actions += self._feed(job, js.Unservable(hopeless), now)
                     continue
+                if job.machine.generation == 0 and self.fitness.checking(job.id, [n.name for n in usable], now):
+                    continue  # its first group waits (briefly) for the nodes still checking its files
                 capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
                 recovering = job.state is JobState.RECOVERING
                 lo, hi = job.spec.workers.min, job.spec.workers.max

@@ -90,7 +90,7 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
 
 def test_jobs_queue_for_room_and_cancel_frees_slots(local_pool: LocalPool, tmp_path: Path) -> None:
     pool = local_pool.start(1, 1)
-    first = pool.submit(job_file(tmp_path, "first", lo=2, hi=2, steps=20))
+    first = pool.submit(job_file(tmp_path, "first", lo=2, hi=2, steps=300))  # long enough to be seen running
     second = pool.submit(job_file(tmp_path, "second", lo=2, hi=2, steps=100000))
 
     pool.wait_state(first, "running", timeout=60)

@@ -1005,9 +1005,10 @@ def test_a_job_that_names_files_starts_only_on_nodes_that_said_they_can_serve_it
     out = pool.submit(0.0, "j", files_spec())
     assert sorted(s.node for s in sends(out, JobStage)) == ["a", "b"] and sends(out, m.GroupPrepare) == []
     out = staged(pool, 0.5, "a", "ready")
-    assert [s.node for s in sends(out, m.GroupPrepare)] == ["a"]
+    assert sends(out, m.GroupPrepare) == []  # b is still checking: the first group waits for it, briefly
     out = staged(pool, 0.6, "b", "unfit", "data.source: corpus/a.txt: content differs")
     assert records(out, "node.unfit") == [{"node": "b", "reason": "data.source: corpus/a.txt: content differs"}]
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["a"]
     assert "unfit for j: data.source: corpus/a.txt: content differs" in (pool.node_rows(1.0)[1].reason or "")
     assert [r.state for r in pool.staging_rows("j", 1.0)] == ["unfit"]
 
@@ -1077,3 +1078,50 @@ def test_a_fetch_from_nodes_that_train_is_paced_and_every_node_learns_the_keys_t
     out = pool.submit(2.1, "k", parse_job({**files_spec("k").to_dict(), "content": {"data": digest}}))
     (to_c,) = [s.msg for s in sends(out, JobStage) if s.node == "c"]
     assert isinstance(to_c, JobStage) and to_c.rate_bps == TRAINING_RATE_BPS
+
+
+def test_a_jobs_first_group_waits_for_nodes_still_checking_but_not_for_long() -> None:
+    from dpool.daemon.fitness import CHECK_WAIT_S
+
+    pool = Driven()
+    for n in "abc":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec(hi=3))
+    staged(pool, 0.2, "a", "ready")
+    out = staged(pool, 0.3, "b", "checking")  # hashing its copy
+    assert sends(out, m.GroupPrepare) == []
+    out = staged(pool, 0.4, "c", "staging", total_bytes=10**9)  # fetching a GiB: not waited for
+    assert sends(out, m.GroupPrepare) == []  # b still checks
+    out = staged(pool, 1.0, "b", "ready")
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
+    # another job: a node that never answers holds its start back CHECK_WAIT_S at most
+    pool2 = Driven()
+    for n in "ab":
+        join(pool2, n, 1)
+    pool2.submit(0.0, "j", files_spec())
+    staged(pool2, 0.1, "a", "ready")
+    for n in "ab":
+        pool2.seen(CHECK_WAIT_S - 0.1, n)
+    assert sends(pool2.tick(CHECK_WAIT_S - 0.1), m.GroupPrepare) == []
+    for n in "ab":
+        pool2.seen(CHECK_WAIT_S + 0.1, n)
+    assert [s.node for s in sends(pool2.tick(CHECK_WAIT_S + 0.1), m.GroupPrepare)] == ["a"]
+
+
+def test_a_node_names_a_jobs_content_and_an_answer_about_other_files_given_before_that_does_not_count() -> None:
+    from dpool.protocol.stage_messages import JobStage
+
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())  # from a machine without the files: no [content]
+    out = staged(pool, 0.1, "a", "ready", found_data="a" * 64)
+    assert records(out, "job.content") == [{"node": "a", "data": "a" * 64}]
+    assert pool.jobs["j"].spec.content.data == "a" * 64
+    assert sorted(s.node for s in sends(out, JobStage)) == ["a", "b"]  # asked again, against it
+    out = staged(pool, 0.2, "b", "ready", found_data="b" * 64)  # b's answer to the first question
+    assert records(out, "job.content") == [] and sends(out, m.GroupPrepare) == []
+    assert not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")
+    out = staged(pool, 0.3, "b", "unfit", "data.source: doc05.txt: content differs")
+    staged(pool, 0.4, "a", "ready", found_data=None)
+    assert pool.fitness.eligible("j", pool.jobs["j"].spec, "a") and not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")

@@ -247,7 +247,8 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     again = pool.start_daemon("n1", args=("--advertise", "127.0.0.1", "--keys", str(keys / "bundles" / "n1")))
     wait_for("the new n1 registered", lambda: '"node.registered"' in again.log.read_text(), 30)
     assert again.proc.poll() is None
-    assert any(e.get("event") == "node.replaced" and e.get("node") == "n1" for e in json_lines(coord_log))
+    # the coordinator's own log line may reach its file after the dpd's: wait for it, bounded
+    wait_for("node.replaced in the coordinator's log", lambda: any(e.get("event") == "node.replaced" and e.get("node") == "n1" for e in json_lines(coord_log)), 10)
 
     # revoking a client: delete its public key from allowed/, and new connections are refused
     shutil.move(keys / "allowed" / "clients" / "client.key", tmp_path / "client.key.revoked")
