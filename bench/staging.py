@@ -429,6 +429,26 @@ def settle(pid: int, timeout: float = 60.0) -> None:
     wait_for(f"pid {pid} to settle", quiet, timeout, every=1.0)
 
 
+class CpuMeter:
+    """The CPU time processes (not their children: a dpd's trainers are its children) use from now."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.procs = [psutil.Process(pid) for pid in pids]
+        self.start, self.at = self.used(), time.monotonic()
+
+    def used(self) -> float:
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    def share(self) -> float:
+        """Of one core, on average since the meter was made."""
+        return (self.used() - self.start) / max(1e-6, time.monotonic() - self.at)
+
+
 class StepClock(threading.Thread):
     """When each step of a job reached the coordinator: its status polled every 50 ms."""
 
@@ -691,11 +711,13 @@ class Bench:
         quiet: list[tuple[int, int]] = []  # step ranges (after, up to) without staging
         staged: list[Staged] = []
         parked_jobs: list[str] = []
+        cpu: dict[str, list[float]] = {"without": [], "sources": [], "stager": []}  # shares of a core, of the dpds' own processes
 
         def steps_without() -> None:
-            s0 = clock.step()
+            s0, meter = clock.step(), CpuMeter([pool.daemons[h].pid for h in TRAINERS])
             wait_for(f"{k} steps without staging", lambda: clock.step() >= s0 + k, 60 + 10.0 * k, every=0.05)
             quiet.append((s0, clock.step()))
+            cpu["without"].append(meter.share())
 
         try:
             recovery.running(pool, train, len(TRAINERS))
@@ -705,8 +727,11 @@ class Bench:
                 pool.wait_nodes([name])
                 settle(pool.daemons[name].pid)
                 steps_without()
+                sources, stager = CpuMeter([pool.daemons[h].pid for h in TRAINERS]), CpuMeter([pool.daemons[name].pid])
                 parked_jobs.append(self.submit_parked(f"stage-beside-{name}"))
                 staged.append(wait_staged(pool, parked_jobs[-1], [name], self.timeout(1, rate_arg(self.args.stage_rate)))[name])
+                cpu["sources"].append(sources.share())
+                cpu["stager"].append(stager.share())
                 pool.cancel(parked_jobs[-1])  # else the next node would stage it as soon as it registers
                 pool.stop_node(name)  # it holds the files now: the next one fetches from the trainers alone
             steps_without()
@@ -738,9 +763,13 @@ class Bench:
                 + ", ".join(f"{1000 * statistics.median(p):.0f}" for p in parts if p) + " ms during",
                 "each staging against the windows either side of it: " + (", ".join(f"{r:.2f}x" for r in paired) or "n/a")
                 + (f" (median {statistics.median(paired):.2f}x)" if paired else ""),
+                "CPU of the dpds' own processes (a core = 100%): the staging node's "
+                + ", ".join(f"{100 * x:.0f}%" for x in cpu["stager"]) + "; the three trainers' dpds together "
+                + ", ".join(f"{100 * x:.0f}%" for x in cpu["sources"]) + " while a node staged, "
+                + ", ".join(f"{100 * x:.0f}%" for x in cpu["without"]) + " in the windows without",
             ],
             data={"during_ms": [1000 * x for x in during], "without_ms": [1000 * x for x in without], "staged": [dataclasses.asdict(g) for g in staged],
-                  "paired": paired, "stage_rate": self.args.stage_rate, "served_bytes": served},
+                  "paired": paired, "cpu": cpu, "stage_rate": self.args.stage_rate, "served_bytes": served},
         ))
 
     def submit_parked(self, name: str) -> str:
