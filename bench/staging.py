@@ -54,6 +54,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -444,9 +445,18 @@ class CpuMeter:
                 total += t.user + t.system
         return total
 
+    def seconds(self) -> float:
+        return self.used() - self.start
+
     def share(self) -> float:
         """Of one core, on average since the meter was made."""
-        return (self.used() - self.start) / max(1e-6, time.monotonic() - self.at)
+        return self.seconds() / max(1e-6, time.monotonic() - self.at)
+
+
+def children_cpu() -> float:
+    """CPU seconds this process's ended children used (the raw copies, dpctl)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 class StepClock(threading.Thread):
@@ -517,6 +527,7 @@ class Bench:
         self.files: list[Path] = []
         self.digest = ""
         self.raws = 0
+        self.raw_cpu = 0.0  # the last raw copy's
         self.one_node: Staged | None = None
         self.one_node_into: int | None = None
 
@@ -560,8 +571,10 @@ class Bench:
     def raw(self, src: str, dst: str) -> float:
         """A raw TCP copy of the files from `src` to `dst`: its seconds, also said."""
         self.raws += 1
+        cpu = children_cpu()
         seconds = raw_copy(self.net, src, dst, self.files, self.root / f"raw-{self.raws}")
-        self.say(f"raw TCP copy {src} -> {dst}: {seconds:.2f} s")
+        self.raw_cpu = children_cpu() - cpu
+        self.say(f"raw TCP copy {src} -> {dst}: {seconds:.2f} s ({self.raw_cpu:.2f} s of CPU, sender and receiver)")
         return seconds
 
     def submits(self) -> None:
@@ -569,17 +582,17 @@ class Bench:
         nothing. A raw copy laptop -> n0 just before the first and just after it: their mean is
         the upload's baseline (this machine's speed drifts within minutes)."""
         raws = [self.raw(LAPTOP, "n0")]
-        laptop = Link(self.net, LAPTOP)
+        laptop, cpu, n0 = Link(self.net, LAPTOP), children_cpu(), CpuMeter([self.pool.daemons["n0"].pid])
         first, sent, wall1 = self.pool.submit_files(staging_job(self.root, "stage-first"))
-        first_bytes = laptop.into(), laptop.out_of()
+        first_bytes, dpctl_cpu, n0_cpu = (laptop.into(), laptop.out_of()), children_cpu() - cpu, n0.seconds()
         if not sent:
             raise BenchError("the first submit sent no files (no 'sending' line): n0 held them already?")
         raws.append(self.raw(LAPTOP, "n0"))
         raw_upload = statistics.mean(raws)
         wait_held(self.pool, self.digest)
-        laptop = Link(self.net, LAPTOP)
+        laptop, cpu = Link(self.net, LAPTOP), children_cpu()
         second, sent2, wall2 = self.pool.submit_files(staging_job(self.root, "stage-second"))
-        out2 = laptop.out_of()
+        out2, dpctl_cpu2 = laptop.out_of(), children_cpu() - cpu
         for job in (first, second):
             self.pool.cancel(job)
         upload = wall1 - wall2
@@ -588,8 +601,13 @@ class Bench:
             f"{upload:.2f} s (first submit {wall1:.2f} s less the second's {wall2:.2f} s)", f"raw TCP copy {raw_upload:.2f} s",
             f"raw/upload {raw_upload / upload:.2f}" if upload > 0 else "-", f">= {RAW_GOAL}",
             raw_upload / upload >= RAW_GOAL if upload > 0 else None,
-            notes=[f"raw copies just before and just after: {raws[0]:.2f} s, {raws[1]:.2f} s"],
-            data={"upload_s": upload, "first_submit_s": wall1, "second_submit_s": wall2, "raw_s": raws},
+            notes=[
+                f"raw copies just before and just after: {raws[0]:.2f} s, {raws[1]:.2f} s",
+                f"CPU: the first dpctl {dpctl_cpu:.2f} s (the second, which sent nothing, {dpctl_cpu2:.2f} s), n0's dpd {n0_cpu:.2f} s; "
+                f"the raw copy {self.raw_cpu:.2f} s",
+            ],
+            data={"upload_s": upload, "first_submit_s": wall1, "second_submit_s": wall2, "raw_s": raws,
+                  "cpu_s": {"dpctl": dpctl_cpu, "dpctl_second": dpctl_cpu2, "n0": n0_cpu, "raw": self.raw_cpu}},
         ))
         out1 = first_bytes[1]
         self.figures.append(Figure(
@@ -609,10 +627,10 @@ class Bench:
         pool.start_node("n1")
         pool.wait_nodes(["n1"])
         raws = [self.raw("n0", "n1")]
-        link = Link(self.net, "n1")
+        link, dpds = Link(self.net, "n1"), CpuMeter([pool.daemons["n0"].pid, pool.daemons["n1"].pid])
         job, _, _ = pool.submit_files(staging_job(self.root, "stage-one"))
         got = wait_staged(pool, job, ["n1"], self.timeout(1))["n1"]
-        self.one_node, self.one_node_into = got, link.into()
+        self.one_node, self.one_node_into, cpu = got, link.into(), dpds.seconds()
         raws.append(self.raw("n0", "n1"))
         raw_node = statistics.mean(raws)
         self.figures.append(Figure(
@@ -620,9 +638,10 @@ class Bench:
             f"raw TCP copy {raw_node:.2f} s", f"raw/staged {raw_node / got.seconds:.2f}", f">= {RAW_GOAL}", raw_node / got.seconds >= RAW_GOAL,
             notes=[
                 f"raw copies just before and just after: {raws[0]:.2f} s, {raws[1]:.2f} s",
+                f"CPU: n0's and n1's dpds {cpu:.2f} s; the raw copy {self.raw_cpu:.2f} s",
                 f"bytes into n1's link: {gib(self.one_node_into)}" if self.one_node_into is not None else "no per-host link counters on loopback",
             ],
-            data={"staged_s": got.seconds, "raw_s": raws, "bytes": got.bytes, "link_bytes": self.one_node_into},
+            data={"staged_s": got.seconds, "raw_s": raws, "bytes": got.bytes, "link_bytes": self.one_node_into, "cpu_s": {"dpds": cpu, "raw": self.raw_cpu}},
         ))
         return job
 
