@@ -202,7 +202,7 @@ def test_dry_run_prints_the_resolved_job_and_submits_nothing(pool: LocalPool, ct
     # --json: the job as data; a data source this machine lacks is said (every worker needs it).
     code, out, err = ctl("submit", str(job), "--dry-run", "--json", "--set", "data.source=no-such-corpus/*.txt")
     assert code == 0 and json.loads(out)["job"]["data"]["source"] == "no-such-corpus/*.txt"
-    assert "data.source" in err and "every machine that trains the job needs it" in err
+    assert "data.source" in err and "the pool's nodes then look for it at that path" in err
     assert not [j for j in ctl_json(ctl, "status") if j["name"].startswith("dry")]
 
 
