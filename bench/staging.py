@@ -154,11 +154,11 @@ class Namespaces:
 
     def __init__(self, hosts: Sequence[str], *, shape: bool = True) -> None:
         self.tag = f"{os.getpid() % 10000}"
-        subnet = f"10.{180 + os.getpid() % 70}"
-        self.bridge, self.bridge_addr = f"dpsb{self.tag}", f"{subnet}.0.254"
+        subnet = f"10.{180 + os.getpid() % 70}.{os.getpid() // 70 % 250}"  # a /24 of this run's own (the tests' netns use 10.77-176)
+        self.bridge, self.bridge_addr = f"dpsb{self.tag}", f"{subnet}.254"
         self.ns = {h: f"dpsb{self.tag}-{h}" for h in hosts}
         self.host_end = {h: f"sb{self.tag}h{i}" for i, h in enumerate(hosts)}
-        self.addrs = {h: f"{subnet}.0.{i + 1}" for i, h in enumerate(hosts)}
+        self.addrs = {h: f"{subnet}.{i + 1}" for i, h in enumerate(hosts)}
         self.shape = shape
         self.shaping = "none (--no-shape)"
         self.made: list[tuple[str, str]] = []
