@@ -84,15 +84,29 @@ def bring(c: Client, keys: ClientKeys | None, trees: list[tuple[Path, Manifest]]
     """Make sure the pool holds every tree: bytes sent (0 when it held them all)."""
     if not trees:
         return 0
+
+    excluded: list[str] = []
+    failures: list[str] = []
+    while True:
+        reply = c.call(StageOffer(digests=[m.digest for _, m in trees], exclude=excluded), StageOfferReply)
+        todo = [(root, m) for root, m in trees if m.digest not in reply.held]
+        if not todo:
+            return 0
+        if not reply.target:
+            if failures:  # every node that could take it refused or failed
+                raise StageError("no node could take the job's files: " + "; ".join(failures))
+            say("note: no node's data channel is known yet; the nodes look for the files at the job's paths")
+            return 0
+        try:
+            return _send_all(reply, todo, keys, say)
+        except StageError as e:  # that node cannot take them (its cache is full, it went away): another may
+            failures.append(str(e))
+            excluded.append(reply.target)
+
+
+def _send_all(reply: StageOfferReply, todo: list[tuple[Path, Manifest]], keys: ClientKeys | None, say: Callable[[str], None]) -> int:
     from dpool.staging.channel import Source
 
-    reply = c.call(StageOffer(digests=[m.digest for _, m in trees]), StageOfferReply)
-    todo = [(root, m) for root, m in trees if m.digest not in reply.held]
-    if not todo:
-        return 0
-    if not reply.target:
-        say("note: no node's data channel is known yet; the nodes look for the files at the job's paths")
-        return 0
     total = sum(m.total_bytes for _, m in todo)
     say(f"sending {total / 1e6:.1f} MB of the job's files to node {reply.target} (once; the pool copies them on)")
     sent = 0

@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.25)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
-    run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 25MB; 0: never paced)")
+    run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 10MB; 0: never paced)")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")

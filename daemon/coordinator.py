@@ -388,8 +388,8 @@ class Coordinator:
                 if job is None:
                     return m.StatusReply(jobs=self.store.statuses(1, only=ref_.id)), []
                 return m.StatusReply(jobs=[dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now))]), []
-            case StageOffer(digests=wanted):
-                offer = self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost])
+            case StageOffer(digests=wanted, exclude=exclude):
+                offer = self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost], exclude)
                 if not (offer.target and self.sender_key):
                     return offer, []
                 # With keys the target takes this client's upload of these digests, and nothing else.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dpool.daemon.records import Record, Send
@@ -40,7 +41,7 @@ from dpool.protocol.stage_messages import (
     StageSource,
 )
 
-TRAINING_RATE_BPS = 25e6  # a fetch whose sources train is paced to this by default (a fifth of 1 GbE)
+TRAINING_RATE_BPS = 10e6  # a fetch whose sources train is paced to this by default (bench/staging.py: 10 MB/s kept a 3-rank group within 1.1x of its step time on 2 cores; 25 MB/s did not)
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
 CHECK_WAIT_S = 10.0  # a job's first group waits this long at most for nodes still checking their files
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
@@ -220,6 +221,8 @@ class Fitness:
         model = msg.found_model if spec.content.model is None and spec.model.kind == "mlx_lm" else None
         if state is FitState.READY and (data or model):
             actions.append(Found(msg.job, node, data, model))
+        if old is not None and old.state is FitState.STAGING and state is FitState.UNFIT:
+            actions += self._resend(set(digests(spec)), exclude=node)  # the fetchers behind it read elsewhere now
         if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or old.reason != msg.reason):
             # -> UNFIT: the node sits this job out, and says why (once per reason)
             actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
@@ -264,12 +267,12 @@ class Fitness:
 
     # -- sources -----------------------------------------------------------------------------
 
-    def offer(self, wanted: list[str], live: list[str]) -> StageOfferReply:
+    def offer(self, wanted: list[str], live: list[str], exclude: Sequence[str] = ()) -> StageOfferReply:
         """dpctl is about to submit content `wanted`: what the pool holds already, and the node
         that takes an upload of the rest (the live node with a data channel holding the most of
         it, else the first by name: one copy in; the nodes then fetch it from each other)."""
         held = [d for d in wanted if any(n in live for n in self.holders(d))]
-        open_ = sorted((n for n in live if n in self.channels), key=lambda n: (-len(self.channels[n].holds & set(wanted)), n))
+        open_ = sorted((n for n in live if n in self.channels and n not in exclude), key=lambda n: (-len(self.channels[n].holds & set(wanted)), n))
         if len(held) == len(wanted) or not open_:
             return StageOfferReply(held=held, total_nodes=len(live))
         ch = self.channels[open_[0]]
@@ -283,21 +286,25 @@ class Fitness:
         return sorted(n for n, ch in self.channels.items() if digest in ch.holds)
 
     def _sources(self, job_id: str, spec: JobSpec, asking: str) -> list[StageSource]:
+        """Where `asking` reads each digest from: the fetcher just ahead of it in the chain (the
+        fetchers of the job in the order they began, names breaking ties), else, first in line or
+        not fetching yet, the nodes that hold it all. One source per fetcher in a chain: each
+        node's uplink carries the bytes once, so N fetchers take about the time of one."""
         fits = self.fits.get(job_id, {})
         me = fits.get(asking)
-        mine = me.started if me is not None and me.state is FitState.STAGING and me.started else float("inf")
+        mine = (me.started, asking) if me is not None and me.state is FitState.STAGING and me.started else (float("inf"), asking)
         out: list[StageSource] = []
         for digest in digests(spec):
             complete = [n for n in self.holders(digest) if n != asking]
-            # the chain: fetchers that began before this node, nearest (latest) first
-            ahead = sorted(
+            ahead = [
                 (f.started, n) for n, f in fits.items()
-                if n != asking and n not in complete and f.state is FitState.STAGING and f.started and f.started < mine and n in self.channels
-            )
-            chain = [n for _, n in reversed(ahead)]
-            for n in chain[:1]:
+                if n not in complete and f.state is FitState.STAGING and f.started and (f.started, n) < mine and n in self.channels
+            ]
+            if ahead:
+                n = max(ahead)[1]
                 ch = self.channels[n]
                 out.append(StageSource(digest=digest, node=n, endpoint=ch.endpoint, key=ch.key, partial=True))
+                continue
             for n in complete[:SOURCES_MAX]:
                 ch = self.channels[n]
                 out.append(StageSource(digest=digest, node=n, endpoint=ch.endpoint, key=ch.key))

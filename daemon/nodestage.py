@@ -85,6 +85,7 @@ class NodeStaging:
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.sources_changed = asyncio.Event()  # set when job.stage names holders
+        self.fetching: dict[str, set[str]] = {}  # job -> the digests it is fetching here
         self.rates: dict[str, float | None] = {}  # job -> the pace its fetches keep (None: unpaced)
         self.peers: set[str] = set()  # the pool's node keys (z85), which may read this node's data channel
         self.uploads: dict[str, tuple[str, set[str], float]] = {}  # client key -> (its name, digests it may put, until)
@@ -147,6 +148,9 @@ class NodeStaging:
     def ended(self, job: str) -> bool:
         """The job is over: its trees may be evicted. Whether this node had staged it."""
         had = self.jobs.pop(job, None) is not None or job in self.tasks
+        for digest in self.fetching.pop(job, set()):
+            if not any(digest in ds for ds in self.fetching.values()):
+                self.stager.cancel(digest)  # no live job here needs it now; its verified chunks stay
         self.cache.unpin(job)
         self.rates.pop(job, None)
         task = self.tasks.pop(job, None)
@@ -237,7 +241,11 @@ class NodeStaging:
                 self.cache.adopt(digest, root)
                 return None  # served from where it is
             raise Unfit(f"{key}: {await self._difference(digest, root)}")
-        return await self._fetch(digest, key, say, fetched, self.rates.get(job))
+        self.fetching.setdefault(job, set()).add(digest)
+        try:
+            return await self._fetch(digest, key, say, fetched, self.rates.get(job))
+        finally:
+            self.fetching.get(job, set()).discard(digest)
 
     async def _difference(self, digest: str, root: Path) -> str:
         """The first file of `root` that differs from the submitted tree (its manifest fetched

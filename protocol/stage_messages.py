@@ -111,6 +111,7 @@ class StageOffer(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.STAGE_OFFER
     digests: Annotated[list[Digest], Items(DIGESTS_MAX)]
+    exclude: Annotated[list[NodeName], Items(SOURCES_MAX)] = field(default_factory=list)  # nodes that could not take an upload
 
 
 @message

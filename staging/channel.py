@@ -870,6 +870,7 @@ class _Link:
     heard: float = 0.0  # when it last answered (or was first waited on)
     up: bool = False  # handshake done
     closed: bool = False
+    retiring: bool = False  # `sources()` no longer offers it: asked for nothing new, closed once idle
     inflight: dict[int, _Item] = field(default_factory=dict)
     writing: int = 0  # its chunks being verified and written: they hold their window slots
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -908,7 +909,8 @@ class _Fetch:
         self.rate_at = 0.0
         self.samples: collections.deque[tuple[float, int]] = collections.deque()
         self.source_names: tuple[str, ...] = ()
-        self.sources_at = -math.inf
+        self.sources_at = -math.inf  # the last periodic look at `sources()`
+        self.needed_at = -math.inf  # the last call for want of a source
         self.fruitless = 0  # `sources()` calls in a row that gave nothing new while one was needed
         self.need: str | None = None  # why the fetch cannot go on with the sources it has
         self.progress_at = time.monotonic()
@@ -1023,7 +1025,11 @@ class _Fetch:
     def _fill(self, now: float) -> float:
         """Send what the windows and the pace allow; when something could go next (inf: on a reply)."""
         soonest, self.need = math.inf, None
-        for link in [lk for lk in self.links.values() if lk.up]:  # not before its handshake: a dead source takes nothing
+        if self.queue and now >= self.sources_at + SOURCES_EVERY_S:
+            self._more_sources(now, None)  # the sources offered now: a lost one replaced, a chain's place taken
+        for link in list(self.links.values()):
+            self._close_if_retired(link)
+        for link in [lk for lk in self.links.values() if lk.up and not lk.retiring]:  # not before its handshake: a dead source takes nothing
             while not link.closed and len(link.inflight) + link.writing < self.s.window and self.queue:
                 item, retry_at = self._pick(link, now)
                 if item is None:
@@ -1040,9 +1046,7 @@ class _Fetch:
             self.need = "no source left" if not self.links else f"no source holds {stuck}"
             self._more_sources(now, self.need)
             soonest = now + SOURCES_EVERY_S
-        elif len(self.links) < MAX_SOURCES and now >= self.sources_at + SOURCES_EVERY_S and self.tried:
-            self._more_sources(now, None)  # a source was lost: look for another while the rest go on
-        return soonest
+        return min(soonest, self.sources_at + SOURCES_EVERY_S) if self.queue else soonest
 
     def _pick(self, link: _Link, now: float) -> tuple[_Item | None, float]:
         """The first queued item this link may be asked for; else when one may be."""
@@ -1059,28 +1063,42 @@ class _Fetch:
 
     def _more_sources(self, now: float, need: str | None) -> None:
         """Ask `sources()` for others; `need`: why the fetch cannot go on without one (it fails when
-        two calls in a row give nothing new)."""
-        if now < self.sources_at + SOURCES_EVERY_S:
-            return
-        self.sources_at = now
+        two calls in a row give nothing new). `need` None: the periodic look at where to read now,
+        on a clock of its own, so it never delays the asking that can fail a fetch."""
+        if need is None:
+            if now < self.sources_at + SOURCES_EVERY_S:
+                return
+            self.sources_at = now
+        else:
+            if now < self.needed_at + SOURCES_EVERY_S:
+                return
+            self.needed_at = now
         try:
             offered = list(self.sources_fn())
         except Exception as e:
             self.log.warning("fetch.sources_failed", error=f"{type(e).__name__}: {str(e)[:300]}")
             offered = []
         added = 0
+        offered = [src for src in offered if isinstance(src, Source)]
+        if offered:
+            # `sources()` says where to read now (the node fetching ahead of this one in a chain,
+            # rather than the holder every fetcher would share): a source it no longer names is
+            # asked for nothing more, and closed once what it has in flight is in.
+            named = {src.endpoint for src in offered}
+            for link in list(self.links.values()):
+                link.retiring = link.endpoint not in named
+                self._close_if_retired(link)
         for src in offered:
-            if len(self.links) >= MAX_SOURCES:
+            if len([lk for lk in self.links.values() if not lk.retiring]) >= MAX_SOURCES:
                 break
-            if not isinstance(src, Source):
-                continue
             ep = src.endpoint
             if ep in self.links or ep in self.banned or self.losses[ep] > MAX_LOSSES:
                 continue
             if self._connect(src, now):
                 added += 1
-        if added or need is None:
+        if added:
             self.fruitless = 0
+        if added or need is None:
             return
         self.fruitless += 1
         if self.fruitless >= 2:
@@ -1124,6 +1142,11 @@ class _Fetch:
         self.links[ep] = link
         self.source_names = tuple(str(lk.source) for lk in self.links.values())
         return True
+
+    def _close_if_retired(self, link: _Link) -> None:
+        if link.retiring and not link.closed and not link.inflight and not link.writing:
+            self.log.info("source.retired", source=str(link.source))
+            self._close(link)
 
     def _leave(self, ep: str, why: str, *, ban: bool) -> None:
         self.tried[ep] = why
@@ -1227,6 +1250,8 @@ class _Fetch:
         if item is None:
             return  # the answer to a request given up on
         now = link.heard = time.monotonic()
+        if link.retiring:
+            self.wake.set()  # _fill closes it once it is idle
         if isinstance(msg, Error):
             self._refused(link, item, msg, now)
         elif item.entry is None:
@@ -1255,6 +1280,7 @@ class _Fetch:
     def _written(self, link: _Link, item: _Item, fut: asyncio.Future[bool]) -> None:
         link.writing -= 1
         self.wake.set()
+        self._close_if_retired(link)
         if fut.cancelled():
             return
         exc = fut.exception()

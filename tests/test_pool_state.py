@@ -1048,10 +1048,12 @@ def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_o
     staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
     out = staged(pool, 0.2, "b", "staging", total_bytes=100, endpoint="tcp://10.0.0.2:7400")
     assert records(out, "node.staging") == [{"node": "b", "bytes": 100}]
-    # c fetches too: it is told of b (ahead of it in the chain) and of a, which holds it all
+    # c fetches too: it reads from b, ahead of it in the chain (not from a, whose uplink b uses)
     out = staged(pool, 0.3, "c", "staging", total_bytes=100, endpoint="tcp://10.0.0.3:7400")
     (to_c,) = [s.msg for s in sends(out, JobStage) if s.node == "c"]
-    assert [(s.node, s.partial) for s in to_c.sources] == [("b", True), ("a", False)]
+    assert [(s.node, s.partial) for s in to_c.sources] == [("b", True)]
+    (to_b,) = [s.msg for s in sends(out, JobStage) if s.node == "b"]
+    assert [(s.node, s.partial) for s in to_b.sources] == [("a", False)]  # first in line: the holder
     out = staged(pool, 1.0, "b", "ready", total_bytes=100, done_bytes=100, holds=[digest], endpoint="tcp://10.0.0.2:7400")
     assert records(out, "node.staged")[0]["node"] == "b"
     out = staged(pool, 1.1, "c", "unfit", "the disk is full")
@@ -1125,3 +1127,19 @@ def test_a_node_names_a_jobs_content_and_an_answer_about_other_files_given_befor
     out = staged(pool, 0.3, "b", "unfit", "data.source: doc05.txt: content differs")
     staged(pool, 0.4, "a", "ready", found_data=None)
     assert pool.fitness.eligible("j", pool.jobs["j"].spec, "a") and not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")
+
+
+def test_an_upload_goes_to_a_node_with_a_data_channel_and_another_when_that_one_could_not_take_it() -> None:
+    from dpool.protocol.stage_messages import NodeStaged
+
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+        pool.from_node(0.1, n, NodeStaged(job="*", state="ready", endpoint=f"tcp://{n}:1"))
+    digest = "f" * 64
+    first = pool.fitness.offer([digest], ["a", "b"])
+    assert (first.held, first.target, first.endpoint) == ([], "a", "tcp://a:1")
+    assert pool.fitness.offer([digest], ["a", "b"], exclude=["a"]).target == "b"
+    assert pool.fitness.offer([digest], ["a", "b"], exclude=["a", "b"]).target == ""
+    pool.from_node(0.2, "b", NodeStaged(job="*", state="ready", endpoint="tcp://b:1", holds=[digest]))
+    assert pool.fitness.offer([digest], ["a", "b"]).held == [digest]  # nothing to send

@@ -247,6 +247,28 @@ def test_a_node_still_fetching_serves_the_next_in_a_chain(nodes: Nodes, src: tup
     assert b.stats()["bytes_served"] == total  # b passed every one on to c
 
 
+def test_a_source_no_longer_offered_is_asked_for_nothing_more_and_the_new_one_serves_the_rest(nodes: Nodes, src: tuple[Path, Manifest]) -> None:
+    """`sources()` is where to read now: when it names another source (a chain's node ahead,
+    instead of the holder everyone shares), the fetch moves there, and the first one, once what it
+    had in flight is in, is asked nothing more."""
+    folder, m = src
+    a = nodes.node("a", holds=src)
+    b = nodes.node("b", holds=src)
+    f = nodes.node("f", bind=None)
+    total = unique_bytes(m)
+    offered = [Source(a.endpoint, name="a")]
+    future = f.stager.fetch(m.digest, lambda: list(offered), rate_bps=total / 2.0)
+    wait_for("a quarter of the tree from a", lambda: (p := f.stager.progress(m.digest)) is not None and p.done_bytes >= total // 4, 30, 0.02)
+    offered[:] = [Source(b.endpoint, name="b")]
+    wait_for("f to ask b", lambda: b.stats()["requests"] > 0, 30, 0.02)
+    from_a = a.stats()["bytes_served"]
+    got = future.result(60)
+    assert_same_files(got, folder, m)
+    assert a.stats()["bytes_served"] - from_a <= WINDOW * CHUNK  # only what was in flight when b was named
+    assert a.stats()["bytes_served"] + b.stats()["bytes_served"] - total <= WINDOW * CHUNK and b.stats()["bytes_served"] > total // 4
+    assert f.stats()["sources_dropped"] == 0  # a was not lost: it was let go
+
+
 def test_a_source_stopped_half_way_is_dropped_and_only_what_it_had_in_flight_is_sent_again(nodes: Nodes, src: tuple[Path, Manifest]) -> None:
     folder, m = src
     a = nodes.node("a", holds=src)

@@ -195,7 +195,7 @@ def test_a_node_whose_cache_cannot_hold_the_files_sits_the_job_out_and_harms_not
     pool.wait_registered(2)
     laptop = tmp_path / "home-laptop"
     corpus(laptop / "corpus")
-    job = write_job(tmp_path, "full", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"})
+    job = write_job(tmp_path, "full", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"}, train={"steps": 400})  # long enough for n1's answer
     r = dpctl(pool, "submit", str(job), home=laptop)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
