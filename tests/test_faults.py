@@ -515,9 +515,11 @@ def test_a_full_disk_fails_that_rank_and_the_job_resumes_once_space_returns(proc
             and e.get("code") == EXIT_DISK and "not written" in (e.get("error") or "") and "no space left" in e["error"].lower()
         ], 30)  # of whichever generation ran when the disk filled (a loaded machine may have restarted one)
         # n1 fails every start of A until it is set aside; A waits below workers.min.
-        pool.wait_status(a, "job A queued", lambda s: s.state == "queued", timeout=60)
-        n1 = next(n for n in pool.nodes() if n.name == "n1")
-        assert n1.state != "lost" and "set aside" in (n1.reason or ""), n1
+        # (A may be queued for a moment before n1's third failure has been counted: wait for both.)
+        n1 = wait_for("n1 set aside and job A queued", lambda: next(
+            (n for n in pool.nodes() if n.name == "n1" and "set aside" in (n.reason or "") and (s := pool.status(a)) is not None and s.state == "queued"), None,
+        ), 60)
+        assert n1.state != "lost", n1
         assert pool.daemons["n1"].proc.poll() is None and pool.daemons["n0"].proc.poll() is None
         assert alive(b_pid) and pool.trainer_pids("n1", b) == [b_pid]
         st = pool.status(b)
