@@ -104,8 +104,10 @@ class Client:
         return Unreachable(f"no answer from the coordinator at {self.addr} within {timeout_s:g}s (is `dpd run --serve` running there? {hint})")
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._ctx.term()
+        # destroy, not term: it closes any socket still open in this context (linger 0) before it
+        # ends the context, so dpctl's exit can never wait on one (a refused CURVE handshake leaves
+        # libzmq reconnecting in the background)
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> Client:
         return self
