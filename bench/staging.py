@@ -72,7 +72,7 @@ import psutil
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError, free_port, wait_for
 from dpool.client.rpc import pages
 from dpool.daemon.fitness import TRAINING_RATE_BPS
-from dpool.daemon.nodestage import cache_max
+from dpool.daemon.nodestage import parse_size
 from dpool.protocol import messages as m
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import parse_job
@@ -132,7 +132,7 @@ BenchError = recovery.BenchError  # a figure could not be measured: which, and w
 
 def size_arg(text: str) -> int:
     try:
-        return cache_max(text) or 0
+        return parse_size(text) or 0
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 1GiB, 64MiB or 8MB") from None
 
@@ -814,7 +814,7 @@ def rate_arg(text: str | None) -> float | None:
     if text is None:
         return TRAINING_RATE_BPS
     with contextlib.suppress(ValueError):
-        return cache_max(text)
+        return parse_size(text)
     return None
 
 

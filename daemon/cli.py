@@ -227,23 +227,23 @@ def settings(args: argparse.Namespace) -> Settings:
 
 
 def _stage_rate(value: object) -> float:
-    from dpool.daemon.nodestage import cache_max
+    from dpool.daemon.nodestage import parse_size
 
     if value is None:
         return TRAINING_RATE_BPS
     if str(value).strip() in ("0", "off"):
         return 0.0
     try:
-        return float(cache_max(str(value)) or 0)
+        return float(parse_size(str(value)) or 0)
     except ValueError:
         raise UsageError(f"--stage-rate {value!r}: expected bytes a second such as 25MB or 100MiB, or 0 (never paced)") from None
 
 
 def _cache_max(value: object) -> int | None:
-    from dpool.daemon.nodestage import cache_max
+    from dpool.daemon.nodestage import parse_size
 
     try:
-        return cache_max(None if value is None else str(value))
+        return parse_size(None if value is None else str(value))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -274,9 +274,9 @@ class Fitness:
         held = [d for d in wanted if any(n in live for n in self.holders(d))]
         open_ = sorted((n for n in live if n in self.channels and n not in exclude), key=lambda n: (-len(self.channels[n].holds & set(wanted)), n))
         if len(held) == len(wanted) or not open_:
-            return StageOfferReply(held=held, total_nodes=len(live))
+            return StageOfferReply(held=held)
         ch = self.channels[open_[0]]
-        return StageOfferReply(held=held, target=open_[0], endpoint=ch.endpoint, key=ch.key, total_nodes=len(live))
+        return StageOfferReply(held=held, target=open_[0], endpoint=ch.endpoint, key=ch.key)
 
     def cache_rows(self, node: str | None) -> list[CacheRow]:
         """`dpctl cache`: each node's trees, as the nodes said last."""

@@ -334,8 +334,8 @@ class NodeStaging:
             )
 
 
-def cache_max(text: str | None) -> int | None:
-    """`--cache-max`: '50GB', '500MB', '1.5TiB' or bytes; None: no budget but the disk."""
+def parse_size(text: str | None) -> int | None:
+    """A size flag (`--cache-max`, `--stage-rate`): '50GB', '500MB', '1.5TiB' or bytes; None: no budget but the disk."""
     if text is None:
         return None
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}

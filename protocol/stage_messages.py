@@ -126,7 +126,6 @@ class StageOfferReply(Message):
     target: Annotated[str, Str(63)] = ""
     endpoint: Endpoint = ""
     key: PublicKey = ""
-    total_nodes: Count = 0
 
 
 @message
