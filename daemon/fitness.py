@@ -212,7 +212,11 @@ class Fitness:
         )
         if stale:
             # The answer to a job.stage sent before the job named its content, with other files
-            # than those it names now: the node was asked again, and that answer counts.
+            # than those it names now. The node may have dropped the newer question while it
+            # checked the old one (a dpd runs one check per job): it is asked again now, and
+            # that answer counts.
+            fits[node] = Fit(FitState.ASKED, now)
+            actions.append(Send(node, self._stage_msg(msg.job, spec, doc, node)))
             return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)

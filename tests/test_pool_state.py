@@ -1123,6 +1123,8 @@ def test_a_node_names_a_jobs_content_and_an_answer_about_other_files_given_befor
     assert sorted(s.node for s in sends(out, JobStage)) == ["a", "b"]  # asked again, against it
     out = staged(pool, 0.2, "b", "ready", found_data="b" * 64)  # b's answer to the first question
     assert records(out, "job.content") == [] and sends(out, m.GroupPrepare) == []
+    (again,) = sends(out, JobStage)  # b may have dropped the second question while it checked: asked at once
+    assert again.node == "b" and again.msg.spec["content"]["data"] == "a" * 64
     assert not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")
     out = staged(pool, 0.3, "b", "unfit", "data.source: doc05.txt: content differs")
     staged(pool, 0.4, "a", "ready", found_data=None)
