@@ -716,8 +716,8 @@ class Pool:
                     continue  # its first group waits (briefly) for the nodes still checking its files
                 capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
                 recovering = job.state is JobState.RECOVERING
-                lo, hi = job.spec.workers.min, job.spec.workers.max
-                chosen = None if blocked else choose_slots(self._free_slots(job), lo, min(hi, job.spec.train.global_batch))
+                lo = job.spec.workers.min
+                chosen = None if blocked else choose_slots(self._free_slots(job), lo, job.spec.max_workers())
                 if chosen is not None:
                     actions += self._admit(job, chosen, now)
                     continue
@@ -808,7 +808,7 @@ class Pool:
             return False  # no step of this generation yet
         if job.step >= job.spec.train.steps:
             return False  # finishing: a rank that is done frees its slot, which is no reason to grow
-        return plan.world_size < min(job.spec.workers.max, job.spec.train.global_batch)
+        return plan.world_size < job.spec.max_workers()
 
     def _admit(self, job: Job, chosen: list[Slot], now: float) -> list[Action]:
         generation = job.machine.generation + 1

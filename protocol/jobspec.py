@@ -222,6 +222,37 @@ class RecoverySpec:
     )
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncSpec:
+    """How the workers combine their work (README: "Communication"). "sync": every step's gradients
+    are all_summed (exact: the same curve on any number of workers). "diloco": `replicas` virtual
+    replicas each take `inner_steps` AdamW steps on their slice of each global batch, then their
+    parameter changes are averaged (weighted by tokens) and applied with Nesterov momentum; one
+    all_sum per `inner_steps` steps instead of one per step."""
+
+    mode: str = _spec(_choice("sync", "diloco"), "'sync' (all_sum every step) or 'diloco' (all_sum every inner_steps steps)", "sync")
+    inner_steps: int = _spec(_int(1, 100000), "diloco: inner steps per outer step (H)", 50)
+    replicas: int = _spec(
+        _int(1, 1024), "diloco: virtual replicas (K), fixed by the job, not by the machines present; at most this many workers", 4
+    )
+    outer_lr: float = _spec(_float(0.0, 10.0, lo_open=True), "diloco: the outer Nesterov step's learning rate", 0.7)
+    outer_momentum: float = _spec(_float(0.0, 0.999), "diloco: the outer Nesterov momentum", 0.9)
+    dtype: str = _spec(
+        _choice("float32", "bfloat16"),
+        "what is all_summed: 'float32' (exact) or 'bfloat16' (half the bytes; sums still divided by the pool's tokens)",
+        "float32",
+    )
+
+    def hashed(self) -> dict[str, Any] | None:
+        """What of it shapes the curve (None: the default, exact synchronous mode, as before [sync] existed)."""
+        if self.mode == "sync":
+            return None if self.dtype == "float32" else {"dtype": self.dtype}
+        return dataclasses.asdict(self)
+
+
+SYNC_DILOCO_KEYS = ("inner_steps", "replicas", "outer_lr", "outer_momentum")
+
+
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -246,6 +277,7 @@ SECTIONS: dict[str, type] = {
     "checkpoint": CheckpointSpec,
     "eval": EvalSpec,
     "recovery": RecoverySpec,
+    "sync": SyncSpec,
     "content": ContentSpec,
 }
 
@@ -260,6 +292,7 @@ class JobSpec:
     checkpoint: CheckpointSpec = dataclasses.field(default_factory=CheckpointSpec)
     eval: EvalSpec = dataclasses.field(default_factory=EvalSpec)
     recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
+    sync: SyncSpec = dataclasses.field(default_factory=SyncSpec)
     content: ContentSpec = dataclasses.field(default_factory=ContentSpec)
     base_dir: str = "."  # where relative paths are resolved: the folder of the job file as submitted
 
@@ -269,7 +302,16 @@ class JobSpec:
         out["model"] = self._model_fields()
         if self.model.kind == "gpt":
             out["data"].pop("mask_prompt")
+        if self.sync.mode == "sync":
+            for key in SYNC_DILOCO_KEYS:
+                out["sync"].pop(key)
         return out
+
+    def max_workers(self) -> int:
+        """The most workers the job can use: workers.max, at most one per sequence of the global
+        batch, and in diloco mode one per replica."""
+        top = min(self.workers.max, self.train.global_batch)
+        return min(top, self.sync.replicas) if self.sync.mode == "diloco" else top
 
     def training_hash(self) -> str:
         """Hash of everything that shapes the loss curve; checkpoints of another hash are refused.
@@ -288,6 +330,8 @@ class JobSpec:
         if self.content.model is not None:
             model["path"] = f"sha256:{self.content.model}"
         body = {"model": model, "data": data, "train": train}
+        if (sync := self.sync.hashed()) is not None:
+            body["sync"] = sync  # absent in the default mode: jobs from before [sync] keep their hash
         return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
     def _model_fields(self) -> dict[str, Any]:
@@ -368,6 +412,7 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
     _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source)
     spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
     _cross_check(spec, source)
+    _check_sync(spec, data.get("sync", {}), source)
     return spec
 
 
@@ -405,6 +450,24 @@ def _cross_check(spec: JobSpec, source: str) -> None:
         )
     if t.warmup_steps > t.steps:
         raise JobFileError(source, "train.warmup_steps", t.warmup_steps, f"must be <= train.steps = {t.steps}")
+
+
+def _check_sync(spec: JobSpec, given: Any, source: str) -> None:
+    s = spec.sync
+    if s.mode == "sync":
+        for key in SYNC_DILOCO_KEYS:
+            if isinstance(given, dict) and key in given:
+                raise JobFileError(source, f"sync.{key}", given[key], "only for sync.mode = 'diloco'")
+        return
+    if spec.workers.min > s.replicas:
+        raise JobFileError(
+            source, "workers.min", spec.workers.min,
+            f"must be <= sync.replicas = {s.replicas} (each worker runs whole replicas; more workers than replicas would idle)",
+        )
+    if spec.train.global_batch < s.replicas:
+        raise JobFileError(
+            source, "train.global_batch", spec.train.global_batch, f"must be >= sync.replicas = {s.replicas} (each replica trains a slice of it)"
+        )
 
 
 def check_paths(spec: JobSpec, source: str) -> None:

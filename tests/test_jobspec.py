@@ -200,3 +200,23 @@ def test_integers_stay_below_2_to_the_53():
         parse_job({"name": "big", "train": {"steps": 2**53}})
     assert err.value.key == "train.steps"
     assert parse_job({"name": "big", "train": {"steps": 2**53 - 1}}).train.steps == 2**53 - 1
+
+
+def test_sync_section_is_checked_and_shapes_the_hash_only_where_it_changes_the_curve():
+    plain = parse_job({"name": "j"})
+    assert plain.training_hash() == parse_job({"name": "j", "sync": {"mode": "sync"}}).training_hash(), "jobs from before [sync] keep their checkpoints"
+    assert plain.training_hash() != parse_job({"name": "j", "sync": {"dtype": "bfloat16"}}).training_hash()
+    diloco = parse_job({"name": "j", "workers": {"max": 8}, "sync": {"mode": "diloco", "replicas": 3, "inner_steps": 20}})
+    assert diloco.training_hash() != plain.training_hash()
+    assert diloco.max_workers() == 3 and plain.max_workers() == 8  # a worker runs whole replicas
+    assert parse_job(diloco.to_dict()) == diloco and parse_job(plain.to_dict()) == plain
+    for data, key in [
+        ({"sync": {"inner_steps": 5}}, "sync.inner_steps"),  # a diloco key in sync mode does nothing: refused
+        ({"sync": {"mode": "local"}}, "sync.mode"),
+        ({"sync": {"mode": "diloco", "replicas": 2}, "workers": {"min": 3}}, "workers.min"),
+        ({"sync": {"mode": "diloco", "replicas": 8}, "train": {"global_batch": 4}}, "train.global_batch"),
+        ({"sync": {"mode": "diloco", "outer_momentum": 1.0}}, "sync.outer_momentum"),
+        ({"sync": {"dtype": "float16"}}, "sync.dtype"),
+    ]:
+        with pytest.raises(JobFileError, match=key.replace(".", r"\.")):
+            parse_job({"name": "j", **data})

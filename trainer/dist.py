@@ -1,8 +1,9 @@
-"""Collectives: the group, one fused all_sum for a step, and broadcast from rank 0.
+"""Collectives: the group, a step's all_sum in buckets, and broadcast from rank 0.
 
 MLX has no broadcast; `all_sum(x if rank == 0 else zeros)` gives bit-identical copies. Small
 all_sums are latency-bound (DESIGN.md: ~0.07 GB/s at 4 KB, ~0.95 GB/s at 16 MB), so everything a
-step exchanges travels in as few buffers as possible: one per dtype. Ranks that share a machine
+step exchanges travels in as few buffers as possible: one per dtype, cut into buckets of at most
+BUCKET_BYTES so a large model needs no second full copy of its gradients. Ranks that share a machine
 get their share of its cores, wait for each other asleep, and, when the whole group is on one
 machine, sum in pieces that go one way round the ring (trainer/colocate.py).
 """
@@ -34,7 +35,9 @@ from dpool.trainer.listening import last_rank_apart, wait_for_listeners
 
 # The last rank calls the ring's init this long after the others (Group.__init__ says why).
 LAST_RANK_DELAY_S = 0.020
-LISTEN_WAIT_S = 1.0  # the most the last rank waits for the ports of the ranks on its machine
+LISTEN_WAIT_S = 1.0
+# The most one all_sum carries (Group.all_sum_fused): mlx-lm's `average_gradients` uses 32 MiB too.
+BUCKET_BYTES = 32 << 20  # the most the last rank waits for the ports of the ranks on its machine
 
 
 class Group:
@@ -159,23 +162,52 @@ class Group:
             mx.eval(parts[-1])
         return mx.concatenate(parts).reshape(x.shape)
 
-    def all_sum_fused(self, arrays: Sequence[mx.array]) -> list[mx.array]:
-        """all_sum many arrays with one collective per dtype; returns them in the same shapes."""
+    def all_sum_fused(self, arrays: Sequence[mx.array], bucket_bytes: int | None = None) -> list[mx.array]:
+        """all_sum many arrays, returned in the same shapes and order: those of one dtype travel
+        together, in buckets of at most `bucket_bytes` (default BUCKET_BYTES; a larger array is cut
+        across buckets). Each bucket is one collective, summed before the next is built, so a large
+        model never needs a second full copy of its gradients for the send buffer: one bucket at a
+        time (mlx-lm's `average_gradients` does the same, 32 MiB)."""
         if self.group is None or self.size == 1:
             return list(arrays)
+        limit = bucket_bytes or BUCKET_BYTES
         by_dtype: dict[mx.Dtype, list[int]] = {}
         for i, a in enumerate(arrays):
             by_dtype.setdefault(a.dtype, []).append(i)
-        out: list[mx.array | None] = [None] * len(arrays)
+        pieces: list[list[mx.array]] = [[] for _ in arrays]  # each array's summed pieces, in order
         for idx in by_dtype.values():
-            flat = mx.concatenate([arrays[i].reshape(-1) for i in idx])
-            summed = self._ring_sum(flat)
-            offset = 0
+            per = max(1, limit // arrays[idx[0]].itemsize)  # elements per bucket
+            bucket: list[tuple[int, mx.array]] = []  # (array index, flat piece)
+            room = per
+
+            def flush() -> None:
+                nonlocal bucket, room
+                if not bucket:
+                    return
+                flat = bucket[0][1] if len(bucket) == 1 else mx.concatenate([p for _, p in bucket])
+                summed = self._ring_sum(flat)
+                mx.eval(summed)  # this bucket is summed before the next is built (see above)
+                offset = 0
+                for i, p in bucket:
+                    pieces[i].append(summed[offset : offset + p.size])
+                    offset += p.size
+                bucket, room = [], per
+
             for i in idx:
-                n = arrays[i].size
-                out[i] = summed[offset : offset + n].reshape(arrays[i].shape)
-                offset += n
-        return out  # type: ignore[return-value]
+                flat, start = arrays[i].reshape(-1), 0
+                while start < flat.size:
+                    take = min(room, flat.size - start)
+                    bucket.append((i, flat[start : start + take] if take < flat.size else flat))
+                    start += take
+                    room -= take
+                    if room == 0:
+                        flush()
+            flush()
+        out = []
+        for a, ps in zip(arrays, pieces, strict=True):
+            whole = ps[0] if len(ps) == 1 else mx.concatenate(ps)
+            out.append(whole.reshape(a.shape))
+        return out
 
     def broadcast(self, arrays: Sequence[mx.array]) -> list[mx.array]:
         """Rank 0's arrays on every rank (others pass arrays of the right shapes and dtypes)."""

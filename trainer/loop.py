@@ -277,7 +277,7 @@ def run(
         state_bytes = sum(v.nbytes for _, v in tree_flatten(model.trainable_parameters()))
         state_bytes += sum(v.nbytes for _, v in tree_flatten(optimizer.state))
         kept = MemoryState(memory, state_bytes, machine_memory_bytes(), log)
-    stepper = Stepper(task, optimizer, group, 1, t.grad_clip, t.seed)
+    stepper = Stepper(task, optimizer, group, 1, t.grad_clip, t.seed, comm_dtype=spec.sync.dtype)
     per_example = stepper.probe_bytes() if t.micro_batch == "auto" else 0
     free = machine_memory_bytes() - mx.get_active_memory()
 

@@ -1,4 +1,4 @@
-"""The training step: micro batches give sums, one fused all_sum, divide by the pool's tokens.
+"""The training step: micro batches give sums, one all_sum (in buckets), divide by the pool's tokens.
 
 Every rank computes the *sum* of its trained tokens' losses and the gradient of that sum over its
 share (accumulated across micro batches, in float32), then one all_sum carries all gradient sums,
@@ -71,9 +71,15 @@ def dropout_keys(seed: int, idents: np.ndarray) -> np.ndarray:
 class Stepper:
     """Owns the compiled-once functions; `step()` is state in (model, optimizer) and state out."""
 
-    def __init__(self, task: Task, optimizer: optim.Optimizer, group: Group, micro: int, grad_clip: float, seed: int):
+    def __init__(
+        self, task: Task, optimizer: optim.Optimizer, group: Group, micro: int, grad_clip: float, seed: int,
+        comm_dtype: str = "float32",
+    ):
         self.task, self.model, self.optimizer, self.group = task, task.model, optimizer, group
         self.micro, self.grad_clip, self.seed = micro, grad_clip, seed
+        # What the gradient sums travel as (sync.dtype): bfloat16 halves the bytes. The control
+        # vector (loss and token sums, flags, timings) is always float32: counts must stay exact.
+        self.comm_dtype = mx.bfloat16 if comm_dtype == "bfloat16" else None
         model = self.model
         value_and_grad = nn.value_and_grad(model, masked_loss_sum)
 
@@ -167,7 +173,14 @@ class Stepper:
         # The gradients are evaluated (grad_sums): ranks sharing this machine wait here, asleep,
         # rather than spinning in the all_sum while a neighbour still computes (trainer/colocate.py).
         self.group.wait_for_colocated()
-        summed = self.group.all_sum_fused([g for _, g in flat] + [control])
+        grads = [g for _, g in flat]
+        if self.comm_dtype is not None:
+            # Rounded on every world size alike, one worker too, so the curve still depends on
+            # the job file alone (to bfloat16's precision: README "Communication").
+            grads = [g.astype(self.comm_dtype) for g in grads]
+        summed = self.group.all_sum_fused(grads + [control])
+        if self.comm_dtype is not None:
+            summed[:-1] = [g.astype(mx.float32) for g in summed[:-1]]
         return summed[:-1], summed[-1]
 
     def step(
