@@ -180,7 +180,7 @@ class Group:
             bucket: list[tuple[int, mx.array]] = []  # (array index, flat piece)
             room = per
 
-            def flush() -> None:
+            def flush(per: int = per) -> None:
                 nonlocal bucket, room
                 if not bucket:
                     return
