@@ -562,7 +562,10 @@ class Pool:
         if msg.rank == 0:
             job.step = step
         if job.watch is not None:
-            job.watch.observe(step, now, seconds)
+            # diloco: ranks step apart between outer steps; the group moves as its slowest rank.
+            live = job.machine.live
+            seen = min(job.ranks[r].step for r in live if r in job.ranks) if job.spec.sync.mode == "diloco" and live else step
+            job.watch.observe(seen, now, seconds)
         actions: list[Action] = []
         if job.machine.forming:
             # A step done means the rank is up, even if its hello was lost.

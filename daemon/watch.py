@@ -21,6 +21,10 @@ How long to wait after step s was reported before calling the group stalled:
   generate a sample (every `eval.sample_every_steps`) before step s+1; the others wait for it in
   the next all_sum. Their cost is measured the first time (the allowance then is the generous
   start-up deadline, `recovery.start_timeout_s`) and then allowed `factor` times over.
+- diloco (`[sync] mode = "diloco"`): ranks run their replicas' inner steps apart and meet only
+  at the outer all_sum after every `inner_steps` steps, so the watch follows the slowest rank
+  (the pool reports the lowest step of the live ranks), and the outer step (all_sum, and a
+  checkpoint's gather when one is due) is measured and allowed like an evaluation ("outer").
 - Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
   checkpoint restore and broadcast, compiling the first step), counted from the launch.
 - After the last step, or once the group was asked to checkpoint and stop, no further step comes:
@@ -51,7 +55,8 @@ class StepWatch:
     last_step: int | None = None  # newest step reported by any rank (None: none yet)
     last_at: float = 0.0
     recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
-    extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample"
+    extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample" / "outer"
+    outer_every: int = 0  # diloco: an outer all_sum after every this many steps (0: none)
     stopping: bool = False  # asked to checkpoint and stop
 
     @classmethod
@@ -67,6 +72,7 @@ class StepWatch:
             factor=rec.step_timeout_factor,
             start_s=rec.start_timeout_s,
             started_at=now,
+            outer_every=spec.sync.inner_steps if spec.sync.mode == "diloco" else 0,
         )
         if previous is not None:
             watch.recent.extend(previous.recent)
@@ -80,6 +86,8 @@ class StepWatch:
             kinds.append("eval")
         if step % self.sample_every == 0:
             kinds.append("sample")
+        if self.outer_every and step % self.outer_every == 0:
+            kinds.append("outer")
         return kinds
 
     def observe(self, step: int, now: float, seconds: float) -> None:

@@ -14,7 +14,8 @@ from dpool.protocol.jobspec import load_job
 from dpool.protocol.logs import configure_logging, get_logger
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
-from dpool.trainer.loop import _restore, parse_shares
+from dpool.trainer.loop import parse_shares
+from dpool.trainer.restore import restore as _restore
 from dpool.trainer.step import Stepper
 from dpool.trainer.task import build_task
 

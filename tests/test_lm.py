@@ -146,6 +146,27 @@ def test_one_rank_and_three_unequal_ranks_agree(assets, env, tmp_path, fine_tune
     assert row["tokens"] == ring.metrics(one)[1]["tokens"]
 
 
+@pytest.mark.parametrize("fine_tune", ["lora", "full"])
+def test_diloco_on_one_worker_and_on_two_gives_the_same_curve_and_exports(assets, env, tmp_path, fine_tune):
+    """The low-communication mode fine-tunes mlx-lm models too: 3 virtual replicas on 1 and on 2
+    workers, the same curve; the export of its last outer step loads in mlx-lm."""
+    base = job(assets, tmp_path, fine_tune=fine_tune, micro=2, every=2, lr=5e-3 if fine_tune == "full" else 1e-2)
+    text = base.read_text() + '\n[sync]\nmode = "diloco"\nreplicas = 3\ninner_steps = 2\n'
+    job_file = tmp_path / f"diloco-{fine_tune}.toml"
+    job_file.write_text(text.replace("\n[sync]\nmode = \"sync\"\ndtype = \"float32\"\n", "\n", 1))
+    one, two = tmp_path / "one", tmp_path / "two"
+    ring.run(job_file, str(one), 1, tmp_path / "logs", env=env)
+    ring.run(job_file, str(two / "r{rank}"), 2, tmp_path / "logs", env=env, shares=[4, 8])
+    assert_same_curve(losses(one), losses(two / "r0"), 1e-4, steps=range(1, 7))
+    out = tmp_path / "export"
+    r = export(job_file, one, out)
+    assert r.returncode == 0, r.stderr
+    load = "import sys; from mlx_lm import load; load(sys.argv[1]" + (", adapter_path=sys.argv[2])" if fine_tune == "lora" else ")")
+    args = [str(assets / "llama"), str(out)] if fine_tune == "lora" else [str(out)]
+    done = subprocess.run([sys.executable, "-c", load, *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_a_killed_run_resumes_exactly(assets, env, tmp_path):
     job_file = job(assets, tmp_path, steps=8, every=2, dropout=0.1)
     ref = tmp_path / "ref"

@@ -157,3 +157,16 @@ class AutoInterval:
         self.last = step
         if self.interval is None and self.cost is None:
             self._measuring = True
+
+
+def overhead_target() -> float:
+    """The checkpoint budget of `every_steps = "auto"`: TARGET, or DPOOL_CHECKPOINT_OVERHEAD (a
+    fraction in (0, 1]; tests and benches use it to checkpoint more often)."""
+    import os
+
+    text = os.environ.get("DPOOL_CHECKPOINT_OVERHEAD", "")
+    try:
+        value = float(text) if text else TARGET
+    except ValueError:
+        value = TARGET
+    return value if 0 < value <= 1 else TARGET

@@ -7,7 +7,6 @@ started it, DPOOL_WORKER_ADDR names the daemon's socket and every step is report
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import time
@@ -17,17 +16,19 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.optimizers as optim
-import orjson
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
+from dpool.trainer import diloco
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
-from dpool.trainer.interval import TARGET, AutoInterval
+from dpool.trainer.interval import AutoInterval, overhead_target
 from dpool.trainer.memstate import MemoryState, memory_dir
+from dpool.trainer.metrics import MetricsLog
+from dpool.trainer.restore import restore as _restore
 from dpool.trainer.step import Stepper, lr_at
 from dpool.trainer.task import build_task
 
@@ -58,139 +59,6 @@ def parse_shares(text: str | None, world: int, global_batch: int) -> list[int]:
     if sum(shares) != global_batch:
         raise UsageError(f"--shares {text!r}: they add up to {sum(shares)}, train.global_batch is {global_batch}")
     return shares
-
-
-class MetricsLog:
-    """Rank 0's metrics.jsonl and samples.jsonl; rows past the resume step are dropped on resume."""
-
-    def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
-        self.enabled = enabled
-        self.metrics, self.samples = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
-        if enabled:
-            for path in (self.metrics, self.samples):
-                self._truncate_after(path, resume_step)
-
-    @staticmethod
-    def _truncate_after(path: Path, step: int) -> None:
-        if not path.exists():
-            return
-        keep = []
-        for line in path.read_bytes().splitlines():
-            try:
-                row = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # a line torn by a crash mid-write
-            if row.get("step", 0) <= step:
-                keep.append(line)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(b"".join(line + b"\n" for line in keep))
-        os.replace(tmp, path)
-
-    def append(self, path: Path, row: dict[str, Any]) -> None:
-        if self.enabled:
-            with open(path, "ab") as f:
-                f.write(orjson.dumps(row) + b"\n")
-
-
-def _restore(
-    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
-) -> tuple[int, str]:
-    """Agree on the resume step (rank 0's newest valid checkpoint, on disk or kept in memory) and
-    get that state everywhere.
-
-    Ranks that hold the same step (verified, on disk or in memory) load it; otherwise rank 0
-    broadcasts weights and optimizer state over the collective, so a node that never saw the job
-    needs nothing but the job file. `at_most`: no step past it is resumed (the daemon's record of
-    the metrics ends there).
-    """
-    job_hash = spec.training_hash()
-    stores = [run_dir] + ([memory] if memory is not None else [])
-    for d in stores:
-        ckpt.clean_partial(d)
-    found, found_in = 0, None  # rank 0: the step it verified, and where (not verified twice)
-    if group.rank == 0:
-        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most)
-        kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
-        if kept is not None and kept >= (disk[0] if disk else 0):
-            found, found_in = kept, memory  # memory first: the faster read
-        elif disk:
-            found, found_in = disk[0], run_dir
-    (step,) = group.broadcast_ints([found])
-    # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
-    # ones this rank wrote in a group that went on without rank 0's): gone before anything is
-    # written, so pruning keeps what this run writes and the pool never sees them as holdings.
-    for d in stores:
-        dropped = ckpt.drop_above(d, step, job_hash)
-        if dropped:
-            log.info("checkpoint.dropped", steps=dropped, resume_step=step, memory=d is memory)
-    source = found_in
-    if step > 0 and source is None:
-        for d in reversed(stores):  # memory first: the faster read
-            try:
-                ckpt.verify(d, step, job_hash)
-                source = d
-                break
-            except ckpt.CheckpointMismatch:
-                if d is memory:
-                    continue
-                raise
-            except ckpt.CheckpointError:
-                continue
-    (holders,) = group.sum_ints([int(source is not None)])
-    if step > 0 and holders < group.size:
-        _check_same_layout(group, model, optimizer)
-    local = holders == group.size
-    if step > 0 and (local or group.rank == 0):
-        assert source is not None
-        weights, opt_state = ckpt.load_arrays(source, step)
-        ckpt.check_trained(weights, model, source, step)
-        model.load_weights(list(weights.items()), strict=False)
-        optimizer.state = tree_unflatten(list(opt_state.items()))
-    if not local or step == 0:
-        # Rank 0's trained weights everywhere, bit for bit (a fresh start too: initial values from
-        # the seed on rank 0). A frozen base is every rank's own, loaded from its disk.
-        flat = tree_flatten(model.trainable_parameters())
-        params = group.broadcast([v for _, v in flat])
-        model.load_weights([(k, p) for (k, _), p in zip(flat, params, strict=True)], strict=False)
-        if step > 0:
-            # Sorted by name: rank 0's state came from a file, the others' from init(), in other orders.
-            flat = sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
-            sent = group.broadcast([v for _, v in flat])
-            optimizer.state = tree_unflatten([(k, v) for (k, _), v in zip(flat, sent, strict=True)])
-    mx.eval(model.parameters(), optimizer.state)
-    if step == 0:
-        how = "fresh"
-    elif not local:
-        how = "broadcast"
-    else:
-        how = "memory" if source is memory else "local"
-    return step, how
-
-
-def _newest_kept(memory: Path, job_hash: str, log, at_most: int | None) -> int | None:
-    """The newest state kept in memory that verifies (another job's is not this job's: skipped)."""
-    try:
-        found = ckpt.newest_valid(memory, job_hash, log, at_most)
-    except ckpt.CheckpointMismatch as e:
-        log.warning("memory_state.skipped", reason=str(e))
-        return None
-    return found[0] if found else None
-
-
-def _check_same_layout(group: Group, model, optimizer) -> None:
-    """Before a broadcast: every rank must hold the same names, shapes and dtypes, or the fused
-    collective would pair mismatched buffers (and hang or corrupt) instead of failing clearly."""
-    items = sorted(tree_flatten(model.trainable_parameters()), key=lambda kv: kv[0])
-    items += sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
-    text = ";".join(f"{k}:{v.shape}:{v.dtype}" for k, v in items)
-    mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-    (theirs,) = group.broadcast_ints([mine])
-    (differ,) = group.sum_ints([int(mine != theirs)])
-    if differ:
-        raise RuntimeError(
-            f"{differ} rank(s) build a model or optimizer state that differs from rank 0's "
-            "(different mlx or dpool versions?); cannot receive its checkpoint"
-        )
 
 
 def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -> None:
@@ -266,6 +134,15 @@ def run(
         task = build_task(spec, _cache_dir(run_dir))
         mark("model_and_data")
     _same_everywhere(group, task.fingerprints, spec)
+    if spec.sync.mode == "diloco":
+        describe = {**task.describe(), "startup_s": marks, "warm": warm}
+        stopped = diloco.train(spec, group, task, run_dir, shares, generation, link, log, resume_max, describe)
+        if link:
+            link.close()
+        if stopped:
+            return EXIT_STOPPED
+        log.info("trainer.finished", steps=t.steps)
+        return EXIT_DONE
     model = task.model
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
     optimizer.init(model.trainable_parameters())
@@ -302,7 +179,7 @@ def run(
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
     every = spec.checkpoint.every_steps
     # "auto": rank 0 measures and decides, and its decision reaches every rank in the step's all_sum.
-    auto = AutoInterval(start, target=_overhead_target()) if every == "auto" and rank == 0 else None
+    auto = AutoInterval(start, target=overhead_target()) if every == "auto" and rank == 0 else None
     copy_s: dict[int, float] = {}  # a checkpoint's host copy on the step path, until its write is done
     job_hash = spec.training_hash()
     gb = t.global_batch
@@ -498,17 +375,6 @@ def _process_start() -> float:
 
 def _cache_dir(run_dir: Path) -> Path:
     return Path(os.environ.get("DPOOL_CACHE_DIR") or run_dir / "cache")
-
-
-def _overhead_target() -> float:
-    """The checkpoint budget of `every_steps = "auto"`: 2%, or DPOOL_CHECKPOINT_OVERHEAD (a fraction
-    in (0, 1]; tests and benches use it to checkpoint more often)."""
-    text = os.environ.get("DPOOL_CHECKPOINT_OVERHEAD", "")
-    try:
-        value = float(text) if text else TARGET
-    except ValueError:
-        value = TARGET
-    return value if 0 < value <= 1 else TARGET
 
 
 def _worker_link():

@@ -1,0 +1,143 @@
+"""The low-communication mode (`[sync] mode = "diloco"`, trainer/diloco.py) with real ring groups:
+the curve depends on the job file only, whoever runs the replicas, through kills and resumes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ring
+from jobs import SMALL, write_job
+
+from dpool.trainer.diloco import assign, outer_rounds
+
+STEPS, H, K = 12, 4, 4
+TOL = 1e-4  # float32 sums in another order (as between world sizes in the synchronous mode)
+
+
+def diloco_job(folder: Path, name: str, steps: int = STEPS, inner: int = H, **sections) -> Path:
+    return write_job(
+        folder, name, base=SMALL, train={"steps": steps, "micro_batch": 4, "lr": 1e-3},
+        sync={"mode": "diloco", "replicas": K, "inner_steps": inner, **sections.pop("sync", {})},
+        checkpoint={"every_steps": inner}, eval={"every_steps": inner, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4},
+        **sections,
+    )
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("diloco")
+
+
+@pytest.fixture(scope="module")
+def env(work) -> dict[str, str]:
+    return {"DPOOL_CACHE_DIR": str(work / "tokens")}
+
+
+@pytest.fixture(scope="module")
+def reference(work, env) -> dict[int, float]:
+    """One worker runs all four replicas, uninterrupted."""
+    run_dir = work / "reference"
+    ring.run(diloco_job(work, "ref"), str(run_dir / "r{rank}"), 1, work / "logs", env=env)
+    return losses(run_dir / "r0")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {s: r["loss"] for s, r in ring.metrics(run_dir).items()}
+
+
+def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float = TOL) -> None:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    worst = max(a, key=lambda s: abs(a[s] - b[s]))
+    assert abs(a[worst] - b[worst]) <= tol, f"step {worst}: {a[worst]} vs {b[worst]}"
+
+
+def test_replicas_follow_the_shares_and_outer_steps_cover_every_step() -> None:
+    assert assign([12, 7, 5], 4) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert assign([1, 1, 22], 4) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert assign([5], 4) == [range(0, 4)]
+    assert outer_rounds(0, 10, 4) == [range(1, 5), range(5, 9), range(9, 11)]
+    assert outer_rounds(8, 10, 4) == [range(9, 11)]
+
+
+def test_one_worker_and_three_unequal_workers_give_the_same_curve(work, env, reference) -> None:
+    run_dir = work / "three"
+    ring.run(diloco_job(work, "three"), str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[12, 7, 5])
+    assert_same_curve(reference, losses(run_dir / "r0"))
+    # Outer steps only: one all_sum per H steps, each carrying every replica's inner losses.
+    outer = [json.loads(line) for line in (run_dir / "r0" / "metrics.jsonl").read_text().splitlines() if '"outer_step"' in line]
+    assert {r["outer_step"] for r in outer} == {1, 2, 3}
+
+
+def test_the_outer_step_is_not_the_synchronous_step(work, env, reference) -> None:
+    """Within the first outer step each replica trains alone: the curve leaves the synchronous one."""
+    run_dir = work / "sync"
+    job = write_job(work, "sync", base=SMALL, train={"steps": STEPS, "micro_batch": 4, "lr": 1e-3},
+                    checkpoint={"every_steps": 100}, eval={"every_steps": 100, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4})
+    ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
+    sync = losses(run_dir / "r0")
+    assert max(abs(sync[s] - reference[s]) for s in range(2, STEPS + 1)) > 1e-3
+
+
+def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curve(work, env, reference) -> None:
+    run_dir = work / "killed-inner"
+    job = diloco_job(work, "killed-inner")
+    g = ring.start(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[8, 8, 8])
+    try:
+        wait_for_line(g, 0, '"event":"checkpoint.saved"', '"step":4')  # outer step 1 is saved
+        wait_for_line(g, 1, '"event":"inner.done"', '"step":6')
+        os.killpg(g.procs[1].pid, signal.SIGKILL)  # in the middle of outer step 2's inner steps
+        codes = g.wait(60)
+    finally:
+        g.kill()
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0 and codes[2] != 0, codes
+    resumed = ring.run(job, str(run_dir / "r{rank}"), 2, work / "logs", env=env)
+    assert '"resume_step":4' in resumed.output(0)
+    assert_same_curve(reference, losses(run_dir / "r0"))
+
+
+def test_a_rank_killed_while_the_others_wait_in_the_outer_all_sum_resumes_on_the_same_curve(work, env, reference) -> None:
+    run_dir = work / "killed-outer"
+    job = diloco_job(work, "killed-outer")
+    # Rank 0 runs one replica, rank 1 three: rank 0 reaches each outer all_sum first and waits there.
+    g = ring.start(job, str(run_dir / "r{rank}"), 2, work / "logs", env=env, shares=[6, 18])
+    try:
+        wait_for_line(g, 0, '"event":"outer.summing"', '"step":8')
+        os.killpg(g.procs[1].pid, signal.SIGKILL)
+        codes = g.wait(60)
+    finally:
+        g.kill()
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
+    resumed = ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
+    assert '"resume_step":4' in resumed.output(0) or '"resume_step":8' in resumed.output(0)
+    assert_same_curve(reference, losses(run_dir / "r0"))
+
+
+def test_replicas_move_to_the_faster_ranks_with_their_state_and_the_curve_holds(work, env, reference) -> None:
+    """Rank 2 starts with two replicas and twice the work: the balancer moves one away (its inner
+    AdamW state goes along), and the curve stays the one of a single worker."""
+    run_dir = work / "moved"
+    steps = 16
+    job = diloco_job(work, "moved", steps=steps, inner=2)
+    moved = ring.run(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[1, 1, 22])
+    ref_dir = work / "moved-ref"
+    ring.run(diloco_job(work, "moved-ref", steps=steps, inner=2), str(ref_dir / "r{rank}"), 1, work / "logs", env=env)
+    a, b = losses(ref_dir / "r0"), losses(run_dir / "r0")
+    assert max(abs(a[s] - b[s]) for s in range(1, steps + 1)) <= TOL
+    events = [json.loads(line) for line in moved.output(0).splitlines() if line.startswith("{") and '"rebalanced"' in line]
+    assert any(e["moved"] for e in events), moved.output(0)[-3000:]
+
+
+def wait_for_line(g: ring.Group, rank: int, *needles: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(all(n in line for n in needles) for line in g.output(rank).splitlines()):
+            return
+        if g.procs[rank].poll() is not None:
+            raise AssertionError(f"rank {rank} ended before {needles}:\n{g.output(rank)[-3000:]}")
+        time.sleep(0.01)
+    raise AssertionError(f"rank {rank}: no {needles} in {timeout} s:\n{g.output(rank)[-3000:]}")

@@ -1,0 +1,389 @@
+"""Low-communication training (DiLoCo) on virtual replicas: one all_sum per `inner_steps` steps,
+and a loss curve that depends on the job file alone.
+
+The job names K = `sync.replicas` and H = `sync.inner_steps`. Global step s (1-based) belongs to
+outer step t = (s - 1) // H. Replica r trains on slice r of global batch s (the sequences that rank
+r of a K-rank synchronous group would get), starting outer step t from the outer parameters θ_t,
+with its own AdamW state, kept from one outer step to the next. At the end of outer step t, the
+replicas' changes θ_t - θ_r are averaged, each weighted by the tokens it trained (a replica never
+has more say than its tokens), and applied to θ_t with Nesterov momentum (`outer_lr`,
+`outer_momentum`), as DiLoCo (Douillard et al., 2023) does.
+
+Replicas are virtual. The workers present run them: each a contiguous range, in proportion to its
+share of the global batch (the pool's and the balancer's measure of its speed), interleaved step by
+step. Which machine runs a replica, and how many there are, never changes what the replica
+computes: one worker or five give the same curve (to the rounding of the sums). Workers talk once
+per outer step: the weighted changes (in `sync.dtype`) and a small float32 control vector (every
+inner step's loss and token sums, each rank's compute seconds and tokens, the stop and checkpoint
+flags, rank 0's new split).
+
+At an outer boundary the state is θ, the outer momentum and K inner AdamW states. θ and the
+momentum are the same on every rank after the outer all_sum; an inner state lives on the rank that
+runs its replica. A checkpoint (at outer boundaries only) first gathers them, an all_sum in which
+each slot is filled by its owner alone (exact), so every rank writes the same full state and any
+later group, of any size, resumes from it. A lost machine costs the inner steps since the newest
+checkpoint; a planned stop (a drain, a join, a resize) is taken at the end of the current outer
+step and costs none. The metrics of an outer step's inner steps (their loss over all replicas) are
+written when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.shares import apportion
+from dpool.trainer import checkpoint as ckpt
+from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
+from dpool.trainer.data import split_shares
+from dpool.trainer.dist import Group
+from dpool.trainer.interval import AutoInterval, overhead_target
+from dpool.trainer.metrics import MetricsLog
+from dpool.trainer.restore import restore
+from dpool.trainer.step import Stepper, held_out_loss, lr_at
+from dpool.trainer.task import Task
+
+SCALARS = ("step", "learning_rate")  # an optimizer state's entries that are not per parameter
+
+
+def assign(shares: list[int], replicas: int) -> list[range]:
+    """Each rank's replicas: contiguous ranges in proportion to its share, at least one each."""
+    counts = apportion([float(s) for s in shares], replicas)
+    out, first = [], 0
+    for c in counts:
+        out.append(range(first, first + c))
+        first += c
+    return out
+
+
+def outer_rounds(start: int, steps: int, inner: int) -> list[range]:
+    """The global steps of each outer step from `start` (a boundary) to the end; the last may be short."""
+    return [range(s, min(s + inner, steps + 1)) for s in range(start + 1, steps + 1, inner)]
+
+
+class Alone:
+    """A group of one: a replica's inner steps sum over its own slice only."""
+
+    rank, size = 0, 1
+
+    def wait_for_colocated(self) -> None:
+        pass
+
+    def all_sum(self, x: mx.array) -> mx.array:
+        return x
+
+    def all_sum_fused(self, arrays: list[mx.array], bucket_bytes: int | None = None) -> list[mx.array]:
+        return list(arrays)
+
+
+@dataclass
+class Holder:
+    """What a checkpoint stores besides the model's trainable parameters (θ): an optimizer-like
+    object for trainer/restore.py, whose state is the outer momentum and every replica's state."""
+
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """The float32 control vector of an outer step's all_sum: its layout and its reading."""
+
+    inner: int  # H
+    world: int
+
+    def size(self) -> int:
+        return 2 * self.inner + 3 * self.world + 2
+
+    def build(self, rank: int, losses: list[float], tokens: list[float], seconds: float, mine: float,
+              announce: list[int] | None, stop: bool, checkpoint: bool) -> mx.array:
+        h, w = self.inner, self.world
+        v = [0.0] * self.size()
+        v[: len(losses)] = losses
+        v[h : h + len(tokens)] = tokens
+        v[2 * h + rank] = seconds
+        v[2 * h + w + rank] = mine
+        if rank == 0 and announce:
+            v[2 * h + 2 * w : 2 * h + 3 * w] = [float(x) for x in announce]
+        v[2 * h + 3 * w] = float(stop)
+        if rank == 0:
+            v[2 * h + 3 * w + 1] = float(checkpoint)
+        return mx.array(v, dtype=mx.float32)
+
+    def read(self, summed: list[float], n: int) -> dict[str, Any]:
+        h, w = self.inner, self.world
+        announced = [round(x) for x in summed[2 * h + 2 * w : 2 * h + 3 * w]]
+        return {
+            "losses": summed[:n], "tokens": [round(x) for x in summed[h : h + n]],
+            "seconds": summed[2 * h : 2 * h + w], "rank_tokens": [round(x) for x in summed[2 * h + w : 2 * h + 2 * w]],
+            "new_shares": announced if any(announced) else None, "stop": summed[2 * h + 3 * w] > 0,
+            "checkpoint": summed[2 * h + 3 * w + 1] > 0,
+        }
+
+
+class Replicas:
+    """This rank's replicas: their parameters and inner AdamW states, stepped in turn through one
+    compiled step (the model and the optimizer state are swapped in and out, in place: the
+    compiled functions read the same dicts every call)."""
+
+    def __init__(self, task: Task, spec: JobSpec, micro: int) -> None:
+        t = spec.train
+        self.task, self.model = task, task.model
+        self.optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
+        self.stepper = Stepper(task, self.optimizer, Alone(), micro, t.grad_clip, t.seed)  # type: ignore[arg-type]
+        fresh = self.optimizer.state
+        self.states: list[dict[str, Any]] = [tree_map(lambda x: x, fresh) for _ in range(spec.sync.replicas)]
+        self.params: dict[int, dict[str, Any]] = {}
+
+    def begin(self, theta: dict[str, Any], mine: range) -> None:
+        """An outer step starts: each of this rank's replicas from θ."""
+        self.params = {r: theta for r in mine}
+
+    def step(self, r: int, examples: list, lr: float) -> tuple[float, int]:
+        """One inner step of replica r: (its loss sum, its trained tokens)."""
+        self.model.update(self.params[r])
+        live = self.optimizer.state
+        live.clear()
+        live.update(self.states[r])
+        stats = self.stepper.step(examples, lr)
+        self.params[r] = self.model.trainable_parameters()
+        self.states[r] = dict(live)  # its per-parameter dicts were updated in place; the scalars are new
+        return stats.loss * stats.tokens, stats.tokens
+
+    def flat_state(self, r: int) -> list[tuple[str, mx.array]]:
+        return [(k, v) for k, v in tree_flatten(self.states[r]) if k not in SCALARS]
+
+    def gather(self, group: Group, owners: dict[int, int], which: list[int]) -> None:
+        """Replicas `which` get their owner's inner state on every rank (one all_sum: each slot
+        filled by its owner alone, so the sum is exact). The scalars (step count, learning rate)
+        are the same for every replica: taken from one this rank owns."""
+        if not which:
+            return
+        names = [[k for k, _ in self.flat_state(r)] for r in which]
+        arrays = []
+        for r in which:
+            own = owners[r] == group.rank
+            arrays += [v if own else mx.zeros_like(v) for _, v in self.flat_state(r)]
+        summed = group.all_sum_fused(arrays)
+        mine = next((r for r, o in owners.items() if o == group.rank), None)
+        scalars = {k: self.states[mine][k] for k in SCALARS if mine is not None and k in self.states[mine]}
+        i = 0
+        for r, keys in zip(which, names, strict=True):
+            flat = list(zip(keys, summed[i : i + len(keys)], strict=True))
+            i += len(keys)
+            state = tree_unflatten(flat)
+            state.update(scalars)
+            self.states[r] = state
+        mx.eval(summed)
+
+    def holder(self, outer: optim.Optimizer) -> Holder:
+        return Holder({"outer": outer.state, "inner": {f"r{r}": s for r, s in enumerate(self.states)}})
+
+    def adopt(self, holder: Holder, outer: optim.Optimizer) -> None:
+        """After a restore: the outer state and every replica's state from the checkpoint."""
+        outer.state = holder.state["outer"]
+        self.states = [holder.state["inner"][f"r{r}"] for r in range(len(self.states))]
+
+
+def train(
+    spec: JobSpec, group: Group, task: Task, run_dir: Path, shares: list[int], generation: int, link: Any, log: Any,
+    resume_max: int | None, describe: dict[str, Any],
+) -> bool:
+    """Train from the newest checkpoint to the end (or a stop); True if stopped on request."""
+    t, sync = spec.train, spec.sync
+    rank, world, K, H = group.rank, group.size, sync.replicas, sync.inner_steps
+    model = task.model
+    outer = optim.SGD(learning_rate=sync.outer_lr, momentum=sync.outer_momentum, nesterov=True)
+    outer.init(model.trainable_parameters())
+    base, extra = divmod(t.global_batch, K)
+    slices = split_shares([base + (1 if r < extra else 0) for r in range(K)])  # replica r's slice of each batch
+    reps = Replicas(task, spec, 1)
+    largest = max(n for _, n in slices)
+    if isinstance(t.micro_batch, int):
+        micro = min(t.micro_batch, largest)
+    else:
+        micro = micro_from_memory(largest, reps.stepper.probe_bytes(), machine_memory_bytes() - mx.get_active_memory())
+    reps.stepper.micro = micro
+    holder = reps.holder(outer)
+    start, how = restore(spec, run_dir, group, model, holder, log, None, resume_max)
+    reps.adopt(holder, outer)
+    if start % H and start < t.steps:
+        raise ckpt.CheckpointError(f"step {start} is not the end of an outer step (sync.inner_steps = {H}); cannot resume there")
+    comm = mx.bfloat16 if sync.dtype == "bfloat16" else None
+    ranges = assign(shares, K)
+    log.info(
+        "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, mode="diloco",
+        replicas=list(ranges[rank]), inner_steps=H, micro_batch=micro, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"),
+        **describe,
+    )
+    if link:
+        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
+    control = Control(H, world)
+    balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
+    announce: list[int] | None = None
+    metrics = MetricsLog(run_dir, start, enabled=rank == 0)
+    writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
+    every = spec.checkpoint.every_steps
+    auto = AutoInterval(start, target=overhead_target()) if every == "auto" and rank == 0 else None
+    job_hash = spec.training_hash()
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    gb = t.global_batch
+
+    def evaluate(step: int) -> None:
+        offset, share = split_shares(shares)[rank]
+        mine = [i for i in range(task.val_count) if offset <= i % gb < offset + share]
+        val_loss = held_out_loss(model, reps.stepper.batches(task.val_examples(mine)), group)
+        row = {"kind": "eval", "step": step, "val_loss": val_loss}
+        metrics.append(metrics.metrics, row)
+        if rank == 0:
+            log.info("eval.done", step=step, val_loss=round(val_loss, 4))
+            if link:
+                link.metric(row)
+
+    gathers: dict[int, float] = {}  # a checkpoint's gather on the step path, until its write is done
+
+    def report(done: list[tuple[int, float, str | None, list[str]]]) -> None:
+        for step, seconds, error, problems in done:
+            gather_s = gathers.pop(step, 0.0)
+            if error:
+                log.error("checkpoint.failed", step=step, error=error)
+                raise ckpt.CheckpointWriteError(f"checkpoint of step {step} not written: {error}")
+            cpu = writer.cpu_s.pop(step, 0.0)
+            log.info("checkpoint.saved", step=step, seconds=round(seconds, 3), gather_s=round(gather_s, 4), cpu_s=round(cpu, 4))
+            for p in problems:
+                log.warning("checkpoint.prune_failed", problem=p)
+            if link:
+                link.checkpoint(step=step, seconds=seconds)
+            if auto:
+                auto.observe_checkpoint(gather_s + cpu * group.crowding())
+
+    if start == 0:
+        evaluate(0)
+    stopped = False
+    for steps in outer_rounds(start, t.steps, H):
+        mine = ranges[rank]
+        theta = model.trainable_parameters()
+        reps.begin(theta, mine)
+        losses, tokens = [0.0] * len(steps), [0.0] * len(steps)
+        rep_tokens = dict.fromkeys(mine, 0)
+        compute = 0.0
+        t_round = time.perf_counter()
+        for h, step in enumerate(steps):
+            t0 = time.perf_counter()
+            lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
+            for r in mine:
+                offset, count = slices[r]
+                loss_sum, n = reps.step(r, task.examples(step, offset, count), lr)
+                losses[h] += loss_sum
+                tokens[h] += n
+                rep_tokens[r] += n
+            seconds = time.perf_counter() - t0
+            compute += seconds
+            if link:
+                link.progress(step=step, loss=losses[h] / max(tokens[h], 1.0), tokens=int(tokens[h]), seconds=seconds)
+            if step % t.log_every_steps == 0:
+                log.info("inner.done", step=step, replicas=len(mine), loss=round(losses[h] / max(tokens[h], 1.0), 4), seconds=round(seconds, 4))
+        # The outer step. Read the stop flag now: a stop asked for during the inner steps ends the
+        # group after this outer step, with a checkpoint, and nothing is recomputed.
+        stop = bool(link.stop_requested()) if link else False
+        last = steps[-1]
+        due_auto = bool(auto and any(auto.due(s) for s in steps))
+        start_flat = dict(tree_flatten(theta))
+        ends = {r: dict(tree_flatten(reps.params[r])) for r in mine}
+        weighted = []
+        for name in names:
+            acc = None
+            for r in mine:
+                d = (start_flat[name] - ends[r][name]).astype(mx.float32) * rep_tokens[r]
+                acc = d if acc is None else acc + d
+            weighted.append(acc)
+        if comm is not None:
+            weighted = [w.astype(comm) for w in weighted]  # rounded alike on every world size
+        vec = control.build(rank, losses, tokens, compute, float(sum(rep_tokens.values())), announce, stop, due_auto)
+        group.wait_for_colocated()
+        log.info("outer.summing", step=last, outer_step=(last - 1) // H + 1)
+        t_sum = time.perf_counter()
+        summed = group.all_sum_fused([*weighted, vec])
+        got = control.read(summed[-1].tolist(), len(steps))
+        sum_s = time.perf_counter() - t_sum
+        total = float(sum(got["tokens"]))
+        model.update(theta)
+        delta = tree_unflatten([(n, (s.astype(mx.float32) / total).astype(start_flat[n].dtype)) for n, s in zip(names, summed[:-1], strict=True)])
+        outer.update(model, delta)
+        mx.eval(model.parameters(), outer.state)
+        round_s = time.perf_counter() - t_round
+        log.info("outer.done", step=last, outer_step=(last - 1) // H + 1, seconds=round(round_s, 4), all_sum_s=round(sum_s, 4),
+                 compute_s=round(compute, 4), tokens=int(total))
+        if auto:
+            for _ in steps:
+                auto.observe_step(round_s / len(steps), int(total / len(steps)))
+        if rank == 0:
+            for h, step in enumerate(steps):
+                if step % t.log_every_steps == 0 or step == t.steps:
+                    row = {
+                        "kind": "train", "step": step, "loss": got["losses"][h] / max(got["tokens"][h], 1),
+                        "lr": lr_at(step, t.lr, t.warmup_steps, t.steps), "tokens": got["tokens"][h],
+                        "tokens_per_s": total / round_s, "world_size": world, "generation": generation, "shares": shares,
+                        "outer_step": (last - 1) // H + 1, "all_sum_s": sum_s,
+                        "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(got["rank_tokens"], got["seconds"], strict=True)],
+                    }
+                    metrics.append(metrics.metrics, row)
+                    if link:
+                        link.metric(row)
+        due = got["checkpoint"] if every == "auto" else any(s % int(every) == 0 for s in steps)
+        owners = {r: i for i, rr in enumerate(ranges) for r in rr}
+        if due or last == t.steps or got["stop"]:
+            t_gather = time.perf_counter()
+            reps.gather(group, owners, list(range(K)))
+            gathers[last] = time.perf_counter() - t_gather
+            holder = reps.holder(outer)
+            writer.submit(ckpt.Snapshot(
+                step=last, model=ckpt.to_host(tree_flatten(model.trainable_parameters())),
+                optimizer=ckpt.to_host(tree_flatten(holder.state)), manifest=_manifest(spec, job_hash, world, shares, generation, task, last),
+            ))
+            if auto:
+                auto.saved(last)
+        if any(s % spec.eval.every_steps == 0 for s in steps) or last == t.steps:
+            evaluate(last)
+        if rank == 0 and (any(s % spec.eval.sample_every_steps == 0 for s in steps) or last == t.steps):
+            row = {"step": last, "text": task.sample(last)}
+            metrics.append(metrics.samples, row)
+            if link:
+                link.sample(row)
+        report(writer.completed())
+        # Balance: replicas follow the ranks' measured speed, from the next outer step on. A
+        # replica that changes hands takes its inner state along (gathered from its old owner).
+        announce = None
+        if got["new_shares"] and got["new_shares"] != shares:
+            moved_to = assign(got["new_shares"], K)
+            moved = [r for r in range(K) if owners[r] != next(i for i, rr in enumerate(moved_to) if r in rr)]
+            reps.gather(group, owners, moved)
+            log.info("rebalanced", step=last, old=shares, shares=got["new_shares"], replicas=list(moved_to[rank]), moved=moved)
+            shares, ranges = got["new_shares"], moved_to
+            if balancer:
+                balancer.adopt(shares)
+        elif balancer:
+            balancer.observe(got["seconds"], [float(x) for x in got["rank_tokens"]])
+            announce = balancer.propose()
+        if got["stop"]:
+            stopped = True
+            log.info("trainer.stopping", step=last, reason="stop requested")
+            break
+    report(writer.close())
+    return stopped
+
+
+def _manifest(spec: JobSpec, job_hash: str, world: int, shares: list[int], generation: int, task: Task, step: int) -> dict[str, Any]:
+    return {
+        "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares, "generation": generation,
+        "kind": spec.model.kind, "mode": "diloco",
+        "rng": {"seed": spec.train.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
+        "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
+    }

@@ -1,0 +1,41 @@
+"""Rank 0's metrics.jsonl and samples.jsonl."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+class MetricsLog:
+    """Rank 0's metrics.jsonl and samples.jsonl; rows past the resume step are dropped on resume."""
+
+    def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.metrics, self.samples = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
+        if enabled:
+            for path in (self.metrics, self.samples):
+                self._truncate_after(path, resume_step)
+
+    @staticmethod
+    def _truncate_after(path: Path, step: int) -> None:
+        if not path.exists():
+            return
+        keep = []
+        for line in path.read_bytes().splitlines():
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue  # a line torn by a crash mid-write
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(b"".join(line + b"\n" for line in keep))
+        os.replace(tmp, path)
+
+    def append(self, path: Path, row: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(path, "ab") as f:
+                f.write(orjson.dumps(row) + b"\n")

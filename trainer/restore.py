@@ -1,0 +1,118 @@
+"""Resume: agree on the newest valid checkpoint and get that state onto every rank.
+
+Used by the trainer's loop (trainer/loop.py) and by the low-communication mode (trainer/diloco.py):
+both hold a model and an optimizer-like object whose `state` is the tree a checkpoint stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dpool.protocol.jobspec import JobSpec
+from dpool.trainer import checkpoint as ckpt
+from dpool.trainer.dist import Group
+
+
+def restore(
+    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
+) -> tuple[int, str]:
+    """Agree on the resume step (rank 0's newest valid checkpoint, on disk or kept in memory) and
+    get that state everywhere.
+
+    Ranks that hold the same step (verified, on disk or in memory) load it; otherwise rank 0
+    broadcasts weights and optimizer state over the collective, so a node that never saw the job
+    needs nothing but the job file. `at_most`: no step past it is resumed (the daemon's record of
+    the metrics ends there).
+    """
+    job_hash = spec.training_hash()
+    stores = [run_dir] + ([memory] if memory is not None else [])
+    for d in stores:
+        ckpt.clean_partial(d)
+    found, found_in = 0, None  # rank 0: the step it verified, and where (not verified twice)
+    if group.rank == 0:
+        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most)
+        kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
+        if kept is not None and kept >= (disk[0] if disk else 0):
+            found, found_in = kept, memory  # memory first: the faster read
+        elif disk:
+            found, found_in = disk[0], run_dir
+    (step,) = group.broadcast_ints([found])
+    # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
+    # ones this rank wrote in a group that went on without rank 0's): gone before anything is
+    # written, so pruning keeps what this run writes and the pool never sees them as holdings.
+    for d in stores:
+        dropped = ckpt.drop_above(d, step, job_hash)
+        if dropped:
+            log.info("checkpoint.dropped", steps=dropped, resume_step=step, memory=d is memory)
+    source = found_in
+    if step > 0 and source is None:
+        for d in reversed(stores):  # memory first: the faster read
+            try:
+                ckpt.verify(d, step, job_hash)
+                source = d
+                break
+            except ckpt.CheckpointMismatch:
+                if d is memory:
+                    continue
+                raise
+            except ckpt.CheckpointError:
+                continue
+    (holders,) = group.sum_ints([int(source is not None)])
+    if step > 0 and holders < group.size:
+        _check_same_layout(group, model, optimizer)
+    local = holders == group.size
+    if step > 0 and (local or group.rank == 0):
+        assert source is not None
+        weights, opt_state = ckpt.load_arrays(source, step)
+        ckpt.check_trained(weights, model, source, step)
+        model.load_weights(list(weights.items()), strict=False)
+        optimizer.state = tree_unflatten(list(opt_state.items()))
+    if not local or step == 0:
+        # Rank 0's trained weights everywhere, bit for bit (a fresh start too: initial values from
+        # the seed on rank 0). A frozen base is every rank's own, loaded from its disk.
+        flat = tree_flatten(model.trainable_parameters())
+        params = group.broadcast([v for _, v in flat])
+        model.load_weights([(k, p) for (k, _), p in zip(flat, params, strict=True)], strict=False)
+        if step > 0:
+            # Sorted by name: rank 0's state came from a file, the others' from init(), in other orders.
+            flat = sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
+            sent = group.broadcast([v for _, v in flat])
+            optimizer.state = tree_unflatten([(k, v) for (k, _), v in zip(flat, sent, strict=True)])
+    mx.eval(model.parameters(), optimizer.state)
+    if step == 0:
+        how = "fresh"
+    elif not local:
+        how = "broadcast"
+    else:
+        how = "memory" if source is memory else "local"
+    return step, how
+
+
+def _newest_kept(memory: Path, job_hash: str, log, at_most: int | None) -> int | None:
+    """The newest state kept in memory that verifies (another job's is not this job's: skipped)."""
+    try:
+        found = ckpt.newest_valid(memory, job_hash, log, at_most)
+    except ckpt.CheckpointMismatch as e:
+        log.warning("memory_state.skipped", reason=str(e))
+        return None
+    return found[0] if found else None
+
+
+def _check_same_layout(group: Group, model, optimizer) -> None:
+    """Before a broadcast: every rank must hold the same names, shapes and dtypes, or the fused
+    collective would pair mismatched buffers (and hang or corrupt) instead of failing clearly."""
+    items = sorted(tree_flatten(model.trainable_parameters()), key=lambda kv: kv[0])
+    items += sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
+    text = ";".join(f"{k}:{v.shape}:{v.dtype}" for k, v in items)
+    mine = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+    (theirs,) = group.broadcast_ints([mine])
+    (differ,) = group.sum_ints([int(mine != theirs)])
+    if differ:
+        raise RuntimeError(
+            f"{differ} rank(s) build a model or optimizer state that differs from rank 0's "
+            "(different mlx or dpool versions?); cannot receive its checkpoint"
+        )
