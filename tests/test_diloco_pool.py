@@ -1,0 +1,70 @@
+"""The low-communication mode through real dpds: machines join and leave between outer steps, and
+nothing already trained is recomputed (trainer/diloco.py, daemon/watch.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import LocalPool, Processes, wait_for
+from jobs import write_job
+
+pytestmark = pytest.mark.slow
+
+STEPS, H, K = 600, 4, 4  # long enough for a warm trainer to be ready (seconds) well before the end
+JOB_TIMEOUT = 300.0
+
+
+def diloco_job(folder: Path, name: str) -> Path:
+    return write_job(
+        folder, name, workers={"min": 1, "max": 3}, model={"layers": 2, "dim": 64},
+        train={"steps": STEPS, "global_batch": 12}, checkpoint={"every_steps": H},
+        sync={"mode": "diloco", "replicas": K, "inner_steps": H},
+    )
+
+
+@pytest.fixture
+def reference(tmp_path: Path) -> Iterator[Any]:
+    """The fault-free curve: one trainer process alone runs the four replicas."""
+    root = tmp_path / "reference"
+    procs = Processes(root)
+    job = diloco_job(root, "ref")
+    proc = procs.start([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")], root / "trainer.log")
+
+    def curve() -> dict[int, float]:
+        assert proc.wait(timeout=JOB_TIMEOUT) == 0, (root / "trainer.log").read_text()[-2000:]
+        rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    try:
+        yield curve
+    finally:
+        procs.stop_all()
+
+
+def test_a_join_and_a_drain_between_outer_steps_recompute_nothing(processes: Processes, tmp_path: Path, reference: Any) -> None:
+    pool = LocalPool(processes, tmp_path / "pool", warm=True)
+    pool.start(1, 1)
+    job = pool.submit(diloco_job(tmp_path, "elastic"))
+    pool.wait_status(job, "mid outer step 2", lambda s: s.state == "running" and s.step >= H + 2, timeout=120, every=0.05)
+    pool.start_daemon("n2")  # joins mid outer step: takes replicas at the next one
+    grown = pool.wait_status(job, "three workers", lambda s: s.state == "running" and s.world_size == 3, timeout=120, every=0.05)
+    wait_for("a step past the grown group's first outer step", lambda: pool.status(job).step % H not in (0,) and pool.status(job).step > grown.step + H, 120)
+    r = pool.dpctl("drain", "n1")  # mid outer step: leaves at the end of it
+    assert r.returncode == 0, r.stderr
+    final = pool.wait_end(job, JOB_TIMEOUT, every=0.05)
+    events = pool.dpctl_json("events", job)
+    assert final.state == "succeeded", (final, events, pool.dpctl("logs", job).stdout[-3000:])
+    resumed = [e for e in events if e["kind"] == "group.resumed"]
+    assert len(resumed) >= 2 and all(e["steps_recomputed"] == 0 and e["cause"] == "membership" for e in resumed), events
+    assert not [e for e in events if e["kind"] in ("worker.failed", "group.stalled")], events
+    assert {e["world_size"] for e in events if e["kind"] == "group.started"} >= {2, 3}
+    ref = reference()
+    rows = [r for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
+    assert worst < 1e-4, worst
