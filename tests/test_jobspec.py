@@ -220,3 +220,9 @@ def test_sync_section_is_checked_and_shapes_the_hash_only_where_it_changes_the_c
     ]:
         with pytest.raises(JobFileError, match=key.replace(".", r"\.")):
             parse_job({"name": "j", **data})
+
+
+def test_every_example_job_file_loads():
+    for path in sorted(EXAMPLES.glob("*.toml")):
+        spec = load_job(path)
+        assert parse_job(spec.to_dict()) == spec, path
