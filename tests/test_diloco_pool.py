@@ -4,6 +4,8 @@ nothing already trained is recomputed (trainer/diloco.py, daemon/watch.py)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,12 +58,20 @@ def test_a_join_and_a_drain_between_outer_steps_recompute_nothing(processes: Pro
     wait_for("a step past the grown group's first outer step", lambda: pool.status(job).step % H not in (0,) and pool.status(job).step > grown.step + H, 120)
     r = pool.dpctl("drain", "n1")  # mid outer step: leaves at the end of it
     assert r.returncode == 0, r.stderr
+    shrunk = pool.wait_status(job, "two workers again", lambda s: s.state == "running" and s.world_size == 2 and s.generation == 3, timeout=120, every=0.05)
+    wait_for("mid an outer step after the drain", lambda: pool.status(job).step > shrunk.step + H + 1, 120)
+    (victim,) = pool.trainer_pids("n2", job, generation=3)
+    os.kill(victim, signal.SIGKILL)  # a crash mid outer step: back to the newest outer step checkpointed
     final = pool.wait_end(job, JOB_TIMEOUT, every=0.05)
     events = pool.dpctl_json("events", job)
     assert final.state == "succeeded", (final, events, pool.dpctl("logs", job).stdout[-3000:])
     resumed = [e for e in events if e["kind"] == "group.resumed"]
-    assert len(resumed) >= 2 and all(e["steps_recomputed"] == 0 and e["cause"] == "membership" for e in resumed), events
-    assert not [e for e in events if e["kind"] in ("worker.failed", "group.stalled")], events
+    planned = [e for e in resumed if e["cause"] == "membership"]
+    assert len(planned) >= 2 and all(e["steps_recomputed"] == 0 for e in planned), events
+    (crash,) = [e for e in resumed if e["cause"] != "membership"]
+    assert crash["from_step"] % H == 0 and crash["steps_recomputed"] <= 2 * H, crash  # every_steps = H: at most this outer step and the last
+    assert not [e for e in events if e["kind"] == "group.stalled"], events
+    assert [e["rank"] for e in events if e["kind"] == "worker.failed"] == [1], events
     assert {e["world_size"] for e in events if e["kind"] == "group.started"} >= {2, 3}
     ref = reference()
     rows = [r for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"]
