@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -252,6 +253,9 @@ def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path,
         lowered = sys.platform.startswith("linux") and os.geteuid() == 0  # where it can raise it back (trainer/priority.py)
         if lowered:
             assert os.getpriority(os.PRIO_PROCESS, ready.pid) == base + 10, "a spare builds at a low priority"
+        if autogroups():
+            # It leads its session, so its thread's nice weighs only inside it: its session's does.
+            assert autogroup_nice(ready.pid) == 10, "a spare's session builds at a low priority"
         sock.send_multipart([peer, *m.WorkerGo(rank=0, generation=7, shares=[12]).to_frames()])
         hello = None
         while hello is None:
@@ -262,6 +266,8 @@ def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path,
         assert (hello.rank, hello.generation, hello.world_size) == (0, 7, 1)
         if lowered:
             assert os.getpriority(os.PRIO_PROCESS, ready.pid) == base, "and trains at the usual one"
+        if autogroups():
+            assert autogroup_nice(ready.pid) == 0, "and its session trains at the usual one"
         assert g.wait(300) == [0], g.output(0)[-3000:]
     finally:
         g.kill()
@@ -270,3 +276,46 @@ def test_a_warm_trainer_waits_for_go_then_trains_the_rank_it_is_given(job: Path,
     rows = ring.metrics(run_dir)
     assert {r["generation"] for r in rows.values()} == {7}
     assert np.allclose([rows[s]["loss"] for s in sorted(rows)], [reference[s] for s in sorted(rows)], atol=0, rtol=0)
+
+
+def autogroups() -> bool:
+    """Whether every session is a scheduling group of its own here (Linux, autogroups on)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def autogroup_nice(pid: int) -> int:
+    """The nice value of the autogroup of `pid` ("/autogroup-123 nice 10")."""
+    return int(Path(f"/proc/{pid}/autogroup").read_text().split(" nice ")[1])
+
+
+LOWER_AND_BACK = """
+import json, os
+from dpool.trainer import priority
+before = priority.autogroup_nice()
+back = priority.lower()
+low = priority.autogroup_nice()
+if back is not None:
+    back()
+print(json.dumps([before, low, priority.autogroup_nice(), open("/proc/self/autogroup").read()]))
+"""
+
+
+@pytest.mark.skipif(not autogroups(), reason="Linux with autogroups on")
+def test_a_process_that_leads_its_session_lowers_the_session_and_takes_it_back() -> None:
+    """Where every session is a scheduling group, a spare (which leads its own) lowers its
+    session's nice value: at nice 10 alone in its session it took half a busy core from the rank
+    beside it. A process in someone else's session (here, pytest's) leaves that session alone."""
+    def run(**kw) -> list:
+        r = subprocess.run([sys.executable, "-c", LOWER_AND_BACK], capture_output=True, text=True, timeout=60, **kw)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    before, low, after, _ = run(start_new_session=True)
+    assert (before, low, after) == (0, 10, 0)
+    mine = autogroup_nice(os.getpid())
+    before, low, after, group = run()
+    assert (before, low, after) == (None, None, None) and group == Path("/proc/self/autogroup").read_text(), "not its session to lower"
+    assert autogroup_nice(os.getpid()) == mine

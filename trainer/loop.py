@@ -137,12 +137,7 @@ def run(
     if spec.sync.mode == "diloco":
         describe = {**task.describe(), "startup_s": marks, "warm": warm}
         stopped = diloco.train(spec, group, task, run_dir, shares, generation, link, log, resume_max, describe)
-        if link:
-            link.close()
-        if stopped:
-            return EXIT_STOPPED
-        log.info("trainer.finished", steps=t.steps)
-        return EXIT_DONE
+        return _finish(link, log, stopped, t.steps)
     model = task.model
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
     optimizer.init(model.trainable_parameters())
@@ -315,11 +310,16 @@ def run(
     report_checkpoints(writer.close())
     if kept is not None:
         report_kept(kept.close())
+    return _finish(link, log, stopped, t.steps)
+
+
+def _finish(link, log, stopped: bool, steps: int) -> int:
+    """The exit code of a rank whose training ended (or stopped on request), its link closed."""
     if link:
         link.close()
     if stopped:
         return EXIT_STOPPED
-    log.info("trainer.finished", steps=t.steps)
+    log.info("trainer.finished", steps=steps)
     return EXIT_DONE
 
 
