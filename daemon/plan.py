@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dpool.protocol.shares import apportion
+from dpool.protocol.shares import MIN_GAIN, apportion
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +99,8 @@ def speed_shares(global_batch: int, speeds: Sequence[float | None]) -> list[int]
     def step_time(shares: list[int]) -> float:
         return max(s / v for s, v in zip(shares, known, strict=True))
 
-    # As the trainer does: a split that does not shorten the step by 10% is not worth leaving equal.
-    return weighted if step_time(weighted) <= 0.9 * step_time(equal) else equal
+    # As the trainer does: a split that does not shorten the step by MIN_GAIN is not worth leaving equal.
+    return weighted if step_time(weighted) <= (1 - MIN_GAIN) * step_time(equal) else equal
 
 
 def ring_hostfile(ranks: Sequence[Slot], endpoints: Mapping[Slot, str]) -> list[list[str]]:

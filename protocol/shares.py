@@ -6,6 +6,12 @@ trainer (which rebalances while it runs), so both split the same way. Pure; no M
 
 from __future__ import annotations
 
+# A new split must shorten the step by this much to be worth a change (a compile of new shapes, and
+# the risk of following noise). Not more: ranks that share cores (two on one core, beside one
+# alone) have neighbours of their best split only 7-8% slower, one sequence moved from a rank to
+# the rank it shares its core with changes nothing but who waits (trainer/balance.py).
+MIN_GAIN = 0.05
+
 
 def apportion(weights: list[float], total: int) -> list[int]:
     """Split `total` proportionally to `weights`, every part >= 1 (largest remainder)."""

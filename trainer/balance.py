@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dpool.protocol.shares import apportion
+from dpool.protocol.shares import MIN_GAIN, apportion
 
 
 def step_time(shares: list[int], speeds: list[float]) -> float:
@@ -40,11 +40,17 @@ class Balancer:
       rank (another process on its machine) must not make shares flap.
     Speeds are work (trained tokens) per second of each rank's own compute, measured before the
     all_sum: a rank that waits for its peers does not look slow.
+
+    Ranks that share cores are not independent: at [11, 7, 6], with ranks 1 and 2 on one core
+    and rank 0 alone on another, rank 2 finishes first and rank 1 then has the core to itself, so
+    the core's ranks take 13 units where [12, 6, 6] takes 12. The speeds measured at [11, 7, 6]
+    predict that (rank 1 measures 7/13 of a core, rank 2 6/12), but the gain is 7.7%: with a 10%
+    `min_gain` every neighbour of the best split stayed where it landed (BENCHMARKS.md, "Unlike machines").
     """
 
     shares: list[int]
     window: int = 3
-    min_gain: float = 0.10
+    min_gain: float = MIN_GAIN
     hold: int = 8
     _rates: deque[list[float]] = field(default_factory=deque)
     _skip: int = 0  # steps not to learn from: the first under a new split compiles its new shapes
