@@ -43,3 +43,63 @@ def comm_share(comm_s: float, compute_s: float) -> float:
     """The share of a step spent in all_sum (a blocking all_sum adds to the compute)."""
     total = comm_s + compute_s
     return comm_s / total if total > 0 else 0.0
+
+
+# -- a job's step: what it sends, and how much of the step that is ------------------------------
+
+BUCKET_BYTES = 32 << 20  # the most one all_sum carries (trainer/dist.py buckets a step's gradients)
+COMM_BOUND = 0.5  # a predicted share above this: the job spends more time in all_sum than computing
+ADVICE = (
+    "train LoRA adapters instead of the full model, raise train.global_batch (more compute per "
+    "all_sum), put the ring on Thunderbolt (`dpd run --advertise bridge0`), or set "
+    '[sync] mode = "diloco" (one all_sum per inner_steps steps)'
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StepComm:
+    """What one optimizer step spends on the ring, as the model predicts it."""
+
+    nbytes: int  # bytes of one all_sum of the gradients (or, diloco, of the parameter changes)
+    seconds: float  # all_sum seconds per step (diloco: one all_sum spread over its inner steps)
+    every: int  # steps per all_sum (1: sync)
+
+
+def step_comm(params: int, ranks: int, link: Link, *, dtype: str = "float32", mode: str = "sync", inner_steps: int = 1) -> StepComm:
+    """The all_sum a step of `params` trainable parameters pays on a ring of `ranks` whose slowest
+    link is `link`: every step in "sync" mode, once per `inner_steps` steps in "diloco" mode;
+    `dtype` is what travels (bfloat16: half the bytes). The step's control vector (a few floats)
+    is left out: it costs one latency term, which the bucket count already charges."""
+    nbytes = params * DTYPE_BYTES.get(dtype, 4)
+    every = max(1, inner_steps) if mode == "diloco" else 1
+    return StepComm(nbytes, ring_seconds(nbytes, ranks, link, BUCKET_BYTES) / every, every)
+
+
+def measured_compute(step_s: float, comm: StepComm) -> float:
+    """A step's compute seconds from its measured time (the median of recent steps): in sync mode
+    every step includes its all_sum, which the model says costs `comm.seconds`; in diloco mode the
+    median step is an inner step, with no all_sum in it."""
+    return max(0.0, step_s - comm.seconds) if comm.every == 1 else step_s
+
+
+def gpt_params(layers: int, dim: int, vocab: int, context: int, learned_positions: bool) -> int:
+    """Trainable parameters of the built-in GPT (trainer/model.py): token embedding and output head
+    (vocab x dim each, untied), per block two LayerNorms (2 x 2 dim), qkv (3 dim^2) and the
+    projection (dim^2) without bias, the MLP's two Linear layers with bias (8 dim^2 + 5 dim); the
+    final LayerNorm; learned positions add context x dim."""
+    block = 12 * dim * dim + 9 * dim
+    return 2 * vocab * dim + layers * block + 2 * dim + (context * dim if learned_positions else 0)
+
+
+def bound_warning(share: float, slow: str) -> str | None:
+    """The warning for a predicted share above COMM_BOUND (None below it): how much of each step
+    would go to all_sum, the link that sets the pace (`slow`: its nodes and measured figures), and
+    what to do."""
+    if share <= COMM_BOUND:
+        return None
+    return f"about {share:.0%} of each step would be spent in all_sum, paced by {slow}; to spend less: {ADVICE}"
+
+
+def describe_link(a: str, b: str, link: Link) -> str:
+    """`n1 <-> n2 (94 Mbit/s, 1.2 ms)`: a link as the warning names it."""
+    return f"{a} <-> {b} ({link.bandwidth_bps / 1e6:.0f} Mbit/s, {link.latency_s * 1e3:.2g} ms)"

@@ -175,6 +175,9 @@ class MsgType(enum.StrEnum):
     STAGE_PRUNE = "stage.prune"  # coordinator -> dpd
     STAGE_ACCEPT = "stage.accept"  # coordinator -> dpd
     STAGE_PEERS = "stage.peers"  # coordinator -> dpd
+    # the ring's measured link (protocol/link_messages.py): a trainer's probe, relayed by its dpd
+    WORKER_LINK = "worker.link"  # trainer -> its dpd
+    NODE_LINK = "node.link"  # dpd -> coordinator
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"

@@ -62,6 +62,9 @@ NodeName: TypeAlias = Annotated[str, Str(63, 1)]
 Token: TypeAlias = Annotated[str, Str(128, 1)]  # incarnations, export ids
 Name: TypeAlias = Annotated[str, Str(64)]  # short names: a state, a platform, a version
 Text: TypeAlias = Annotated[str, Str(4096)]  # a reason, a detail, an address
+BitsPerSecond: TypeAlias = Annotated[float, Float(1.0, 1e13)]  # a link's measured bandwidth (1 bit/s .. 10 Tbit/s)
+LinkLatency: TypeAlias = Annotated[float, Float(0.0, 60.0)]  # a link's measured one-way latency, seconds
+LINKS_MAX = 4096  # measured links one node row lists
 
 
 # -- what a node says about itself ---------------------------------------------------------------
@@ -229,6 +232,25 @@ class WorkerStatus(Record):
 
 @record
 @dataclass(frozen=True, slots=True)
+class CommRow(Record):
+    """`status JOB --json`'s "comm": what its `comm_share` was predicted from (protocol/commmodel.py);
+    a job that is not running keeps its last group's. `link`: the two nodes of the link that paces
+    the ring (one node twice: its ranks share it)."""
+
+    bytes: Count  # one all_sum: the trainable parameters, in the dtype that travels
+    every: Annotated[int, Int(1, 100_000)]  # steps per all_sum (1: sync; diloco: inner_steps)
+    ranks: WorldSize  # of the ring
+    global_batch: Count  # the job's: with `ranks`, what each rank's compute was measured on
+    seconds: Seconds  # predicted all_sum seconds per step
+    compute_s: Seconds | None  # measured compute seconds per step (null: no step measured yet)
+    link: Annotated[list[NodeName], Items(2)]
+    bandwidth_bps: BitsPerSecond
+    latency_s: LinkLatency
+    warning: Text | None = None  # the share is above 0.5: what paces it and what to do
+
+
+@record
+@dataclass(frozen=True, slots=True)
 class StageRow(Record):
     """One node's staging of a job's files (`status JOB --json`'s "staging"): what it has of them,
     how fast it gets the rest, and when it will be done (null: not known yet). `state`: "staging"
@@ -266,6 +288,22 @@ class JobStatus(Record):
     elapsed_s: Annotated[float, Float(0.0, 1e11)] | None = None  # from started to finished (or now)
     eta_s: Annotated[float, Float(0.0, 1e11)] | None = None  # running: the steps left at its recent pace
     staging: Annotated[list[StageRow], Items(MAX_WORLD)] = field(default_factory=list)  # nodes checking or fetching its files, or unfit
+    comm_share: Annotated[float, Float(0.0, 1.0)] | None = None  # predicted share of a step spent in all_sum (null: not known)
+    comm: CommRow | None = field(default=None, metadata=OMIT_NONE)
+
+
+@record
+@dataclass(frozen=True, slots=True)
+class LinkRow(Record):
+    """A node row's measured link to `peer` (`dpctl nodes --json`'s "links"): its newest figures,
+    `age_s` old. `source` "ring": a group's all_sum probe, which measures its ring's slowest link;
+    the figure is given to every pair of neighbouring nodes of that ring (each is at least that fast)."""
+
+    peer: NodeName
+    bandwidth_bps: BitsPerSecond
+    latency_s: LinkLatency
+    age_s: Annotated[float, Float(0.0, 1e11)]
+    source: Annotated[str, OneOf("ring")] = "ring"
 
 
 @record
@@ -288,6 +326,7 @@ class NodeRow(Record):
     heartbeat_age_s: Annotated[float, Float(0.0)]
     reason: Text | None
     interface: Annotated[str, Str(64)] | None = None  # the node's interface that holds `address` (null: not known)
+    links: Annotated[list[LinkRow], Items(LINKS_MAX)] = field(default_factory=list)  # measured links to other nodes, newest figure each
 
 
 @record

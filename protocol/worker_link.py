@@ -24,6 +24,8 @@ from typing import Any
 
 import zmq
 
+from dpool.protocol.link_messages import RingProbe
+from dpool.protocol.link_messages import WorkerLink as LinkReport
 from dpool.protocol.messages import (
     TO_WORKER,
     Message,
@@ -77,8 +79,22 @@ class WorkerLink:
 
     # -- reports -------------------------------------------------------------------------------
 
-    def hello(self, *, rank: int, world_size: int, generation: int, pid: int, resume_step: int) -> None:
+    def hello(
+        self, *, rank: int, world_size: int, generation: int, pid: int, resume_step: int, ring: Any = None, params: int | None = None,
+    ) -> None:
+        """The group is up. `ring`: its start-up probe (trainer/linkprobe.py `Probe`, None: none),
+        and `params`: the trainable parameters a step all_sums, both sent after the hello as
+        `worker.link` (rank 0 only: they are the group's, not the rank's)."""
         self._send(WorkerHello(rank=rank, world_size=world_size, generation=generation, pid=pid, resume_step=resume_step))
+        if rank != 0 or params is None:
+            return
+        probe = None
+        if ring is not None:
+            try:
+                probe = RingProbe.from_wire({"bandwidth_bps": float(ring.bandwidth_bps), "latency_s": float(ring.latency_s), "bytes": int(ring.bytes), "seconds": float(ring.seconds)})
+            except Invalid as e:  # a figure outside the protocol's bounds: said once, the rest still goes
+                self._refused("link probe", e)
+        self._send(LinkReport(ring=probe, params=int(params)))
 
     def progress(self, *, step: int, loss: float, tokens: int, seconds: float) -> None:
         loss = float(loss)
