@@ -68,6 +68,7 @@ from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.link_messages import NodeLink, WorkerLink
 from dpool.protocol.logs import RotatingFile, Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
 from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo, RunningWorker
@@ -89,8 +90,9 @@ EXITS_KEPT = 64
 HELD_MAX = 20_000  # reports kept while the coordinator is away
 # Kept while away, sent once registered again: the job's record (metrics, samples, checkpoints), and
 # what the coordinator waits on: a rank's hello (its group counts as started only once every rank
-# said it) and a warm trainer's readiness (a growth waits for it).
-KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint, m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeWarmed)
+# said it) and a warm trainer's readiness (a growth waits for it); and the group's link probe (said
+# once per group).
+KEPT_WHILE_AWAY = (m.NodeMetric, m.NodeSample, m.NodeCheckpoint, m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeWarmed, NodeLink)
 WORKER_LOG_BYTES = 4 << 20  # each worker.log is rotated past this size...
 WORKER_LOG_BACKUPS = 2  # ...keeping worker.log.1 and worker.log.2: at most 12 MiB per run dir
 SPARE_LINES = 200  # output lines of a spare kept until it is used
@@ -834,6 +836,8 @@ class Agent(WarmTrainers):
                 self._send(m.NodeSample(job=w.job, generation=w.generation, row=row))
             case m.WorkerCheckpoint(step=step, seconds=seconds, memory=memory):
                 self._send(m.NodeCheckpoint(job=w.job, generation=w.generation, rank=w.rank, slot=w.slot, step=step, seconds=seconds, memory=memory))
+            case WorkerLink(ring=ring, params=params):
+                self._send(NodeLink(job=w.job, generation=w.generation, rank=w.rank, ring=ring, params=params))
             case _:
                 self.log.warning("message.unexpected", source="worker", type=str(msg.TYPE))
 

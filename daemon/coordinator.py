@@ -45,6 +45,7 @@ from dpool.daemon.records import JobRef
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import TrainRow
@@ -381,13 +382,14 @@ class Coordinator:
             case m.Status(job=None):
                 live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
                 stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live}) if self.pool.forgotten else []
-                return m.StatusReply(jobs=[j.status(now) for j in live] + stored), []
+                return m.StatusReply(jobs=[dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in live] + stored), []
             case m.Status(job=ref):
                 ref_ = self._job(ref)
                 job = self.pool.jobs.get(ref_.id)
                 if job is None:
                     return m.StatusReply(jobs=self.store.statuses(1, only=ref_.id)), []
-                return m.StatusReply(jobs=[dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now))]), []
+                status = dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now), **self.pool.comm_fields(job))
+                return m.StatusReply(jobs=[status]), []
             case StageOffer(digests=wanted, exclude=exclude):
                 offer = self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost], exclude)
                 if not (offer.target and self.sender_key):
@@ -499,7 +501,7 @@ class Coordinator:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 return []  # never answered: an error about an error would echo forever
             case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
-                  | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged()):
+                  | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged() | NodeLink()):
                 pass
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

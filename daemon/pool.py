@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from dpool.daemon import jobstate as js
 from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found
 from dpool.daemon.jobstate import JobMachine, JobState
+from dpool.daemon.links import Links
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
     Action,
@@ -51,6 +52,7 @@ from dpool.daemon.records import (
 from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
 from dpool.protocol.payloads import (
     ExitedWorker,
@@ -70,12 +72,12 @@ PLACED_KEPT = 8  # generations per job whose placement is remembered, to check r
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
-    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged
+    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged | NodeLink
 )
 
 ANSWER_HEARTBEATS = 2  # heartbeat intervals a node of a group stopped at once has to be heard from
 
-RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited)  # each names its rank
+RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited, NodeLink)  # each names its rank
 
 
 class Pool:
@@ -93,6 +95,7 @@ class Pool:
         self.forgotten = 0  # jobs that left memory (the store alone has them)
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
         self.fitness = Fitness(stage_rate_bps)  # which nodes can serve which job, and who holds its files (staging)
+        self.links = Links()  # the links groups measured, and each running job's share of a step in all_sum
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class Pool:
             heartbeat_age_s=round(max(0.0, now - n.last_seen), 3),
             reason=n.reason or ("; ".join(self.fitness.node_reasons(n.name)) or None if not n.lost else None),
             interface=i.interface or None,
+            links=self.links.rows(n.name, now),
         )
 
     def _ranks_by_node(self, only: str | None = None) -> dict[str, list[int]]:
@@ -322,6 +326,9 @@ class Pool:
                 return self._exited(now, name, msg)
             case m.NodeWarmed():
                 return self._warmed(now, node, msg)
+            case NodeLink():
+                job = self.live.get(msg.job)
+                return list(self.links.observe(now, job, msg)) if job is not None else []
             case NodeStaged():
                 job = self.live.get(msg.job)
                 out: list[Action] = []
@@ -347,6 +354,11 @@ class Pool:
 
     def staging_rows(self, job_id: str, now: float) -> list[StageRow]:
         return self.fitness.rows(job_id, now)
+
+    def comm_fields(self, job: Job) -> dict[str, Any]:
+        """`status JOB --json`'s "comm_share" and "comm" (daemon/links.py)."""
+        share, comm = self.links.share(job)
+        return {"comm_share": None if share is None else round(share, 4), "comm": comm}
 
     def _warmed(self, now: float, node: Node, msg: m.NodeWarmed) -> list[Action]:
         """Warm trainers are ready on a node a growing job waits for (or, `error`, none will be:
@@ -466,6 +478,7 @@ class Pool:
         """A finished job removed (`dpctl rm`): forgotten, and so are the checkpoints nodes held
         of it (they are being deleted). Its late reports then change nothing, as a forgotten job's."""
         assert job_id not in self.live, f"{job_id} has not finished"
+        self.links.forget(job_id)
         if self.jobs.pop(job_id, None) is None:
             self.forgotten = max(0, self.forgotten - 1)  # it was in the store only
         elif job_id in self._finished:
@@ -567,6 +580,8 @@ class Pool:
             seen = min(job.ranks[r].step for r in live if r in job.ranks) if job.spec.sync.mode == "diloco" and live else step
             job.watch.observe(seen, now, seconds)
         actions: list[Action] = []
+        if msg.rank == 0:
+            actions += self.links.step(now, job, msg.generation, seconds)  # rank 0's step: the group's
         if job.machine.forming:
             # A step done means the rank is up, even if its hello was lost.
             actions += self._feed(job, js.RankUp(msg.generation, msg.rank), now)
@@ -869,7 +884,9 @@ class Pool:
 
     def _forget(self) -> None:
         while len(self._finished) > RECENT_FINISHED:
-            self.jobs.pop(self._finished.popleft(), None)
+            gone = self._finished.popleft()
+            self.jobs.pop(gone, None)
+            self.links.forget(gone)
             self.forgotten += 1
 
     def _release_pending(self, job: Job) -> list[Action]:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from dpool.protocol.commmodel import BUCKET_BYTES
 from dpool.protocol.logs import get_logger
 from dpool.trainer.colocate import (
     BARRIER_ENV,
@@ -31,13 +32,15 @@ from dpool.trainer.colocate import (
     split_blas_threads,
     usable_cores,
 )
+from dpool.trainer.linkprobe import Probe, probe
 from dpool.trainer.listening import last_rank_apart, wait_for_listeners
 
 # The last rank calls the ring's init this long after the others (Group.__init__ says why).
 LAST_RANK_DELAY_S = 0.020
-LISTEN_WAIT_S = 1.0
-# The most one all_sum carries (Group.all_sum_fused): mlx-lm's `average_gradients` uses 32 MiB too.
-BUCKET_BYTES = 32 << 20  # the most the last rank waits for the ports of the ranks on its machine
+LISTEN_WAIT_S = 1.0  # the most the last rank waits for the ports of the ranks on its machine
+# The most one all_sum carries (Group.all_sum_fused) is BUCKET_BYTES (protocol/commmodel.py, 32
+# MiB, as mlx-lm's `average_gradients`): the ring model's prediction charges latency per bucket.
+PROBE_ENV = "DPOOL_LINK_PROBE"  # "0": no start-up probe of the ring (every rank must agree)
 
 
 class Group:
@@ -79,6 +82,7 @@ class Group:
         self.barrier: LocalBarrier | None = None
         self.one_way: int | None = None  # all_sums at most this many bytes each (trainer/colocate.py)
         self.ranks_here = 1  # ranks of this group on this machine, this one included
+        self.link: Probe | None = None  # the ring's pace, timed right after it formed (trainer/linkprobe.py)
         hostfile, rank = os.environ.get("MLX_HOSTFILE"), os.environ.get("MLX_RANK")
         if not hostfile or rank is None:
             self.group: mx.distributed.Group | None = None
@@ -98,9 +102,10 @@ class Group:
         self.rank, self.size = self.group.rank(), self.group.size()
         # Every rank must agree on both: the barrier's members wait for each other, and one-way
         # all_sums must be cut alike everywhere. So one rank started with DPOOL_QUIET_RING=0 or
-        # DPOOL_LOCAL_BARRIER=0 turns it off for all (every rank calls this all_sum).
-        wants = [int(os.environ.get(env, "1") != "0") for env in (QUIET_ENV, BARRIER_ENV)]
-        quiet, barrier = (n == self.size for n in self.sum_ints(wants))
+        # DPOOL_LOCAL_BARRIER=0 turns it off for all (every rank calls this all_sum); so does
+        # DPOOL_LINK_PROBE=0 for the probe below.
+        wants = [int(os.environ.get(env, "1") != "0") for env in (QUIET_ENV, BARRIER_ENV, PROBE_ENV)]
+        quiet, barrier, probed = (n == self.size for n in self.sum_ints(wants))
         quieted = 0
         if quiet and len(here) == self.size:
             # The whole group on this machine (the same hostfile tells every rank so). The sockets
@@ -110,9 +115,18 @@ class Group:
         if barrier and len(here) > 1:
             self.barrier = LocalBarrier.join(barrier_address(hosts), self.rank, here)
             weakref.finalize(self, self.barrier.close)
+        if probed:
+            # Timed as a step's all_sums go (one-way pieces, sockets quieted): before any other
+            # collective of the trainer, so every rank is here at once.
+            self.link = probe(self._ring_sum, self.rank, self.size)
+        link = self.link
         get_logger(rank=self.rank).info(
             "group.joined", world_size=self.size, colocated_ranks=here, local_barrier=self.barrier is not None,
             quiet_ring_sockets=quieted, one_way_bytes=self.one_way, start_delay_ms=round(delay * 1000, 1), **chosen,
+            **({} if link is None else {
+                "ring_mbit_s": round(link.bandwidth_bps / 1e6, 1), "ring_latency_ms": round(link.latency_s * 1e3, 3),
+                "probe_ms": round(link.seconds * 1e3, 1), "probe_bytes": link.bytes,
+            }),
         )
 
     @staticmethod

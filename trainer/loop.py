@@ -166,7 +166,8 @@ def run(
         probe_bytes_per_example=per_example or None, startup_s=marks, warm=warm,
     )
     if link:
-        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
+        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start, ring=group.link,
+                   params=sum(v.size for _, v in tree_flatten(model.trainable_parameters())))  # the ring's probe, and what a step all_sums
 
     balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
     announce: list[int] | None = None

@@ -1,0 +1,206 @@
+"""The links the pool has measured, and each running job's predicted share of a step spent in
+all_sum. Pure: times come in as arguments.
+
+Figures come from the groups themselves: right after a group forms, its trainers time a few
+all_sums (trainer/linkprobe.py) and rank 0 reports what it found (`node.link`), with the trainable
+parameters a step sums. A ring all_sum goes as fast as the ring's slowest link, so the probe
+measures the ring, not each link: its figures go to every pair of neighbouring nodes of that ring,
+marked `source: "ring"` (each of those links is at least that fast; the slowest of them is that
+slow). The newest figure of a pair replaces the older one, whatever its ring: the links of a
+machine change (a cable plugged in, Wi-Fi moving). Ranks that share a node are no link.
+
+Kept in the coordinator's memory only, not in its store: a restarted coordinator knows no link
+until the next group starts, and every group start measures again.
+
+The prediction (protocol/commmodel.py): the ring model on the running group's own probe (its
+slowest link), the job's bytes per all_sum (parameters x the `[sync] dtype`'s bytes), one all_sum
+per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step measured
+as the median of rank 0's recent step times (in sync mode less the predicted all_sum, which each of
+those steps includes). A share above COMM_BOUND gets one `job.comm_bound` event per job.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+from dpool.daemon.jobstate import JobState
+from dpool.daemon.records import Job, Record
+from dpool.protocol.commmodel import (
+    Link,
+    StepComm,
+    bound_warning,
+    comm_share,
+    describe_link,
+    measured_compute,
+    step_comm,
+)
+from dpool.protocol.link_messages import NodeLink
+from dpool.protocol.payloads import LINKS_MAX, CommRow, LinkRow
+
+STEPS_KEPT = 32  # rank 0's recent step times kept per job (the median of them is its step)
+MIN_STEPS = 3  # no share is predicted from fewer steps (the first steps compile)
+CHECK_AT = (8, 32)  # steps into a generation at which a job is checked for being comm-bound
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    link: Link
+    at: float  # when it was reported (the coordinator's clock)
+
+
+@dataclass(slots=True)
+class JobLink:
+    """What the current generation of a job said about its ring, and how long its steps take."""
+
+    generation: int
+    ring: tuple[str, ...]  # the node of each rank
+    link: Link | None  # its probe (None: a group of one, or no probe)
+    params: int
+    steps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
+    seen: int = 0  # steps reported in this generation
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    share: float | None  # null: no step measured yet
+    comm: StepComm
+    compute_s: float | None
+    link: Link
+    pace: tuple[str, str]  # the link named as the ring's pace
+    ranks: int
+    global_batch: int
+
+    def row(self) -> CommRow:
+        return CommRow(
+            bytes=self.comm.nbytes, every=self.comm.every, ranks=self.ranks, global_batch=self.global_batch, seconds=round(self.comm.seconds, 6),
+            compute_s=None if self.compute_s is None else round(self.compute_s, 6), link=list(self.pace),
+            bandwidth_bps=self.link.bandwidth_bps, latency_s=self.link.latency_s, warning=self.warning(),
+        )
+
+    def warning(self) -> str | None:
+        if self.share is None:
+            return None
+        return bound_warning(self.share, "the ring's slowest link, " + describe_link(*self.pace, self.link))
+
+
+class Links:
+    def __init__(self) -> None:
+        self.pairs: dict[tuple[str, str], Measured] = {}  # (a, b), a < b -> its newest figure
+        self.jobs: dict[str, JobLink] = {}
+        self.warned: set[str] = set()  # jobs that got their job.comm_bound event
+
+    # -- what groups report --------------------------------------------------------------------
+
+    def observe(self, now: float, job: Job, msg: NodeLink) -> list[Record]:
+        """Rank 0 of the job's current generation reported its probe and parameters."""
+        plan = job.plan
+        if plan is None or plan.generation != msg.generation or msg.rank != 0:
+            return []
+        ring = tuple(s.node for s in plan.ranks)
+        link = None if msg.ring is None else Link(msg.ring.bandwidth_bps, msg.ring.latency_s)
+        self.jobs[job.id] = JobLink(msg.generation, ring, link, msg.params)
+        if link is None:
+            return []
+        for pair in neighbours(ring):
+            self.pairs[pair] = Measured(link, now)
+        fields = {
+            "generation": msg.generation, "nodes": sorted(set(ring)), "bandwidth_bps": round(link.bandwidth_bps),
+            "latency_s": round(link.latency_s, 6), "probe_bytes": msg.ring.bytes if msg.ring else 0,
+            "probe_s": round(msg.ring.seconds, 4) if msg.ring else 0.0,
+        }
+        return [Record(job.id, "group.link", now, fields)]
+
+    def step(self, now: float, job: Job, generation: int, seconds: float) -> list[Record]:
+        """Rank 0 finished a step of `seconds`; at CHECK_AT steps into a generation, a job whose
+        predicted share is above COMM_BOUND gets its one `job.comm_bound` event."""
+        known = self.jobs.get(job.id)
+        if known is None or known.generation != generation or seconds <= 0:
+            return []
+        known.steps.append(seconds)
+        known.seen += 1
+        if known.seen not in CHECK_AT or job.id in self.warned:
+            return []
+        p = self.predict(job)
+        if p is None or p.share is None or p.warning() is None:
+            return []
+        self.warned.add(job.id)
+        fields = {
+            "generation": generation, "share": round(p.share, 3), "link": f"{p.pace[0]} <-> {p.pace[1]}",
+            "bandwidth_bps": round(p.link.bandwidth_bps), "latency_s": round(p.link.latency_s, 6),
+            "comm_s": round(p.comm.seconds, 6), "compute_s": round(p.compute_s or 0.0, 6), "bytes": p.comm.nbytes,
+            "warning": p.warning(),
+        }
+        return [Record(job.id, "job.comm_bound", now, fields)]
+
+    def forget(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+        self.warned.discard(job_id)
+
+    # -- what is asked -------------------------------------------------------------------------
+
+    def predict(self, job: Job) -> Prediction | None:
+        """The prediction for the job's newest reported group (the running one, while it runs);
+        None when the pool does not know enough (no report of the running generation, or a ring
+        with no measured link)."""
+        known = self.jobs.get(job.id)
+        if known is None or len(known.ring) < 2:
+            return None
+        if job.state is JobState.RUNNING and (job.plan is None or job.plan.generation != known.generation):
+            return None  # a new group that has not reported yet
+        link, pace = known.link, self.pace(known.ring)
+        if link is None:
+            figures = [self.pairs[p].link for p in neighbours(known.ring) if p in self.pairs]
+            if not figures:
+                return None
+            link = min(figures, key=lambda x: x.bandwidth_bps)
+        sync = job.spec.sync
+        comm = step_comm(known.params, len(known.ring), link, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
+        compute = measured_compute(statistics.median(known.steps), comm) if len(known.steps) >= MIN_STEPS else None
+        share = None if compute is None else min(1.0, max(0.0, comm_share(comm.seconds, compute)))
+        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch)
+
+    def share(self, job: Job) -> tuple[float | None, CommRow | None]:
+        """`status JOB --json`'s comm_share (for a running job; 0.0 for a group of one, which sums
+        nothing) and comm (a job that is not running keeps its last group's)."""
+        running = job.state is JobState.RUNNING and job.plan is not None
+        if running and job.plan is not None and job.plan.world_size == 1:
+            return 0.0, None
+        p = self.predict(job)
+        if p is None:
+            return None, None
+        return (p.share if running else None), p.row()
+
+    def pace(self, ring: tuple[str, ...]) -> tuple[str, str]:
+        """The link named as a ring's pace: of its neighbouring pairs of nodes, the one with the
+        lowest figure the pool holds (another ring may have measured it alone); one node twice when
+        every rank shares it."""
+        pairs = neighbours(ring)
+        if not pairs:
+            return (ring[0], ring[0])
+        known = [p for p in pairs if p in self.pairs]
+        return min(known, key=lambda p: self.pairs[p].link.bandwidth_bps) if known else pairs[0]
+
+    def rows(self, node: str, now: float) -> list[LinkRow]:
+        """`dpctl nodes --json` "links" of `node`, by peer name."""
+        out = []
+        for (a, b), got in sorted(self.pairs.items()):
+            if node in (a, b):
+                out.append(LinkRow(
+                    peer=b if a == node else a, bandwidth_bps=got.link.bandwidth_bps, latency_s=got.link.latency_s,
+                    age_s=round(max(0.0, now - got.at), 3),
+                ))
+        return out[:LINKS_MAX]
+
+
+def neighbours(ring: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pairs of distinct nodes that are neighbours on the ring (rank r and r + 1, and the last
+    and rank 0), each once, as (lower name, higher name)."""
+    out: list[tuple[str, str]] = []
+    for r, a in enumerate(ring):
+        b = ring[(r + 1) % len(ring)]
+        pair = (min(a, b), max(a, b))
+        if a != b and pair not in out:
+            out.append(pair)
+    return out
