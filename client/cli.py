@@ -26,6 +26,7 @@ import argcomplete
 import orjson
 
 from dpool.client import cache as client_cache
+from dpool.client import comm as client_comm
 from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
@@ -37,7 +38,15 @@ from dpool.client.tables import age, clock, duration, event_details, num, size, 
 from dpool.protocol import messages as m
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, parse_job
-from dpool.protocol.payloads import EvalRow, EventRow, ExportFile, LogLine, MetricRow, SampleRow
+from dpool.protocol.payloads import (
+    EvalRow,
+    EventRow,
+    ExportFile,
+    LogLine,
+    MetricRow,
+    NodeRow,
+    SampleRow,
+)
 from dpool.protocol.security import KeysError
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
@@ -144,6 +153,7 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
         except JobFileError as e:
             print(f"note: {e}; the pool's nodes then look for it at that path (a machine that has it serves the others)", file=sys.stderr)
         print(f"{a.job}: valid ({spec.name}: {spec.train.steps} steps, workers {spec.workers.min}-{spec.workers.max}); a dry run, nothing submitted", file=sys.stderr)
+        comm_forecast(None, a, spec, dry_run=True)
         return EXIT_OK
     assert c is not None
     try:
@@ -151,6 +161,7 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
         stage.bring(c, c.keys, trees, lambda line: print(line, file=sys.stderr))
     except stage.StageError as e:
         raise BadInput(f"{a.job}: {e}") from None
+    comm_forecast(c, a, spec, dry_run=False)
     reply = c.call(m.Submit(job=spec.to_dict(), source=str(a.job)), m.Submitted)
     if a.json:
         sys.stdout.write(orjson.dumps({"id": reply.job_id}).decode() + "\n")
@@ -162,6 +173,43 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
     if a.follow:
         return follow_logs(c, reply.job_id, None, to_stderr=not a.json and not sys.stdout.isatty(), json=a.json, reached=True)
     return EXIT_OK
+
+
+DRY_RUN_ASK_S = 2.0  # how long --dry-run waits for the pool's links before it predicts without them
+
+
+def comm_forecast(c: Client | None, a: argparse.Namespace, spec: JobSpec, *, dry_run: bool) -> None:
+    """The job's predicted communication (client/comm.py), on stderr: every line with --dry-run,
+    only the warning (a share above 0.5) with a submit. A pool that does not answer the dry run's
+    question costs it nothing but the prediction; the submit's own call fails as it would."""
+
+    def ask(client: Client) -> client_comm.Forecast | None:
+        nodes = client.call(m.Nodes(), m.NodesReply).nodes
+        return client_comm.forecast(spec, nodes, client.call(m.Status(), m.StatusReply).jobs)
+
+    try:
+        if c is not None:
+            found = ask(c)
+        else:
+            keys = client_keys.load_client_keys(a.keys, DEFAULT_CONFIG)
+            with Client(coordinator_address(a.coordinator), min(a.timeout, DRY_RUN_ASK_S), keys) as client:
+                found = ask(client)
+    except (Unreachable, RemoteError, KeysError) as e:
+        if dry_run:
+            print(f"note: no communication prediction: {getattr(e, 'message', e)}", file=sys.stderr)
+        elif isinstance(e, Unreachable):
+            raise
+        return
+    if found is None:
+        if dry_run:
+            print("note: no communication prediction: the model's trainable parameters are not known here (model.path is not a folder on this machine)", file=sys.stderr)
+        return
+    if dry_run:
+        for line in found.lines():
+            print(line, file=sys.stderr)
+    warning = found.warning()
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def log_text(line: LogLine, json: bool) -> str:
@@ -225,6 +273,10 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
         print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}")
         print(f"time       submitted {when(t.submitted, now) or '-'}   started {when(t.started, now) or '-'}   finished {when(t.finished, now) or '-'}")
         print(f"           elapsed {duration(t.elapsed_s(now)) or '-'}   ETA {duration(t.eta_s(j, now)) or '-'}")
+        if j.comm is not None or j.comm_share is not None:
+            print(f"comm       {comm_text(j)}")
+        if j.comm is not None and j.comm.warning and j.comm_share is not None:
+            print(f"warning    {j.comm.warning}")
         if j.workers:
             print()
             print(table(["RANK", "NODE", "SHARE", "TOKENS/S"], [[w.rank, w.node, w.share, f"{w.tokens_per_s:.0f}"] for w in j.workers]))
@@ -249,6 +301,30 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def comm_text(j: Any) -> str:
+    """`dpctl status JOB`'s comm line: the share of a step in all_sum, and what it rests on."""
+    if j.comm_share is not None:
+        share = f"{j.comm_share:.0%} of each step in all_sum"
+    else:
+        share = "- (no step measured yet)" if j.state == "running" else "- (not running)"
+    c = j.comm
+    if c is None:
+        return share if j.comm_share != 0 else "0% (one rank sums nothing)"
+    every = "step" if c.every == 1 else f"{c.every} steps"
+    compute = "compute not measured yet" if c.compute_s is None else f"compute {c.compute_s * 1e3:.1f} ms/step"
+    link = f"{c.link[0]} <-> {c.link[1]} {c.bandwidth_bps / 1e6:.0f} Mbit/s {c.latency_s * 1e3:.2g} ms"
+    return f"{share}   ({c.bytes / 1e6:.1f} MB per {every}: {c.seconds * 1e3:.1f} ms/step on {link}; {compute})"
+
+
+def links_text(n: NodeRow) -> str | None:
+    """`dpctl nodes`' LINKS: each measured peer, Mbit/s and latency, the slowest first (two shown)."""
+    if not n.links:
+        return None
+    ranked = sorted(n.links, key=lambda ln: ln.bandwidth_bps)
+    text = ", ".join(f"{ln.peer} {ln.bandwidth_bps / 1e6:.0f}M/{ln.latency_s * 1e3:.2g}ms" for ln in ranked[:2])
+    return text + (f" +{len(ranked) - 2}" if len(ranked) > 2 else "")
+
+
 def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
     nodes = c.call(m.Nodes(), m.NodesReply).nodes
     if a.json:
@@ -262,9 +338,10 @@ def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
         job = n.job
         if job and n.ranks:
             job = f"{job}/{','.join(str(r) for r in n.ranks)}"
-        rows.append([n.name, n.address, n.interface, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), n.reason])
-    # ADDRESS and INTERFACE: where the ring reaches the node, and over which link (bridge0: Thunderbolt)
-    print(table(["NAME", "ADDRESS", "INTERFACE", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "REASON"], rows))
+        rows.append([n.name, n.address, n.interface, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), links_text(n), n.reason])
+    # ADDRESS and INTERFACE: where the ring reaches the node, and over which link (bridge0: Thunderbolt);
+    # LINKS: what the groups' probes measured to other nodes (Mbit/s / latency), the slowest first
+    print(table(["NAME", "ADDRESS", "INTERFACE", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "LINKS", "REASON"], rows))
     return EXIT_OK
 
 

@@ -1,0 +1,299 @@
+"""Knowing the link: a group's start-up probe, the pool's table of measured links, and each job's
+predicted share of a step spent in all_sum (README "Communication").
+
+The pure parts (the prediction, the warning, where the figures go) are tested as functions; the
+probe on real ring groups of local processes; the whole path (trainer -> dpd -> coordinator ->
+dpctl) with real daemons. No test asserts a speed: loopback's figures are whatever the machine
+gives; the tests check they are there, positive and used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ring
+from conftest import LocalPool, Processes
+from jobs import write_job
+
+from dpool.client import comm as client_comm
+from dpool.daemon.jobstate import JobMachine, JobState
+from dpool.daemon.links import Links, neighbours
+from dpool.daemon.plan import GroupPlan, Slot
+from dpool.daemon.records import Job, Record
+from dpool.protocol import messages as m
+from dpool.protocol.commmodel import (
+    COMM_BOUND,
+    Link,
+    bound_warning,
+    gpt_params,
+    measured_compute,
+    ring_seconds,
+    step_comm,
+)
+from dpool.protocol.jobspec import parse_job
+from dpool.protocol.link_messages import NodeLink, RingProbe, WorkerLink
+from dpool.protocol.payloads import LinkRow, NodeRow
+
+GBIT = 1e9
+
+
+def spec(name: str = "j", **sections: dict) -> object:
+    return parse_job({"name": name, **sections}, source="test")
+
+
+# -- the model: what a step sends, and when it is too much ------------------------------------------
+
+
+def test_a_step_sends_its_parameters_in_the_sync_dtype_every_step_or_once_per_inner_steps() -> None:
+    link = Link(GBIT, 1e-4)
+    sync = step_comm(1_000_000, 3, link)
+    assert sync.nbytes == 4_000_000 and sync.every == 1
+    assert sync.seconds == pytest.approx(ring_seconds(4_000_000, 3, link, 32 << 20))
+    half = step_comm(1_000_000, 3, link, dtype="bfloat16")
+    assert half.nbytes == 2_000_000 and half.seconds < sync.seconds
+    diloco = step_comm(1_000_000, 3, link, mode="diloco", inner_steps=50)
+    assert diloco.every == 50 and diloco.seconds == pytest.approx(sync.seconds / 50)
+
+
+def test_compute_is_the_median_step_less_its_all_sum_in_sync_mode_and_the_whole_inner_step_in_diloco() -> None:
+    link = Link(GBIT, 0.0)
+    sync = step_comm(1_000_000, 2, link)
+    assert measured_compute(1.0, sync) == pytest.approx(1.0 - sync.seconds)
+    assert measured_compute(sync.seconds / 2, sync) == 0.0  # never negative
+    diloco = step_comm(1_000_000, 2, link, mode="diloco", inner_steps=10)
+    assert measured_compute(1.0, diloco) == 1.0
+
+
+def test_the_warning_names_the_link_and_what_to_do_only_above_half() -> None:
+    assert bound_warning(COMM_BOUND, "n1 <-> n2") is None
+    text = bound_warning(0.72, "n1 <-> n2 (94 Mbit/s, 1.2 ms)")
+    assert text is not None and "72%" in text and "n1 <-> n2 (94 Mbit/s, 1.2 ms)" in text
+    for advice in ("LoRA", "global_batch", "Thunderbolt", 'mode = "diloco"'):
+        assert advice in text
+
+
+def test_the_gpt_parameter_count_is_the_models_own() -> None:
+    from mlx.utils import tree_flatten
+
+    from dpool.trainer.data import VOCAB_SIZE
+    from dpool.trainer.model import build_model
+
+    assert client_comm.GPT_VOCAB == VOCAB_SIZE
+    for model in ({"layers": 2, "dim": 64, "heads": 4, "context": 64}, {"layers": 1, "dim": 32, "heads": 2, "context": 32, "positions": "learned"}):
+        s = parse_job({"name": "g", "model": model}, source="test")
+        built = build_model(s.model, VOCAB_SIZE, 0)
+        real = sum(v.size for _, v in tree_flatten(built.trainable_parameters()))
+        assert client_comm.trainable_params(s) == real
+        assert gpt_params(s.model.layers, s.model.dim, VOCAB_SIZE, s.model.context, s.model.positions == "learned") == real
+
+
+def test_lora_parameters_come_from_the_weights_or_from_config_json(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    config = {"hidden_size": 16, "num_hidden_layers": 3, "intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    data = {"source": str(tmp_path)}
+    s = parse_job({"name": "l", "data": data, "model": {"kind": "mlx_lm", "path": str(tmp_path), "lora_rank": 4, "lora_layers": 2}}, source="test")
+    # From config.json (llama-style): q 16->16, k and v 16->8, o 16->16, gate and up 16->32, down 32->16.
+    per_block = 4 * ((16 + 16) + 2 * (16 + 8) + (16 + 16) + 2 * (16 + 32) + (32 + 16))
+    assert client_comm.trainable_params(s) == 2 * per_block
+    # From the weights' shapes, when there are any: these name two linear layers per block.
+    weights = {}
+    for i in range(3):
+        weights[f"model.layers.{i}.self_attn.q_proj.weight"] = mx.zeros((16, 16))
+        weights[f"model.layers.{i}.mlp.down_proj.weight"] = mx.zeros((16, 32))
+        weights[f"model.layers.{i}.input_layernorm.weight"] = mx.zeros((16,))
+    weights["model.embed_tokens.weight"] = mx.zeros((100, 16))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    assert client_comm.trainable_params(s) == 2 * 4 * ((16 + 16) + (32 + 16))
+    full = parse_job({"name": "f", "data": data, "model": {"kind": "mlx_lm", "path": str(tmp_path), "fine_tune": "full"}}, source="test")
+    assert client_comm.trainable_params(full) == 3 * (256 + 512 + 16) + 1600
+    missing = parse_job({"name": "x", "data": data, "model": {"kind": "mlx_lm", "path": str(tmp_path / "nowhere")}}, source="test")
+    assert client_comm.trainable_params(missing) is None
+
+
+# -- the pool's table and a running job's prediction (pure) ----------------------------------------
+
+
+def job_on(nodes: tuple[str, ...], name: str = "j", generation: int = 1, **sections: dict) -> Job:
+    j = Job(id=f"{name}-abcdef", name=name, spec=parse_job({"name": name, **sections}, source="test"), submitted_at=0.0,
+            machine=JobMachine(state=JobState.RUNNING))
+    j.plan = GroupPlan(job=j.id, generation=generation, ranks=tuple(Slot(n, 0) for n in nodes), shares=(1,) * len(nodes), hostfile=())
+    return j
+
+
+def probe(mbit: float, ms: float) -> RingProbe:
+    return RingProbe(bandwidth_bps=mbit * 1e6, latency_s=ms / 1e3, bytes=4 << 20, seconds=0.02)
+
+
+def test_a_ring_figure_goes_to_each_pair_of_neighbouring_nodes_once_and_the_newest_wins() -> None:
+    assert neighbours(("a", "b", "c")) == [("a", "b"), ("b", "c"), ("a", "c")]
+    assert neighbours(("a", "a", "b")) == [("a", "b")]  # ranks that share a node are no link
+    assert neighbours(("a", "a")) == []
+    links = Links()
+    three = job_on(("a", "b", "c"))
+    events = links.observe(10.0, three, NodeLink(job=three.id, generation=1, rank=0, ring=probe(900, 0.2), params=1000))
+    assert [e.kind for e in events] == ["group.link"]
+    rows = links.rows("b", now=12.0)
+    assert [(r.peer, r.bandwidth_bps, r.age_s, r.source) for r in rows] == [("a", 900e6, 2.0, "ring"), ("c", 900e6, 2.0, "ring")]
+    two = job_on(("a", "b"), name="k")
+    links.observe(20.0, two, NodeLink(job=two.id, generation=1, rank=0, ring=probe(90, 2.0), params=1000))
+    assert {r.peer: r.bandwidth_bps for r in links.rows("a", now=21.0)} == {"b": 90e6, "c": 900e6}
+    # The link named as a ring's pace is its slowest known pair.
+    assert links.pace(("a", "b", "c")) == ("a", "b")
+
+
+def test_only_rank_0_of_the_current_generation_reports_the_ring() -> None:
+    links = Links()
+    j = job_on(("a", "b"), generation=3)
+    assert links.observe(1.0, j, NodeLink(job=j.id, generation=2, rank=0, ring=probe(900, 0.2), params=10)) == []
+    assert links.observe(1.0, j, NodeLink(job=j.id, generation=3, rank=1, ring=probe(900, 0.2), params=10)) == []
+    assert links.pairs == {}
+
+
+def share_of(links: Links, j: Job, steps: list[float], gen: int = 1) -> list[Record]:
+    events: list[Record] = []
+    for s in steps:
+        events += links.step(100.0, j, gen, s)
+    return events
+
+
+def test_a_running_jobs_share_uses_its_probe_its_parameters_and_its_measured_steps() -> None:
+    links = Links()
+    j = job_on(("a", "b"))
+    assert links.share(j) == (None, None)  # nothing reported yet
+    links.observe(1.0, j, NodeLink(job=j.id, generation=1, rank=0, ring=probe(1000, 0.1), params=2_500_000))
+    share, comm = links.share(j)
+    assert share is None and comm is not None and comm.compute_s is None  # no step measured yet
+    expected = step_comm(2_500_000, 2, Link(1000e6, 1e-4))
+    assert comm.bytes == 10_000_000 and comm.seconds == pytest.approx(expected.seconds, rel=1e-4)
+    share_of(links, j, [0.5, 0.5, 0.5])
+    share, comm = links.share(j)
+    compute = 0.5 - expected.seconds
+    assert share == pytest.approx(expected.seconds / (expected.seconds + compute), rel=1e-3)
+    assert comm.link == ["a", "b"] and comm.ranks == 2 and comm.warning is None
+    # A group of one sums nothing.
+    alone = job_on(("a",), name="one")
+    assert links.share(alone) == (0.0, None)
+    # Not running: no share, the last group's figures stay to read.
+    j.machine = JobMachine(state=JobState.SUCCEEDED)
+    share, comm = links.share(j)
+    assert share is None and comm is not None and comm.compute_s is not None
+
+
+def test_a_comm_bound_job_gets_one_event_naming_the_slow_link() -> None:
+    links = Links()
+    j = job_on(("a", "b", "c"), sync={"dtype": "float32"})
+    links.observe(1.0, j, NodeLink(job=j.id, generation=1, rank=0, ring=probe(10, 5.0), params=5_000_000))
+    comm_s = step_comm(5_000_000, 3, Link(10e6, 5e-3)).seconds
+    events = share_of(links, j, [comm_s * 1.2] * 40)  # compute is a fifth of the all_sum
+    assert [e.kind for e in events] == ["job.comm_bound"]
+    e = events[0]
+    assert e.fields["share"] > 0.5 and e.fields["bandwidth_bps"] == 10_000_000 and " <-> " in e.fields["link"]
+    assert "diloco" in e.fields["warning"]
+    share, comm = links.share(j)
+    assert share is not None and share > 0.5 and comm is not None and comm.warning
+    # Diloco on the same link: one all_sum per 100 steps is no longer comm-bound.
+    d = job_on(("a", "b", "c"), name="d", sync={"mode": "diloco", "inner_steps": 100, "replicas": 3})
+    links.observe(1.0, d, NodeLink(job=d.id, generation=1, rank=0, ring=probe(10, 5.0), params=5_000_000))
+    assert share_of(links, d, [comm_s * 0.2] * 40) == []
+
+
+def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_and_a_measured_step() -> None:
+    def node(name: str, links: list[tuple[str, float]]) -> NodeRow:
+        return NodeRow(
+            name=name, address="", state="idle", platform="", chip="", memory_bytes=0, mlx_version="", backend="", slots=1,
+            busy_slots=0, job=None, ranks=[], heartbeat_age_s=0.0, reason=None,
+            links=[LinkRow(peer=p, bandwidth_bps=b, latency_s=1e-3, age_s=1.0) for p, b in links],
+        )
+
+    nodes = [node("a", [("b", 1e9), ("c", 5e7)]), node("b", [("a", 1e9)]), node("c", [("a", 5e7)])]
+    s = parse_job({"name": "big", "workers": {"max": 2}, "model": {"layers": 4, "dim": 256, "heads": 4}}, source="test")
+    f = client_comm.forecast(s, nodes, [])
+    assert f is not None and f.nodes == ["a", "b"] and f.ranks == 2 and f.pace == ("a", "b")  # c is not used
+    assert f.measured_pairs == 1 and f.seconds is not None and f.share is None
+    assert any("needs a measured step" in line for line in f.lines()) and f.warning() is None
+    s3 = parse_job({"name": "big", "workers": {"max": 3}, "model": {"layers": 4, "dim": 256, "heads": 4}}, source="test")
+    f3 = client_comm.forecast(s3, nodes, [])
+    assert f3 is not None and f3.pace == ("a", "c") and f3.measured_pairs == 2 and f3.pairs == 3
+    assert client_comm.forecast(parse_job({"name": "one", "workers": {"max": 1}}, source="test"), nodes, []).share == 0.0
+
+
+# -- the wire ------------------------------------------------------------------------------------
+
+
+def test_link_messages_round_trip_and_out_of_bound_figures_are_refused() -> None:
+    msg = NodeLink(job="j-abcdef", generation=2, rank=0, ring=probe(940, 0.25), params=123)
+    back, _ = m.decode(msg.to_frames(7))
+    assert back == msg
+    assert m.decode(WorkerLink(ring=None, params=0).to_frames())[0] == WorkerLink(ring=None, params=0)
+    body = {"job": "j-abcdef", "generation": 2, "rank": 0, "params": 1, "ring": {"bandwidth_bps": 0.0, "latency_s": 1e-3, "bytes": 1, "seconds": 0.1}}
+    header = m.Message.to_frames(NodeLink(job="j-abcdef", generation=2, rank=0, ring=None, params=1))[0]
+    import msgpack
+
+    for bad in ({"bandwidth_bps": 0.0}, {"latency_s": 1e9}, {"bandwidth_bps": float("inf")}):
+        frames = [header, msgpack.packb({**body, "ring": {**body["ring"], **bad}})]
+        with pytest.raises(m.ProtocolError) as e:
+            m.decode(frames)
+        assert e.value.code in (m.ErrorCode.BAD_REQUEST, m.ErrorCode.BAD_BODY)
+
+
+# -- the probe, on real ring groups ---------------------------------------------------------------
+
+PROBE_SCRIPT = """
+import json
+from dpool.trainer.dist import Group
+g = Group()
+l = g.link
+print(json.dumps(None if l is None else {"bps": l.bandwidth_bps, "lat": l.latency_s, "bytes": l.bytes, "s": l.seconds}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_rank_of_a_new_group_times_the_ring_within_its_budget(tmp_path: Path, ranks: int) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(ranks)]))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", PROBE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=ring.trainer_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}))
+        for r in range(ranks)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    for out, _ in outs:
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["bps"] > 0 and got["lat"] > 0 and got["bytes"] >= 64 << 10
+        assert got["s"] < 5.0  # planned within 0.3 s; a loaded CI machine may stretch it, never by this much
+
+
+# -- end to end: real daemons ----------------------------------------------------------------------
+
+
+def test_a_two_worker_jobs_status_carries_its_comm_share_and_nodes_show_the_measured_link(processes: Processes, tmp_path: Path) -> None:
+    pool = LocalPool(processes, tmp_path).start(1, 1)
+    job = write_job(tmp_path, "linked", workers={"min": 2, "max": 2}, train={"steps": 100_000})
+    job_id = pool.submit(job)
+    running = pool.wait_status(job_id, "a comm_share", lambda s: s.comm_share is not None or s.state not in ("queued", "starting", "running"), timeout=120)
+    assert running.state == "running", running
+    status = pool.dpctl_json("status", job_id)
+    assert 0.0 <= status["comm_share"] <= 1.0
+    assert status["comm"]["ranks"] == 2 and status["comm"]["bytes"] > 0 and sorted(status["comm"]["link"]) == ["n0", "n1"]
+    nodes = {n["name"]: n for n in pool.dpctl_json("nodes")}
+    for a, b in (("n0", "n1"), ("n1", "n0")):
+        (link,) = nodes[a]["links"]
+        assert link["peer"] == b and link["bandwidth_bps"] > 0 and link["latency_s"] > 0 and link["source"] == "ring"
+    shown = pool.dpctl("status", job_id)
+    assert shown.returncode == 0 and "of each step in all_sum" in shown.stdout
+    table = pool.dpctl("nodes")
+    assert "LINKS" in table.stdout and "Mbit" not in table.stdout  # compact: "n1 940M/0.2ms"
+    kinds = [e["kind"] for e in pool.dpctl_json("events", job_id)]
+    assert "group.link" in kinds
+    # A dry run of the same job now knows the link and the measured step.
+    dry = pool.dpctl("submit", str(job), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "communication:" in dry.stderr and "n0 <-> n1" in dry.stderr and "of each step" in dry.stderr
+    assert pool.dpctl("cancel", job_id).returncode == 0
