@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -297,3 +298,85 @@ def test_a_two_worker_jobs_status_carries_its_comm_share_and_nodes_show_the_meas
     assert dry.returncode == 0, dry.stderr
     assert "communication:" in dry.stderr and "n0 <-> n1" in dry.stderr and "of each step" in dry.stderr
     assert pool.dpctl("cancel", job_id).returncode == 0
+
+
+# -- a shaped link (network namespaces; needs Linux, root, iproute2 and tc's tbf) -----------------
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def shaped_pair() -> Iterator[tuple[str, str, str, str]]:
+    """Two namespaces joined by a veth pair, each end shaped to 100 Mbit/s with tbf (this
+    machine's kernel may lack netem): (namespace, address) of each end."""
+    import os
+    import shutil
+
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("a shaped link needs Linux, root, iproute2 and tc")
+    tag = os.getpid() % 10000
+    ns, ends = (f"dplk{tag}a", f"dplk{tag}b"), (f"dplk{tag}x", f"dplk{tag}y")
+    net = f"10.{230 + os.getpid() % 20}.{os.getpid() // 20 % 250}"
+    try:
+        for n in ns:
+            if _run("ip", "netns", "add", n).returncode != 0:
+                pytest.skip("cannot create a network namespace here")
+        _run("ip", "link", "add", ends[0], "type", "veth", "peer", "name", ends[1])
+        for i, (n, end) in enumerate(zip(ns, ends, strict=True)):
+            _run("ip", "link", "set", end, "netns", n)
+            _run("ip", "-n", n, "addr", "add", f"{net}.{i + 1}/24", "dev", end)
+            _run("ip", "-n", n, "link", "set", end, "up")
+            _run("ip", "-n", n, "link", "set", "lo", "up")
+            shaped = _run("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", end, "root", "tbf", "rate", "100mbit", "burst", "128kb", "latency", "50ms")
+            if shaped.returncode != 0:
+                pytest.skip(f"tc tbf is not available here: {shaped.stderr.strip()}")
+        yield ns[0], f"{net}.1", ns[1], f"{net}.2"
+    finally:
+        for n in ns:
+            _run("ip", "netns", "delete", n)  # takes its end of the veth pair, and so the pair, with it
+
+
+def test_a_100_mbit_link_is_measured_within_a_factor_of_2(shaped_pair: tuple[str, str, str, str], tmp_path: Path) -> None:
+    ns_a, addr_a, ns_b, addr_b = shaped_pair
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"{addr_a}:29500"], [f"{addr_b}:29501"]]))
+    procs = [
+        subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", PROBE_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=ring.trainer_env({"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)}))
+        for r, ns in enumerate((ns_a, ns_b))
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    got = json.loads(outs[0][0].strip().splitlines()[-1])
+    assert 50e6 <= got["bps"] <= 200e6, got  # the ring model's figure for a 100 Mbit/s link
+    assert got["bytes"] >= 1 << 20  # sized up to a buffer that goes both ways round the ring
+
+
+# -- the pool as the coordinator drives it -------------------------------------------------------
+
+
+def test_the_pool_takes_the_probe_from_rank_0s_node_only_and_shows_it_in_nodes_and_status() -> None:
+    from test_pool_state import Driven, placed_pair
+
+    from dpool.daemon.records import Refused
+
+    pool = Driven()
+    owner = placed_pair(pool)
+    other = "b" if owner[0] == "a" else "a"
+    report = NodeLink(job="j-1", generation=1, rank=0, ring=probe(940, 0.2), params=50_000)
+    assert pool.from_node(1.0, other, report) == [Refused(other, "node.link", f"rank 0 of job j-1 generation 1 runs on node {owner[0]}")]
+    assert all(row.links == [] for row in pool.node_rows(1.0))
+    for r in (0, 1):
+        pool.worker_hello(1.0, owner[r], "j-1", 1, r, 100 + r, 0)
+    (event,) = pool.from_node(1.0, owner[0], report)
+    assert event.kind == "group.link" and event.fields["nodes"] == ["a", "b"]
+    rows = {row.name: row.links for row in pool.node_rows(3.0)}
+    assert [(x.peer, x.bandwidth_bps, x.age_s) for x in rows["a"]] == [("b", 940e6, 2.0)]
+    job = pool.jobs["j-1"]
+    for step in range(1, 5):
+        for r in (0, 1):
+            pool.progress(1.0 + step, "j-1", 1, r, step, 100, 0.05)
+    fields = pool.comm_fields(job)
+    assert job.state is JobState.RUNNING and 0.0 <= fields["comm_share"] <= 1.0 and fields["comm"].bytes == 200_000

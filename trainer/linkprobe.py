@@ -12,17 +12,17 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
 1. one tiny all_sum to wake the ring's socket threads (not counted);
 2. LATENCY_SAMPLES tiny all_sums: a tiny all_sum is 2(n-1) hops of latency, so the latency is
    their median over 2(n-1);
-3. one SMALL_BYTES all_sum for a first guess of the bandwidth;
-4. rank 0 sizes the bandwidth samples from that guess so each takes about SAMPLE_S, between
-   SMALL_BYTES and BIG_BYTES, and only while the probe stays within BUDGET_S (on a slow link it
-   shrinks them, or skips them and keeps the first guess); MLX sums a buffer of at least
-   n x 512 KiB both ways round the ring at once, as a step's large all_sums go, so a sample is
-   made at least that large when the budget allows (a smaller one goes one way: on a full-duplex
-   link it reads up to twice too slow);
-5. the faster of two samples gives the bandwidth, with the latency taken out, in the ring model's
-   terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
+3. bandwidth samples from FIRST_BYTES up, four times larger each, until one takes SAMPLE_S and
+   is at least n x 512 KiB (MLX sums a buffer that large both ways round the ring at once, as a
+   step's large all_sums go; a smaller one goes one way, which on a full-duplex link reads up to
+   twice too slow), or BIG_BYTES; then once more at that size. A sample is taken only when the
+   one before, four times over, still fits the probe's BUDGET_S: a first guess from a small
+   buffer is no guide (a shaper's burst, the socket buffers let it through fast; on a 100 Mbit/s
+   link shaped with a 128 KB burst, sizing from a 64 KiB sample took 0.95 s), a grown one is;
+4. the faster sample of the largest size gives the bandwidth, with the latency taken out, in the
+   ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
-Measured on loopback (2 cores, 2 and 3 ranks): about 10-20 ms in all.
+Measured (2 cores): 10-40 ms on loopback with 2 and 3 ranks; 0.25-0.3 s on a 100 Mbit/s link (tbf).
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ import mlx.core as mx
 from dpool.protocol.commmodel import LINK_EFFICIENCY
 
 LATENCY_SAMPLES = 5
-SMALL_BYTES = 64 << 10
+FIRST_BYTES = 16 << 10  # the first bandwidth sample: 0.15 s at 1 Mbit/s
+GROWTH = 4
 BIG_BYTES = 4 << 20
 BOTH_WAYS_BYTES = 512 << 10  # per rank: MLX's ring sums a buffer of n x this both ways round
-SAMPLE_S = 0.04  # a bandwidth sample aims at this long
-BUDGET_S = 0.3  # the probe never plans past this
+SAMPLE_S = 0.04  # a bandwidth sample this long is a measurement
+BUDGET_S = 0.25  # the probe takes no sample that would end past this (a sample runs over its guess: it ends by ~0.3 s)
 MAX_BPS, MIN_BPS = 1e13, 1.0  # the protocol's bounds of a bandwidth
 
 
@@ -72,16 +73,17 @@ def probe(all_sum: Callable[[mx.array], mx.array], rank: int, ranks: int, clock:
     hops = 2 * (ranks - 1)
     timed(4 * ranks)  # wakes the socket threads
     latency = statistics.median(timed(4 * ranks) for _ in range(LATENCY_SAMPLES)) / hops
-    small = timed(SMALL_BYTES)
-    bps = _bandwidth(SMALL_BYTES, small, ranks, latency)
-    best, biggest = bps, SMALL_BYTES
-    # Rank 0 decides how large the samples are (and whether to take them), from its own figures.
-    size = _sample_bytes(bps, ranks, latency, BUDGET_S - (clock() - t0)) if rank == 0 else 0
-    size = from_rank0(size)
-    if size:
-        times = [timed(size) for _ in range(2)]
-        best, biggest = _bandwidth(size, min(times), ranks, latency), size
-    return Probe(bandwidth_bps=best, latency_s=latency, bytes=biggest, seconds=clock() - t0)
+    size, times = FIRST_BYTES, [timed(FIRST_BYTES)]
+    while True:
+        # Rank 0 says what comes next (0: done), from its own figures; every rank follows.
+        nxt = _next_bytes(size, times, ranks, BUDGET_S - (clock() - t0)) if rank == 0 else 0
+        nxt = from_rank0(nxt)
+        if not nxt:
+            break
+        times = (times if nxt == size else []) + [timed(nxt)]
+        size = nxt
+    bps = _bandwidth(size, min(times), ranks, latency)
+    return Probe(bandwidth_bps=bps, latency_s=latency, bytes=size, seconds=clock() - t0)
 
 
 def _bandwidth(nbytes: int, seconds: float, ranks: int, latency: float) -> float:
@@ -92,13 +94,13 @@ def _bandwidth(nbytes: int, seconds: float, ranks: int, latency: float) -> float
     return min(MAX_BPS, max(MIN_BPS, moved / (LINK_EFFICIENCY * transfer)))
 
 
-def _sample_bytes(bps: float, ranks: int, latency: float, budget_s: float) -> int:
-    """Bytes of each of the two bandwidth samples (0: none; the first guess stands): about SAMPLE_S
-    each at the guessed pace, at least both ways round the ring, within BIG_BYTES, and both within
-    `budget_s`."""
-    per_byte = 2 * (ranks - 1) / ranks * 8 / (LINK_EFFICIENCY * bps)
-    size = max(int(SAMPLE_S / per_byte), BOTH_WAYS_BYTES * ranks)
-    size = min(size, BIG_BYTES)
-    while size > SMALL_BYTES and 2 * (size * per_byte + 2 * (ranks - 1) * latency) > budget_s:
-        size //= 2
-    return size if size > SMALL_BYTES else 0
+def _next_bytes(size: int, times: list[float], ranks: int, budget_s: float) -> int:
+    """The next sample's bytes (0: none): GROWTH times larger until a sample takes SAMPLE_S and
+    goes both ways round the ring, or BIG_BYTES; then the same size once more; each only when it
+    would end within `budget_s` (its time taken as the last one's, scaled by its size)."""
+    last = times[-1]
+    grown = size >= BIG_BYTES or (last >= SAMPLE_S and size >= BOTH_WAYS_BYTES * ranks)
+    if grown:
+        return size if len(times) < 2 and last <= budget_s else 0
+    nxt = min(size * GROWTH, BIG_BYTES)
+    return nxt if last * nxt / size <= budget_s else (size if len(times) < 2 and last <= budget_s else 0)
