@@ -37,7 +37,8 @@ from dpool.protocol.commmodel import (
     step_comm,
 )
 from dpool.protocol.link_messages import NodeLink
-from dpool.protocol.payloads import LINKS_MAX, CommRow, LinkRow
+from dpool.protocol.payloads import LINKS_MAX, MAX_SECONDS, CommRow, LinkRow
+from dpool.protocol.schema import MAX_INT
 
 STEPS_KEPT = 32  # rank 0's recent step times kept per job (the median of them is its step)
 MIN_STEPS = 3  # no share is predicted from fewer steps (the first steps compile)
@@ -73,10 +74,12 @@ class Prediction:
     global_batch: int
 
     def row(self) -> CommRow:
+        """Within the reply's bounds, whatever a node reported (a 1 bit/s ring, 2^53 parameters):
+        a derived value never leaves them."""
         return CommRow(
-            bytes=self.comm.nbytes, every=self.comm.every, ranks=self.ranks, global_batch=self.global_batch, seconds=round(self.comm.seconds, 6),
-            compute_s=None if self.compute_s is None else round(self.compute_s, 6), link=list(self.pace),
-            bandwidth_bps=self.link.bandwidth_bps, latency_s=self.link.latency_s, warning=self.warning(),
+            bytes=min(self.comm.nbytes, MAX_INT), every=self.comm.every, ranks=self.ranks, global_batch=self.global_batch,
+            seconds=_seconds(self.comm.seconds), compute_s=None if self.compute_s is None else _seconds(self.compute_s),
+            link=list(self.pace), bandwidth_bps=self.link.bandwidth_bps, latency_s=self.link.latency_s, warning=self.warning(),
         )
 
     def warning(self) -> str | None:
@@ -129,7 +132,7 @@ class Links:
         fields = {
             "generation": generation, "share": round(p.share, 3), "link": f"{p.pace[0]} <-> {p.pace[1]}",
             "bandwidth_bps": round(p.link.bandwidth_bps), "latency_s": round(p.link.latency_s, 6),
-            "comm_s": round(p.comm.seconds, 6), "compute_s": round(p.compute_s or 0.0, 6), "bytes": p.comm.nbytes,
+            "comm_s": _seconds(p.comm.seconds), "compute_s": _seconds(p.compute_s or 0.0), "bytes": min(p.comm.nbytes, MAX_INT),
             "warning": p.warning(),
         }
         return [Record(job.id, "job.comm_bound", now, fields)]
@@ -192,6 +195,10 @@ class Links:
                     age_s=round(max(0.0, now - got.at), 3),
                 ))
         return out[:LINKS_MAX]
+
+
+def _seconds(s: float) -> float:
+    return round(min(s, MAX_SECONDS), 6)
 
 
 def neighbours(ring: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -380,3 +380,26 @@ def test_the_pool_takes_the_probe_from_rank_0s_node_only_and_shows_it_in_nodes_a
             pool.progress(1.0 + step, "j-1", 1, r, step, 100, 0.05)
     fields = pool.comm_fields(job)
     assert job.state is JobState.RUNNING and 0.0 <= fields["comm_share"] <= 1.0 and fields["comm"].bytes == 200_000
+
+
+def test_a_hostile_report_still_gives_a_status_and_an_event_within_their_bounds() -> None:
+    from dpool.protocol.payloads import JobStatus
+    from dpool.protocol.schema import MAX_INT
+
+    links = Links()
+    j = job_on(("a", "b"))
+    slow = RingProbe(bandwidth_bps=1.0, latency_s=60.0, bytes=0, seconds=0.0)  # the least the wire allows
+    links.observe(1.0, j, NodeLink(job=j.id, generation=1, rank=0, ring=slow, params=MAX_INT))
+    events = share_of(links, j, [1e7] * 8)
+    share, comm = links.share(j)
+    assert share is not None and 0.0 <= share <= 1.0
+    status = JobStatus(
+        id=j.id, name=j.name, state="running", step=0, steps=1, generation=1, world_size=2, workers=[], checkpoint_step=None,
+        loss=None, val_loss=None, error=None, comm_share=share, comm=comm,
+    )
+    back, _ = m.decode(m.StatusReply(jobs=[status]).to_frames())  # dpctl reads it: every value within its bound
+    assert back.jobs[0].comm == comm
+    assert [e.kind for e in events] == ["job.comm_bound"]
+    from dpool.protocol.payloads import EventRow
+
+    EventRow.from_wire({"t": 1.0, "kind": events[0].kind, **events[0].fields})
