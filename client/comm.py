@@ -87,15 +87,17 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     params = trainable_params(spec)
     if params is None:
         return None
+    sync = spec.sync
+    # The most ranks the job takes: workers.max, a sequence each at least, one per replica (diloco).
+    most = min(spec.workers.max, spec.train.global_batch, sync.replicas if sync.mode == "diloco" else spec.workers.max)
     usable = [n for n in sorted(nodes, key=lambda n: n.name) if n.state in ("idle", "busy") and not n.reason]
     chosen, slots = [], 0
     for n in usable:
-        if slots >= spec.workers.max:
+        if slots >= most:
             break
         chosen.append(n.name)
         slots += n.slots
-    ranks = max(1, min(slots, spec.workers.max, spec.train.global_batch))
-    sync = spec.sync
+    ranks = max(1, min(slots, most))
     figures: dict[tuple[str, str], Link] = {}
     for n in nodes:
         for ln in n.links:

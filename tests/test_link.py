@@ -222,6 +222,10 @@ def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_a
     f3 = client_comm.forecast(s3, nodes, [])
     assert f3 is not None and f3.pace == ("a", "c") and f3.measured_pairs == 2 and f3.pairs == 3
     assert client_comm.forecast(parse_job({"name": "one", "workers": {"max": 1}}, source="test"), nodes, []).share == 0.0
+    # Diloco: one worker per replica at most, one all_sum per inner_steps.
+    d = parse_job({"name": "d", "workers": {"max": 3}, "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 10}}, source="test")
+    fd = client_comm.forecast(d, nodes, [])
+    assert fd is not None and fd.ranks == 2 and fd.every == 10 and any("every 10 steps" in line for line in fd.lines())
 
 
 # -- the wire ------------------------------------------------------------------------------------
