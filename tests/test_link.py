@@ -407,3 +407,30 @@ def test_a_hostile_report_still_gives_a_status_and_an_event_within_their_bounds(
     from dpool.protocol.payloads import EventRow
 
     EventRow.from_wire({"t": 1.0, "kind": events[0].kind, **events[0].fields})
+
+
+def test_submit_warns_on_a_slow_link_once_a_job_of_the_same_name_and_size_measured_a_step() -> None:
+    from dpool.protocol.payloads import CommRow, JobStatus
+
+    def node(name: str, peer: str) -> NodeRow:
+        return NodeRow(
+            name=name, address="", state="idle", platform="", chip="", memory_bytes=0, mlx_version="", backend="", slots=1,
+            busy_slots=0, job=None, ranks=[], heartbeat_age_s=0.0, reason=None,
+            links=[LinkRow(peer=peer, bandwidth_bps=10e6, latency_s=2e-3, age_s=5.0)],
+        )
+
+    s = parse_job({"name": "wifi", "workers": {"max": 2}, "train": {"global_batch": 32}, "model": {"layers": 4, "dim": 256, "heads": 4}}, source="test")
+    nodes = [node("a", "b"), node("b", "a")]
+    f = client_comm.forecast(s, nodes, [])
+    assert f is not None and f.share is None and f.warning() is None
+    earlier = JobStatus(
+        id="wifi-000001", name="wifi", state="succeeded", step=10, steps=10, generation=1, world_size=1, workers=[], checkpoint_step=None,
+        loss=None, val_loss=None, error=None, submitted=1.0,
+        comm=CommRow(bytes=f.nbytes, every=1, ranks=1, global_batch=16, seconds=0.0, compute_s=0.2, link=["a", "a"], bandwidth_bps=1e9, latency_s=0.0),
+    )
+    f = client_comm.forecast(s, nodes, [earlier])
+    # 0.2 s for 16 sequences on one rank: 0.2 s for 16 per rank on two; the all_sum of ~13 MB at 10 Mbit/s is seconds.
+    assert f is not None and f.compute_s == pytest.approx(0.2) and f.compute_from == "job wifi-000001"
+    assert f.share is not None and f.share > 0.5
+    text = f.warning()
+    assert text is not None and "a <-> b (10 Mbit/s, 2 ms)" in text and "diloco" in text
