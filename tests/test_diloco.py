@@ -96,7 +96,8 @@ def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curv
         g.kill()
     assert codes[1] == -signal.SIGKILL and codes[0] != 0 and codes[2] != 0, codes
     resumed = ring.run(job, str(run_dir / "r{rank}"), 2, work / "logs", env=env)
-    assert '"resume_step":4' in resumed.output(0)
+    # From the newest outer step saved: 4, or 8 where the machine was slow to deliver the kill.
+    assert '"resume_step":4' in resumed.output(0) or '"resume_step":8' in resumed.output(0), resumed.output(0)[-2000:]
     assert_same_curve(reference, losses(run_dir / "r0"))
 
 
