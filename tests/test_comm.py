@@ -74,12 +74,12 @@ def _curve(tmp_path: Path, name: str, world: int, dtype: str, shares: list[int] 
 
 def test_bfloat16_sums_keep_the_curve_of_one_worker_within_their_precision(tmp_path: Path) -> None:
     """bfloat16 carries 8 bits of mantissa: sums rounded once per rank drift from one worker's by
-    far less than a step's progress. Stated tolerance: 2e-3 on the loss over 12 steps (float32
-    holds 1e-4, tests/test_trainer.py)."""
+    far less than a step's progress. Measured over these 12 steps: 1.8e-5 between one worker and
+    three (float32: 3e-7), 3e-6 between bfloat16 and float32 on one worker. Stated tolerance: 2e-4."""
     one = _curve(tmp_path, "bf16-one", 1, "bfloat16")
     three = _curve(tmp_path, "bf16-three", 3, "bfloat16", shares=[12, 7, 5])
     exact = _curve(tmp_path, "fp32-one", 1, "float32")
     worst = max(abs(one[s] - three[s]) for s in one)
-    assert worst <= 2e-3, (one, three)
+    assert worst <= 2e-4, (one, three)
     assert one != exact, "bfloat16 mode rounds the sums on one worker too (else its curve would depend on the world size)"
-    assert max(abs(one[s] - exact[s]) for s in one) <= 2e-2, (one, exact)
+    assert max(abs(one[s] - exact[s]) for s in one) <= 2e-3, (one, exact)
