@@ -178,7 +178,7 @@ class Stepper:
             # Rounded on every world size alike, one worker too, so the curve still depends on
             # the job file alone (to bfloat16's precision: README "Communication").
             grads = [g.astype(self.comm_dtype) for g in grads]
-        summed = self.group.all_sum_fused(grads + [control])
+        summed = self.group.all_sum_fused([*grads, control])
         if self.comm_dtype is not None:
             summed[:-1] = [g.astype(mx.float32) for g in summed[:-1]]
         return summed[:-1], summed[-1]
@@ -205,18 +205,7 @@ class Stepper:
     def eval_loss(self, examples: list[Example]) -> float:
         """Token-weighted mean held-out loss over the trained tokens: this rank scores `examples`,
         the pool sums."""
-        self.model.eval()
-        total, tokens = mx.array(0.0), mx.array(0.0)
-        try:
-            for mb in self.batches(examples):
-                loss, ntok = masked_loss_sum(self.model, mx.array(mb.tokens), mx.array(mb.lengths))
-                total, tokens = total + loss, tokens + ntok
-                mx.eval(total, tokens)
-        finally:
-            self.model.train()
-        both = self.group.all_sum(mx.stack([total.astype(mx.float32), tokens]))
-        s, t = both.tolist()
-        return s / t
+        return held_out_loss(self.model, self.batches(examples), self.group)
 
     def probe_bytes(self) -> int:
         """Peak memory of one example at the widest shape, forward and backward: what each example
@@ -232,3 +221,19 @@ class Stepper:
         peak = mx.get_peak_memory() - before
         del grads
         return max(int(peak), 1)
+
+
+def held_out_loss(model: nn.Module, batches: list[MicroBatch], group: Group) -> float:
+    """Token-weighted mean loss of `batches` (this rank's part) over the whole group, in eval mode."""
+    model.eval()
+    total, tokens = mx.array(0.0), mx.array(0.0)
+    try:
+        for mb in batches:
+            loss, ntok = masked_loss_sum(model, mx.array(mb.tokens), mx.array(mb.lengths))
+            total, tokens = total + loss, tokens + ntok
+            mx.eval(total, tokens)
+    finally:
+        model.train()
+    both = group.all_sum(mx.stack([total.astype(mx.float32), tokens]))
+    s, t = both.tolist()
+    return s / t
