@@ -224,7 +224,9 @@ def train(
         **describe,
     )
     if link:
-        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start)
+        # The ring's probe and what an outer step all_sums (the pool's comm_share divides it by H).
+        link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=start, ring=group.link,
+                   params=sum(v.size for _, v in tree_flatten(model.trainable_parameters())))
     control = Control(H, world)
     balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
     announce: list[int] | None = None
