@@ -88,8 +88,7 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     if params is None:
         return None
     sync = spec.sync
-    # The most ranks the job takes: workers.max, a sequence each at least, one per replica (diloco).
-    most = min(spec.workers.max, spec.train.global_batch, sync.replicas if sync.mode == "diloco" else spec.workers.max)
+    most = spec.max_workers()  # workers.max, a sequence each at least, one per replica (diloco)
     usable = [n for n in sorted(nodes, key=lambda n: n.name) if n.state in ("idle", "busy") and not n.reason]
     chosen, slots = [], 0
     for n in usable:
