@@ -83,6 +83,7 @@ from dpool.staging.manifest import CHUNK_BYTES, HashCache, scan
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 try:
+    import netns  # a sibling script: the hosts' namespaces and shaped links
     import recovery  # a sibling script: the event log, the training job, the pool's end
 finally:
     sys.path.remove(str(HERE))  # bench/mlx_lm.py would shadow mlx-lm itself
@@ -144,77 +145,15 @@ def gib(n: float) -> str:
 # -- the hosts -----------------------------------------------------------------------------------
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-class Namespaces:
-    """One network namespace per host, each on a bridge by a veth pair shaped both ways; the root
-    namespace is the bridge's .254. `counters(host)` reads the host's link from the bridge side."""
+class Namespaces(netns.Namespaces):
+    """A namespace per host (bench/netns.py), shaped to RATE and DELAY at each end unless asked not to;
+    `counters(host)` reads the host's link from the bridge side."""
 
     def __init__(self, hosts: Sequence[str], *, shape: bool = True) -> None:
-        self.tag = f"{os.getpid() % 10000}"
-        subnet = f"10.{180 + os.getpid() % 70}.{os.getpid() // 70 % 250}"  # a /24 of this run's own (the tests' netns use 10.77-176)
-        self.bridge, self.bridge_addr = f"dpsb{self.tag}", f"{subnet}.254"
-        self.ns = {h: f"dpsb{self.tag}-{h}" for h in hosts}
-        self.host_end = {h: f"sb{self.tag}h{i}" for i, h in enumerate(hosts)}
-        self.addrs = {h: f"{subnet}.{i + 1}" for i, h in enumerate(hosts)}
-        self.shape = shape
-        self.shaping = "none (--no-shape)"
-        self.made: list[tuple[str, str]] = []
-
-    def up(self) -> None:
-        if _ip("link", "add", self.bridge, "type", "bridge", check=False).returncode != 0:
-            raise BenchError(f"cannot create the bridge {self.bridge} (root and CAP_NET_ADMIN are needed; or run with --loopback)")
-        self.made.append(("link", self.bridge))
-        _ip("addr", "add", f"{self.bridge_addr}/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
-        for h, ns in self.ns.items():
-            _ip("netns", "add", ns)
-            self.made.append(("netns", ns))
-            outer, inner = self.host_end[h], self.host_end[h].replace("h", "c", 1)
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-            self.made.append(("link", outer))
-            _ip("link", "set", inner, "netns", ns)
-            _ip("link", "set", outer, "master", self.bridge)
-            _ip("link", "set", outer, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[h]}/24", "dev", inner)
-            _ip("-n", ns, "link", "set", inner, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            if self.shape:
-                self.shaping = self._shape(outer, None)  # towards the host
-                self._shape(inner, ns)  # from it
-
-    def _shape(self, dev: str, ns: str | None) -> str:
-        """netem's rate and delay where the kernel has it, else tbf's rate alone; what was applied."""
-        tc = ["tc", *(["-n", ns] if ns else []), "qdisc", "add", "dev", dev, "root"]
-        netem = subprocess.run([*tc, "netem", "delay", DELAY, "rate", RATE, "limit", "10000"], capture_output=True, text=True, timeout=30)
-        if netem.returncode == 0:
-            return f"{RATE} and {DELAY} each way (netem)"
-        # a 250 KB queue (2 ms at 1 Gbit/s), as a switch port has
-        tbf = subprocess.run([*tc, "tbf", "rate", RATE, "burst", "64kb", "latency", "2ms"], capture_output=True, text=True, timeout=30)
-        if tbf.returncode != 0:
-            raise BenchError(f"cannot shape {dev}: netem: {netem.stderr.strip()}; tbf: {tbf.stderr.strip()}")
-        return f"{RATE} each way (tbf); no delay: this kernel has no netem ({netem.stderr.strip()})"
-
-    def down(self) -> None:
-        for kind, name in reversed(self.made):
-            _ip(*(("netns", "delete") if kind == "netns" else ("link", "delete")), name, check=False)
-        self.made.clear()
-
-    def prefix(self, host: str) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[host]]
-
-    def address(self, host: str) -> str:
-        return self.addrs[host]
+        super().__init__(hosts, rate=RATE if shape else None, delay=DELAY if shape else None, name="dpsb", veth="sb")
 
     def daemon_args(self, host: str) -> list[str]:
         return ["--insecure", "--advertise", self.addrs[host]]
-
-    def counters(self, host: str) -> tuple[int, int] | None:
-        """(bytes into the host, bytes out of it) on its link so far."""
-        stats = Path("/sys/class/net") / self.host_end[host] / "statistics"
-        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
 
 
 class Loopback:
@@ -858,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         net.up()
         bench.run()
         ok = True
-    except (BenchError, TimeoutError, LocalPoolError) as e:
+    except (BenchError, netns.NetnsError, TimeoutError, LocalPoolError) as e:
         print(f"bench/staging.py: {e}\n  the logs are kept in {root}", file=sys.stderr)
     except KeyboardInterrupt:
         stopped = True
