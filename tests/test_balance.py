@@ -16,7 +16,9 @@ from jobs import SMALL, write_job
 
 from dpool.protocol.shares import apportion
 from dpool.trainer.balance import (
+    SHARES_ENV,
     Balancer,
+    fixed_shares,
     micro_from_memory,
     step_time,
 )
@@ -141,6 +143,15 @@ def test_ranks_that_share_a_core_reach_the_ideal_split_from_a_neighbour_of_it(st
             announce = b.propose()
     assert used[-1] == [12, 6, 6], used
     assert used.index([12, 6, 6]) <= 5, "from the first window's proposal"
+
+
+def test_dpool_shares_fixes_a_split_for_its_group_size_only():
+    assert fixed_shares(3, 24, {SHARES_ENV: "12,6,6"}) == [12, 6, 6]
+    assert fixed_shares(3, 24, {}) is None
+    assert fixed_shares(2, 24, {SHARES_ENV: "12,6,6"}) is None, "a group of another size trains at the split it was given"
+    for bad in ("12,6,5", "12,x,6", "24,0,0"):
+        with pytest.raises(ValueError, match=SHARES_ENV):
+            fixed_shares(3, 24, {SHARES_ENV: bad})
 
 
 def test_small_memory_machines_get_smaller_micro_batches():

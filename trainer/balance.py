@@ -13,10 +13,14 @@ Pure functions and a small stateful tracker: no MLX, no I/O.
 
 from __future__ import annotations
 
+import os
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dpool.protocol.shares import MIN_GAIN, apportion
+
+SHARES_ENV = "DPOOL_SHARES"  # a fixed split for benchmarks ("12,6,6"), with workers.balance = false
 
 
 def step_time(shares: list[int], speeds: list[float]) -> float:
@@ -100,6 +104,25 @@ class Balancer:
         self._changes += 1
 
 
+def fixed_shares(world: int, global_batch: int, env: Mapping[str, str] = os.environ) -> list[int] | None:
+    """The split DPOOL_SHARES fixes (a benchmark's fixed-ideal run through the pool, as
+    `bench/balance.py` sets it on its dpds), or None: unset, or naming another number of ranks (a
+    group that lost a node trains at the split its dpds gave). Read only with workers.balance =
+    false; a list that does not split the global batch is an error, not a silent fallback."""
+    text = env.get(SHARES_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        shares = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{SHARES_ENV}={text!r}: expected comma-separated integers, e.g. 12,6,6") from None
+    if len(shares) != world:
+        return None
+    if any(x < 1 for x in shares) or sum(shares) != global_batch:
+        raise ValueError(f"{SHARES_ENV}={text!r}: expected {world} shares of at least 1 adding up to train.global_batch = {global_batch}")
+    return shares
+
+
 # ---------------------------------------------------------------------------------------------
 # Memory: micro batches sized to the machine, so a small-memory worker accumulates more, smaller ones.
 
@@ -108,8 +131,6 @@ ACTIVATION_BUDGET = 0.5  # of the memory free once the model is loaded: one micr
 
 def machine_memory_bytes() -> int:
     """Physical memory (unified memory on Apple silicon); DPOOL_MEMORY_BYTES overrides it."""
-    import os
-
     override = os.environ.get("DPOOL_MEMORY_BYTES")
     if override:
         return int(override)

@@ -22,7 +22,7 @@ from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import diloco
-from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
+from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
@@ -126,6 +126,11 @@ def run(
     rank, world = group.rank, group.size
     log = get_logger(job=spec.name, rank=rank, generation=generation)
     shares = parse_shares(shares_arg, world, spec.train.global_batch)
+    if not spec.workers.balance:
+        try:
+            shares = fixed_shares(world, spec.train.global_batch) or shares  # DPOOL_SHARES: a benchmark's fixed split
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     run_dir = Path(run_dir_arg.replace("{rank}", str(rank)))
     run_dir.mkdir(parents=True, exist_ok=True)
     t = spec.train
