@@ -83,6 +83,19 @@ def test_the_outer_step_is_not_the_synchronous_step(work, env, reference) -> Non
     assert max(abs(sync[s] - reference[s]) for s in range(2, STEPS + 1)) > 1e-3
 
 
+def test_one_replica_one_inner_step_and_a_plain_outer_step_is_synchronous_training(work, env) -> None:
+    """DiLoCo with K = 1, H = 1, outer lr 1 and no momentum applies the inner step as it is: the
+    synchronous curve, step for step (checks the outer step's sign, weighting and scale)."""
+    common = {"base": SMALL, "train": {"steps": 6, "micro_batch": 4, "lr": 1e-3},
+              "checkpoint": {"every_steps": 3}, "eval": {"every_steps": 3, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4}}
+    plain = write_job(work, "plain", **common)
+    one = write_job(work, "k1h1", **common, sync={"mode": "diloco", "replicas": 1, "inner_steps": 1, "outer_lr": 1.0, "outer_momentum": 0.0})
+    ring.run(plain, str(work / "plain" / "r{rank}"), 1, work / "logs", env=env)
+    ring.run(one, str(work / "k1h1" / "r{rank}"), 1, work / "logs", env=env)
+    a, b = losses(work / "plain" / "r0"), losses(work / "k1h1" / "r0")
+    assert sorted(a) == sorted(b) == list(range(1, 7)) and max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
+
+
 def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curve(work, env, reference) -> None:
     run_dir = work / "killed-inner"
     job = diloco_job(work, "killed-inner")

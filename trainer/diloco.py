@@ -200,7 +200,8 @@ def train(
     t, sync = spec.train, spec.sync
     rank, world, K, H = group.rank, group.size, sync.replicas, sync.inner_steps
     model = task.model
-    outer = optim.SGD(learning_rate=sync.outer_lr, momentum=sync.outer_momentum, nesterov=True)
+    # Nesterov needs a momentum (MLX refuses one of 0): without it the outer step is plain SGD.
+    outer = optim.SGD(learning_rate=sync.outer_lr, momentum=sync.outer_momentum, nesterov=sync.outer_momentum > 0)
     outer.init(model.trainable_parameters())
     base, extra = divmod(t.global_batch, K)
     slices = split_shares([base + (1 if r < extra else 0) for r in range(K)])  # replica r's slice of each batch
