@@ -167,6 +167,17 @@ def job_sections(args: argparse.Namespace, steps: int, sync: dict[str, Any]) -> 
     }
 
 
+def ring_probe(log: str) -> dict[str, float] | None:
+    """The ring's pace as the group timed it at its start (`group.joined`: trainer/linkprobe.py),
+    from rank 0's log; None where it did not probe."""
+    for line in log.splitlines():
+        if line.startswith("{") and '"group.joined"' in line:
+            e = json.loads(line)
+            if "ring_mbit_s" in e:
+                return {"bandwidth_bps": e["ring_mbit_s"] * 1e6, "latency_s": e["ring_latency_ms"] / 1e3}
+    return None
+
+
 def mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
@@ -382,6 +393,7 @@ class Bench:
             "tcp_retransmits": self.retransmits() - retrans,
             "val_loss": evals[max(evals)]["val_loss"], "val_loss_step": max(evals), "val_loss_start": evals[min(evals)]["val_loss"],
             "loss_last": rows[steps]["loss"], "rank_compute_s": [rank_compute(rows[s]) for s in range(1, steps + 1)],
+            "probe": ring_probe(group.output(0)),
         }
         self.doc["train"][key] = out
         return out
@@ -494,6 +506,12 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
                 row["predicted_nominal_latency"] = nominal / (nominal + compute)
                 row["error"] = abs(row["predicted"] - row["measured"]) / row["measured"]
                 row["met"] = row["error"] <= SHARE_GOAL
+            if (probe := r.get("probe")) is not None:
+                # What the pool shows as comm_share: the model on the ring the group timed at its start.
+                sent = got["bytes"] + 4 * (4 + 3 * len(HOSTS))
+                by_probe = ring_seconds(sent, len(HOSTS), Link(probe["bandwidth_bps"], probe["latency_s"]), BUCKET_BYTES)
+                row |= {"probe": probe, "predicted_probe": by_probe / (by_probe + compute)}
+                row["error_probe"] = abs(row["predicted_probe"] - row["measured"]) / row["measured"]
             out["share"][c.key] = row
     sync = train.get(f"sync-{SLOW.key}")
     nbytes = doc["allsum"].get(SLOW.key, {}).get("train", {}).get("bytes")
@@ -557,6 +575,10 @@ def table(doc: dict[str, Any], figs: dict[str, Any]) -> list[str]:
         pred = f"{1e3 * r['predicted_allsum_s']:9.1f} {r['predicted']:10.1%} {r['error']:6.1%} {met(r['met'])}" if "predicted" in r else f"{'-':>9} {'-':>10}"
         lines.append(f"   {key:10} {1e3 * r['step_s']:8.1f} {r['measured']:9.1%} {1e3 * r['allsum_s']:11.1f} {r['allsum_over_step']:6.1%} "
                      f"{r['by_step_difference']:8.1%} {pred}")
+        if "predicted_probe" in r:
+            p = r["probe"]
+            lines.append(f"   {'':10} from the group's own probe ({p['bandwidth_bps'] / 1e6:.0f} Mbit/s, {1e3 * p['latency_s']:.2f} ms): "
+                         f"predicted {r['predicted_probe']:.1%}, error {r['error_probe']:.1%} {met(r['error_probe'] <= SHARE_GOAL)}")
     if figs["share"]:
         lines.append(f"   the step without its all_sum (unshaped link): {1e3 * next(iter(figs['share'].values()))['compute_s']:.1f} ms")
     lines += ["", f"3. DiLoCo against synchronous training on {SLOW.key}, the same job and tokens"]
