@@ -71,7 +71,9 @@ def test_a_join_and_a_drain_between_outer_steps_recompute_nothing(processes: Pro
     (crash,) = [e for e in resumed if e["cause"] != "membership"]
     assert crash["from_step"] % H == 0 and crash["steps_recomputed"] <= 2 * H, crash  # every_steps = H: at most this outer step and the last
     assert not [e for e in events if e["kind"] == "group.stalled"], events
-    assert [e["rank"] for e in events if e["kind"] == "worker.failed"] == [1], events
+    # The victim, rank 1; rank 0 may also fail (its outer all_sum lost the peer) before it is stopped.
+    failed = [e["rank"] for e in events if e["kind"] == "worker.failed"]
+    assert 1 in failed and set(failed) <= {0, 1}, events
     assert {e["world_size"] for e in events if e["kind"] == "group.started"} >= {2, 3}
     ref = reference()
     rows = [r for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"]
