@@ -4,6 +4,7 @@ cleans up after each test, and dpctl run against a pool as a user runs it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -80,3 +81,16 @@ class HomesPool(LocalPool):
     def prefix(self, name: str, serve: bool) -> list[str]:
         self.home(name).mkdir(parents=True, exist_ok=True)
         return ["env", f"HOME={self.home(name)}"]
+
+
+def require_shaped_links(prefix: str) -> None:
+    """Skip unless this machine can build network namespaces and shape links (Linux, root,
+    iproute2, tc, and the right to create a bridge): what the namespace benches need."""
+    import shutil
+
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("network namespaces and shaped links need Linux, root, iproute2 and tc")
+    probe = f"{prefix}{os.getpid() % 1000}"
+    if subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a bridge here (no CAP_NET_ADMIN?)")
+    subprocess.run(["ip", "link", "delete", probe], capture_output=True)

@@ -6,13 +6,12 @@ bench's to judge, not the test's: only that each was measured."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_shaped_links
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +22,7 @@ STEPS, H = 8, 2
 
 
 def test_the_smallest_form_measures_every_figure_and_removes_its_links(tmp_path: Path) -> None:
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("shaped links need Linux, root, iproute2 and tc")
-    probe = f"dpcmprobe{os.getpid() % 1000}"
-    if subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True).returncode != 0:
-        pytest.skip("cannot create a bridge here (no CAP_NET_ADMIN?)")
-    subprocess.run(["ip", "link", "delete", probe], capture_output=True)
+    require_shaped_links("dpcmprobe")
     out = tmp_path / "comm.json"
     cmd = [sys.executable, str(BENCH), "--steps", str(STEPS), "--quick-steps", "5", "--reps", "1", "--inner-steps", f"{H},{H}:bf16",
            "--layers", "1", "--dim", "32", "--global-batch", "6", "--eval-batches", "1", "--large-layers", "1", "--large-dim", "64",

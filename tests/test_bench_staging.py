@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import require_shaped_links
 
 from dpool.client.localpool import processes_with
 
@@ -59,12 +59,7 @@ def test_the_smallest_form_on_loopback_measures_every_figure_and_leaves_nothing(
 
 @pytest.mark.netns
 def test_the_smallest_form_in_namespaces_shapes_the_links_and_removes_them(tmp_path: Path) -> None:
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces need Linux, root, iproute2 and tc")
-    probe = f"dpsbprobe{os.getpid() % 1000}"
-    if subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True).returncode != 0:
-        pytest.skip("cannot create a bridge here (no CAP_NET_ADMIN?)")
-    subprocess.run(["ip", "link", "delete", probe], capture_output=True)
+    require_shaped_links("dpsbprobe")
     doc, printed = run_bench(tmp_path)
     check_figures(doc, printed)
     assert "1gbit" in doc["links"], doc["links"]

@@ -92,6 +92,17 @@ class Snapshot:
     manifest: dict[str, Any]
 
 
+def run_manifest(spec: Any, job_hash: str, world: int, shares: list[int], generation: int, task: Any, step: int, **extra: Any) -> dict[str, Any]:
+    """A checkpoint's manifest: the job, the group that wrote it and where the data stands after
+    `step` (`extra`: what a mode adds, e.g. diloco's "mode")."""
+    return {
+        "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares, "generation": generation,
+        "kind": spec.model.kind, **extra,
+        "rng": {"seed": spec.train.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
+        "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
+    }
+
+
 def to_host(flat: list[tuple[str, mx.array]]) -> dict[str, tuple[np.ndarray, str]]:
     """Host copies with their safetensors dtype; bfloat16, which numpy lacks, travels as its bits."""
     out = {}

@@ -349,7 +349,7 @@ def train(
             holder = reps.holder(outer)
             writer.submit(ckpt.Snapshot(
                 step=last, model=ckpt.to_host(tree_flatten(model.trainable_parameters())),
-                optimizer=ckpt.to_host(tree_flatten(holder.state)), manifest=_manifest(spec, job_hash, world, shares, generation, task, last),
+                optimizer=ckpt.to_host(tree_flatten(holder.state)), manifest=ckpt.run_manifest(spec, job_hash, world, shares, generation, task, last, mode="diloco"),
             ))
             if auto:
                 auto.saved(last)
@@ -381,12 +381,3 @@ def train(
             break
     report(writer.close())
     return stopped
-
-
-def _manifest(spec: JobSpec, job_hash: str, world: int, shares: list[int], generation: int, task: Task, step: int) -> dict[str, Any]:
-    return {
-        "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares, "generation": generation,
-        "kind": spec.model.kind, "mode": "diloco",
-        "rng": {"seed": spec.train.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
-        "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
-    }

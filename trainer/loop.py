@@ -186,12 +186,7 @@ def run(
     gb = t.global_batch
 
     def manifest(step: int) -> dict[str, Any]:
-        return {
-            "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares,
-            "generation": generation, "kind": spec.model.kind,
-            "rng": {"seed": t.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
-            "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
-        }
+        return ckpt.run_manifest(spec, job_hash, world, shares, generation, task, step)
 
     def report_kept(done: list[tuple[int, float]]) -> None:
         if link:
