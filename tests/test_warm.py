@@ -286,9 +286,12 @@ def autogroups() -> bool:
         return False
 
 
-def autogroup_nice(pid: int) -> int:
-    """The nice value of the autogroup of `pid` ("/autogroup-123 nice 10")."""
-    return int(Path(f"/proc/{pid}/autogroup").read_text().split(" nice ")[1])
+def autogroup_nice(pid: int) -> int | None:
+    """The nice value of the autogroup of `pid` ("/autogroup-123 nice 10"); None for a process in
+    the kernel's default group (a session never set up since boot, as in some containers), whose
+    file is empty."""
+    _, sep, value = Path(f"/proc/{pid}/autogroup").read_text().partition(" nice ")
+    return int(value) if sep else None
 
 
 LOWER_AND_BACK = """
