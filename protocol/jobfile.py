@@ -8,39 +8,35 @@ the same `training_hash()` as the submitted one.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
 
-from dpool.protocol.jobspec import SECTIONS, JobSpec, parse_job
+import tomli_w
+
+from dpool.protocol.jobspec import JobSpec, parse_job
 
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            raise ValueError(f"cannot write {v!r} to TOML")
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # a TOML basic string: JSON's escapes are TOML's
-    raise TypeError(f"cannot write {type(v).__name__} to a job file")
+def _plain(v: Any, key: str) -> Any:
+    """`v` without None (TOML has no null: an absent optional key is its default, None), checked
+    writable: a non-finite float has no TOML form that reads back as the same job."""
+    if isinstance(v, dict):
+        return {k: _plain(x, f"{key}.{k}") for k, x in v.items() if x is not None}
+    if isinstance(v, list | tuple):
+        return [_plain(x, f"{key}[{i}]") for i, x in enumerate(v)]
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"cannot write {key} = {v!r} to TOML")
+    return v
 
 
 def dump_job(spec: JobSpec) -> str:
-    """The job as a TOML document that `load_job` reads back to an equal JobSpec (base_dir aside)."""
-    data = spec.to_dict()
-    lines = [f"name = {_value(data['name'])}", f"base_dir = {_value(os.path.abspath(spec.base_dir))}"]
-    for section in SECTIONS:
-        lines.append("")
-        lines.append(f"[{section}]")
-        for key, v in data[section].items():
-            if v is not None:  # TOML has no null: an absent optional key is its default, None
-                lines.append(f"{key} = {_value(v)}")
-    return "\n".join(lines) + "\n"
+    """The job as a TOML document that `load_job` reads back to an equal JobSpec (base_dir aside).
+    Written by tomli_w: nested tables (`[train.lr_schedule]`), lists and arrays of tables
+    (`[[data.hf_dataset]]`) come out as TOML writes them."""
+    data = _plain(spec.to_dict(), "job")
+    data["base_dir"] = os.path.abspath(spec.base_dir)
+    head = {k: data.pop(k) for k in ("name", "base_dir")}
+    return tomli_w.dumps(head) + "\n" + tomli_w.dumps(data, multiline_strings=False)
 
 
 def job_from_wire(data: dict[str, Any], source: str) -> JobSpec:
