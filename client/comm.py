@@ -30,7 +30,7 @@ from dpool.protocol.commmodel import (
     gpt_params,
     step_comm,
 )
-from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.jobspec import JobSpec, lora_blocks
 from dpool.protocol.payloads import JobStatus, NodeRow
 
 GPT_VOCAB = 256  # the built-in GPT's byte-level vocabulary (trainer/data.py VOCAB_SIZE)
@@ -149,7 +149,7 @@ def trainable_params(spec: JobSpec) -> int | None:
     tensors = _tensor_shapes(folder, config)
     if m.fine_tune == "full":
         return sum(_count(s) for s in tensors.values()) if tensors else None
-    return _lora_params(tensors, config, m.lora_rank, m.lora_layers, dora=m.fine_tune == "dora")
+    return _lora_params(tensors, config, m.lora_rank, lora_blocks(m, 1 << 30), dora=m.fine_tune == "dora")  # -1: every block
 
 
 def _lora_params(tensors: dict[str, tuple[int, ...]], config: dict[str, Any], rank: int, layers: int, *, dora: bool) -> int | None:

@@ -92,6 +92,10 @@ def _opt(inner):
     return check
 
 
+def _is_minus_one(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v == -1
+
+
 def _spec(check, doc: str, default: Any = _MISSING):
     """A dataclass field with a validator and a docstring kept in its metadata."""
     meta = {"check": check, "doc": doc}
@@ -137,8 +141,27 @@ class ModelSpec:
     lora_rank: int = _spec(_int(1, 1024), "mlx_lm, lora/dora: adapter rank", 8)
     lora_scale: float = _spec(_float(0.0, 1e6, lo_open=True), "mlx_lm, lora/dora: adapter scale", 20.0)
     lora_dropout: float = _spec(_float(0.0, 0.95), "mlx_lm, lora/dora: dropout on the adapters' input", 0.0)
-    lora_layers: int = _spec(
-        _int(1, 100000), "mlx_lm, lora/dora: adapters on the last N transformer blocks (all when N is larger)", 16
+    lora_layers: int | None = _spec(
+        lambda v: None if v is None or _is_minus_one(v) else _int(1, 100000)(v) and "must be -1 (every block) or an integer in [1, 100000]",
+        "mlx_lm: the last N transformer blocks are trained (-1 or N above the model's count: all), mlx-lm's num_layers. "
+        "lora/dora: the blocks that get adapters; unset means 16, mlx-lm's default. full: the blocks unfrozen, with "
+        "embeddings, final norm and head frozen, as mlx-lm's full fine-tune; unset means the whole model, as dpool "
+        "trained before the key applied to full (so existing jobs keep their curve and hash)",
+        None,
+    )
+    lora_keys: list[str] | None = _spec(  # noqa: RUF009 (_spec only attaches the check; the default is None)
+        lambda v: None
+        if v is None or (isinstance(v, list) and 0 < len(v) <= 64 and all(isinstance(k, str) and 0 < len(k) <= 256 for k in v))
+        else "must be a non-empty list (at most 64) of module paths inside a block, e.g. [\"self_attn.q_proj\", \"self_attn.v_proj\"]",
+        "mlx_lm, lora/dora: the layers of each block that get adapters (mlx-lm's lora_parameters.keys); unset: "
+        "mlx-lm's default, every linear layer of the block",
+        None,
+    )
+    adapters: str | None = _spec(
+        _opt(_str()),
+        "mlx_lm, lora/dora: start from trained adapters (mlx-lm's resume_adapter_file): an adapter directory "
+        "(adapters.safetensors, as `dpctl export` or `mlx_lm lora` writes it) or the .safetensors file",
+        None,
     )
     grad_checkpoint: bool = _spec(
         lambda v: None if isinstance(v, bool) else "must be true or false",
@@ -207,6 +230,16 @@ class EvalSpec:
     sample_tokens: int = _spec(_int(1, 100000), "tokens per sample", 200)
     sample_prompt: str | None = _spec(
         _opt(_str()), "the sample's prompt: a user message for chat data, else plain text (default: 'def ' / 'Hello')", None
+    )
+    test: bool = _spec(
+        lambda v: None if isinstance(v, bool) else "must be true or false",
+        "mlx_lm: the test loss on data.source's test.jsonl after the last step (a metrics row of kind 'test')",
+        False,
+    )
+    test_batches: int = _spec(
+        lambda v: None if _is_minus_one(v) else _int(1)(v) and "must be -1 (all) or an integer >= 1",
+        "with test: batches of train.global_batch test examples scored (-1: all, as mlx-lm's --test-batches)",
+        -1,
     )
 
 
@@ -330,6 +363,8 @@ class JobSpec:
         if self.content.model is not None:
             model["path"] = f"sha256:{self.content.model}"
         body = {"model": model, "data": data, "train": train}
+        if self.model.kind == "mlx_lm":
+            _hash_lm_keys(self.model, model)
         if (sync := self.sync.hashed()) is not None:
             body["sync"] = sync  # absent in the default mode: jobs from before [sync] keep their hash
         return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
@@ -352,7 +387,32 @@ class JobSpec:
 
 
 GPT_KEYS = ("layers", "dim", "heads", "positions")
-MLX_LM_KEYS = ("path", "fine_tune", "lora_rank", "lora_scale", "lora_dropout", "lora_layers", "grad_checkpoint")
+MLX_LM_KEYS = (
+    "path", "fine_tune", "lora_rank", "lora_scale", "lora_dropout", "lora_layers", "lora_keys", "adapters", "grad_checkpoint",
+)
+LORA_LAYERS_DEFAULT = 16  # mlx-lm's num_layers default
+
+
+def _hash_lm_keys(m: ModelSpec, model: dict[str, Any]) -> None:
+    """The hashed form of the mlx_lm keys added after jobs existed: unset keys are left out, and an
+    unset lora_layers hashes as the 16 it always meant, so existing jobs keep their hash. full with
+    an explicit lora_layers trains only the last N blocks (before, full trained the whole model
+    whatever lora_layers said): it hashes apart from the old meaning."""
+    for key in ("lora_keys", "adapters"):
+        if model.get(key) is None:
+            model.pop(key, None)
+    if m.lora_keys is not None:
+        model["lora_keys"] = sorted(set(m.lora_keys))  # a set in mlx-lm: order and repeats mean nothing
+    model["lora_layers"] = LORA_LAYERS_DEFAULT if m.lora_layers is None else m.lora_layers
+    if m.fine_tune == "full" and m.lora_layers is not None:
+        model["full_layers"] = m.lora_layers
+
+
+def lora_blocks(m: ModelSpec, blocks: int) -> int:
+    """How many of the model's last blocks are trained: adapters (lora/dora) or unfrozen (full)."""
+    if m.lora_layers is None:
+        return blocks if m.fine_tune == "full" else min(LORA_LAYERS_DEFAULT, blocks)
+    return blocks if m.lora_layers == -1 else min(m.lora_layers, blocks)
 DEFAULT_CONTEXT = {"gpt": 128, "mlx_lm": 2048}
 HF_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -409,14 +469,14 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
     sections = {key: _build(cls, data.get(key, {}), key, source) for key, cls in SECTIONS.items()}
-    _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source)
+    _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source, data.get("eval", {}))
     spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
     _cross_check(spec, source)
     _check_sync(spec, data.get("sync", {}), source)
     return spec
 
 
-def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], source: str) -> None:
+def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], source: str, evals: Any = None) -> None:
     """A key of the other kind is refused, not silently ignored: it would not do what it says."""
     other = MLX_LM_KEYS if kind == "gpt" else GPT_KEYS
     for key in other:
@@ -425,6 +485,8 @@ def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], sou
             raise JobFileError(source, f"model.{key}", model[key], f"only for model.kind = '{owner}'")
     if kind == "gpt" and "mask_prompt" in data:
         raise JobFileError(source, "data.mask_prompt", data["mask_prompt"], "only for model.kind = 'mlx_lm'")
+    if kind == "gpt" and isinstance(evals, dict) and evals.get("test"):
+        raise JobFileError(source, "eval.test", evals["test"], "only for model.kind = 'mlx_lm' (the test loss of test.jsonl)")
 
 
 def _cross_check(spec: JobSpec, source: str) -> None:
@@ -442,6 +504,10 @@ def _cross_check(spec: JobSpec, source: str) -> None:
                 source, "data.source", spec.data.source,
                 "model.kind = 'mlx_lm' needs a directory holding train.jsonl (and optionally valid.jsonl)",
             )
+        if m.fine_tune == "full":
+            for key in ("lora_keys", "adapters"):
+                if getattr(m, key) is not None:
+                    raise JobFileError(source, f"model.{key}", getattr(m, key), "only for model.fine_tune = 'lora' or 'dora'")
     if w.max < w.min:
         raise JobFileError(source, "workers.max", w.max, f"must be >= workers.min = {w.min}")
     if t.global_batch < w.min:
@@ -480,6 +546,18 @@ def check_paths(spec: JobSpec, source: str) -> None:
         if not os.path.isfile(os.path.join(folder, "train.jsonl")):
             what = "no such directory" if not os.path.isdir(folder) else "it holds no train.jsonl"
             raise JobFileError(source, "data.source", spec.data.source, f"{what} on this machine ({folder})")
+        if spec.eval.test and not os.path.isfile(os.path.join(folder, "test.jsonl")):
+            raise JobFileError(
+                source, "data.source", spec.data.source,
+                f"eval.test = true needs a test.jsonl beside train.jsonl, and {os.path.join(folder, 'test.jsonl')} does not exist on this machine",
+            )
+        if spec.model.adapters is not None:
+            adapters = spec.resolve(spec.model.adapters)
+            if not (os.path.isfile(adapters) or os.path.isfile(os.path.join(adapters, "adapters.safetensors"))):
+                raise JobFileError(
+                    source, "model.adapters", spec.model.adapters,
+                    f"no adapters.safetensors in that directory, nor such a .safetensors file, on this machine ({adapters})",
+                )
     elif spec.data.source != "stdlib" and not data_files(spec):
         raise JobFileError(
             source, "data.source", spec.data.source,

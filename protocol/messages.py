@@ -329,7 +329,11 @@ def message(cls: M) -> M:
 
 
 # Bounded types of message fields (and of the job document, which parse_job then validates).
-JobScalar: TypeAlias = Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | None
+JobScalar: TypeAlias = (
+    Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool
+    | Annotated[list[Annotated[str, Str(256)]], Items(64)]  # model.lora_keys
+    | None
+)
 JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]
 Cursor: TypeAlias = Annotated[int, Int(0, MAX_INT)]
 Limit: TypeAlias = Annotated[int, Int(0, 2**31 - 1)]  # rows asked for; more than PAGE_LIMIT gets PAGE_LIMIT

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dpool.protocol.jobspec import JobFileError, JobSpec, load_job, parse_job
+from dpool.protocol.jobspec import JobFileError, JobSpec, load_job, lora_blocks, parse_job
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -146,7 +146,8 @@ def test_relative_data_path_resolves_against_the_job_file(tmp_path):
 def test_mlx_lm_defaults_and_wire_round_trip():
     spec = parse_job({"name": "lm", "model": {"kind": "mlx_lm", "path": "~/models/m"}, "data": {"source": "~/chat"}})
     m = spec.model
-    assert (m.fine_tune, m.lora_rank, m.lora_scale, m.lora_layers, m.context) == ("lora", 8, 20.0, 16, 2048)
+    assert (m.fine_tune, m.lora_rank, m.lora_scale, m.lora_layers, m.context) == ("lora", 8, 20.0, None, 2048)
+    assert lora_blocks(m, 40) == 16 and lora_blocks(m, 4) == 4  # unset: mlx-lm's 16
     wire = spec.to_dict()
     assert "layers" not in wire["model"] and wire["model"]["path"] == "~/models/m"
     assert parse_job(wire, source="wire") == spec

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dpool.protocol.jobspec import JobSpec, model_location
+from dpool.protocol.jobspec import JobSpec, lora_blocks, model_location
 from dpool.trainer.data import ExampleOrder
 from dpool.trainer.lm_data import load_lm_data
 from dpool.trainer.task import Example
@@ -104,10 +104,12 @@ class LMTask:
         model, tokenizer, config, self.model_dir = load_base(spec)
         self.tokenizer, self.config = tokenizer, config
         self.layers = len(model.layers)
-        self.adapter_layers = min(m.lora_layers, self.layers)
+        self.adapter_layers = lora_blocks(m, self.layers)
         self._keys = _Keys()
         self.model = self._prepare(model)
         self.fingerprints = {"model": self._model_fingerprint()}
+        if m.adapters is not None:
+            self.fingerprints["adapters"] = self._load_adapters()
         self.val_count = 0
         if not with_data:
             return
@@ -133,9 +135,16 @@ class LMTask:
                     f"model.fine_tune = 'full' does not apply to {self.spec.model.path!r}: its weights are "
                     "quantized; train 'lora' or 'dora' adapters on it (QLoRA), or use an unquantized model"
                 )
-            model.unfreeze()
+            if m.lora_layers is None:
+                model.unfreeze()  # the whole model, embeddings and head too: what full meant before lora_layers applied to it
+            else:
+                for block in model.layers[len(model.layers) - self.adapter_layers :]:
+                    block.unfreeze()  # as mlx-lm's full fine-tune: the last N blocks, the rest frozen
         else:
-            params = {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout}
+            params: dict[str, Any] = {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout}
+            if m.lora_keys is not None:
+                self._check_keys(model, m.lora_keys)
+                params["keys"] = list(m.lora_keys)
             try:
                 linear_to_lora_layers(model, self.adapter_layers, params, use_dora=m.fine_tune == "dora")
             except ValueError as e:  # e.g. "SwitchLinear doesn't support DoRA yet."
@@ -146,6 +155,61 @@ class LMTask:
         model.train()
         mx.eval(model.parameters())
         return model
+
+    def _check_keys(self, model: nn.Module, keys: list[str]) -> None:
+        """Every key names a layer mlx-lm can give adapters: inside a block (where mlx-lm looks
+        first) or in the model itself (its second pass); else it would silently train nothing."""
+        from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+        kinds = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear, nn.Embedding, nn.QuantizedEmbedding)
+
+        def convertible(module: nn.Module) -> bool:
+            return hasattr(module, "to_lora") or isinstance(module, kinds)
+
+        inside = {k for block in model.layers for k, mod in block.named_modules() if convertible(mod)}
+        outside = {k for k, mod in model.named_modules() if convertible(mod) and not k.startswith(("layers.", "model.layers."))}
+        for key in keys:
+            if key not in inside and key not in outside:
+                raise ModelError(
+                    f"model.lora_keys: {key!r} names no linear layer of {self.spec.model.path!r}; the layers of a block are "
+                    + ", ".join(sorted(inside)) + (" (and of the model: " + ", ".join(sorted(outside)) + ")" if outside else "")
+                )
+
+    def _load_adapters(self) -> int:
+        """Start from trained adapters, as mlx-lm's resume_adapter_file (`load_weights(strict=False)`
+        after the adapters are built), but every tensor of the file must be a trainable parameter of
+        the same shape. Returns the file's content fingerprint (every rank must start the same)."""
+        m = self.spec.model
+        given = Path(self.spec.resolve(m.adapters or ""))
+        file = given / "adapters.safetensors" if given.is_dir() else given
+        shown = f"model.adapters = {m.adapters!r}"
+        config_file = file.parent / "adapter_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except ValueError as e:
+                raise ModelError(f"{shown}: {config_file} is not valid JSON ({e})") from None
+            theirs = {
+                "fine_tune_type": (config.get("fine_tune_type", "lora"), "model.fine_tune", m.fine_tune),
+                "lora_parameters.rank": ((config.get("lora_parameters") or {}).get("rank", m.lora_rank), "model.lora_rank", m.lora_rank),
+            }
+            for key, (value, ours, mine) in theirs.items():
+                if value != mine:
+                    raise ModelError(f"{shown}: {config_file} has {key} = {value!r}, and this job's {ours} = {mine!r}; they must agree")
+        try:
+            raw = file.read_bytes()
+            weights = mx.load(str(file))
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"{shown}: cannot read {file} ({e})") from None
+        trainable = dict(tree_flatten(self.model.trainable_parameters()))
+        for name, value in weights.items():
+            if name not in trainable:
+                raise ModelError(f"{shown}: {file} holds {name!r}, which is not a trained parameter of this job (lora_layers, lora_keys and fine_tune must match the adapters')")
+            if tuple(value.shape) != tuple(trainable[name].shape):
+                raise ModelError(f"{shown}: {file}: {name!r} has shape {tuple(value.shape)}, this job trains it as {tuple(trainable[name].shape)}")
+        self.model.load_weights(list(weights.items()), strict=False)
+        mx.eval(self.model.parameters())
+        return int.from_bytes(hashlib.sha256(raw).digest()[:7], "little")
 
     def _seed_dropout(self, model: nn.Module) -> None:
         if self.spec.model.lora_dropout == 0:
@@ -209,7 +273,8 @@ class LMTask:
         return {
             "fine_tune_type": m.fine_tune,
             "num_layers": self.adapter_layers,
-            "lora_parameters": {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout},
+            "lora_parameters": {"rank": m.lora_rank, "scale": m.lora_scale, "dropout": m.lora_dropout}
+            | ({"keys": list(m.lora_keys)} if m.lora_keys is not None else {}),
             "model": m.path,
             "max_seq_length": m.context,
             "mask_prompt": self.spec.data.mask_prompt,

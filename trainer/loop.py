@@ -67,8 +67,8 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
         (fp0,) = group.broadcast_ints([mine])
         (differ,) = group.sum_ints([int(fp0 != mine)])
         if differ:
-            source = spec.data.source if what == "data" else spec.model.path
-            key = "data.source" if what == "data" else "model.path"
+            key = {"data": "data.source", "adapters": "model.adapters"}.get(what, "model.path")
+            source = {"data": spec.data.source, "adapters": spec.model.adapters}.get(what, spec.model.path)
             hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
             if fp0 != mine:
                 # Bad input on this machine (exit 2): its node sits the job out, and the group

@@ -1,0 +1,160 @@
+"""The mlx-lm options of issue 20 that shape what is trained and what comes out: which layers
+(`lora_keys`, `lora_layers = -1`, full on the last blocks), starting from adapters, the test loss
+and the fused export. Each is compared with mlx-lm's own code on a tiny model made offline."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from jobs import write_job
+from mlx.utils import tree_flatten
+
+from dpool.protocol.jobspec import JobFileError, load_job, parse_job
+from dpool.trainer import tinylm
+from dpool.trainer.lm import LMTask, ModelError
+
+LM = {
+    "model": {"kind": "mlx_lm", "lora_rank": 4},
+    "train": {"global_batch": 4, "warmup_steps": 1, "log_every_steps": 1, "micro_batch": 4, "lr": 1e-2},
+    "checkpoint": {"keep": 3},
+    "eval": {"batches": 1, "sample_tokens": 4, "every_steps": 1000, "sample_every_steps": 1000},
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("lmx")
+    tinylm.make_model(root / "llama", arch="llama", layers=3, seed=1)
+    tinylm.make_chat_data(root / "chat", train=24, valid=8, test=10, seed=3, fmt="chat")
+    return root
+
+
+def lm_job(assets: Path, folder: Path, name: str = "lmx", *, model: dict | None = None, **sections) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_job(
+        folder, name, base=LM,
+        model={"path": str(assets / "llama"), "context": 512, **(model or {})},
+        data={"source": str(assets / "chat"), "mask_prompt": True, **sections.pop("data", {})},
+        train={"steps": 4, **sections.pop("train", {})},
+        **sections,
+    )
+
+
+def trained_shapes(model) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in tree_flatten(model.trainable_parameters())}
+
+
+def mlx_lm_trained(path: Path, fine_tune: str, num_layers: int, params: dict) -> dict[str, tuple[int, ...]]:
+    """What `mlx_lm lora` trains for this config: train_model's own setup, step by step."""
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(path))
+    model.freeze()
+    if fine_tune == "full":
+        for layer in model.layers[-max(num_layers, 0):]:
+            layer.unfreeze()
+    else:
+        linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune == "dora")
+    return trained_shapes(model)
+
+
+CASES = [
+    ("lora", {"lora_keys": ["self_attn.q_proj", "self_attn.v_proj"]}, 16, ["self_attn.q_proj", "self_attn.v_proj"]),
+    ("dora", {"lora_keys": ["mlp.down_proj"], "lora_layers": 2}, 2, ["mlp.down_proj"]),
+    ("lora", {"lora_layers": -1}, -1, None),
+    ("lora", {"lora_layers": 1}, 1, None),
+    ("full", {"lora_layers": 2}, 2, None),
+    ("full", {"lora_layers": -1}, -1, None),
+]
+
+
+@pytest.mark.parametrize(("fine_tune", "model", "num_layers", "keys"), CASES, ids=[f"{c[0]}-{c[2]}-{bool(c[3])}" for c in CASES])
+def test_trained_parameters_are_exactly_mlx_lms(assets, tmp_path, fine_tune, model, num_layers, keys):
+    spec = load_job(lm_job(assets, tmp_path, model={"fine_tune": fine_tune, **model}))
+    ours = trained_shapes(LMTask(spec, tmp_path / "cache", with_data=False).model)
+    params = {"rank": 4, "scale": 20.0, "dropout": 0.0} | ({"keys": keys} if keys else {})
+    theirs = mlx_lm_trained(assets / "llama", fine_tune, num_layers, params)
+    assert ours == theirs
+    if keys:
+        assert ours and all(any(f".{k}." in name for k in keys) for name in ours), sorted(ours)
+
+
+def test_full_without_lora_layers_still_trains_the_whole_model_and_keeps_its_hash(assets, tmp_path):
+    spec = load_job(lm_job(assets, tmp_path, model={"fine_tune": "full"}))
+    task = LMTask(spec, tmp_path / "cache", with_data=False)
+    assert trained_shapes(task.model) == {k: tuple(v.shape) for k, v in tree_flatten(task.model.parameters())}
+    given = parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "fine_tune": "full", "lora_layers": 16}, "data": {"source": "d"}})
+    unset = parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "fine_tune": "full"}, "data": {"source": "d"}})
+    assert given.training_hash() != unset.training_hash()  # they train different parameters
+    lora16 = parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "lora_layers": 16}, "data": {"source": "d"}})
+    lora = parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m"}, "data": {"source": "d"}})
+    assert lora16.training_hash() == lora.training_hash() == "0f65cb49bd9f06b3"  # the hash jobs had before the new keys
+
+
+def test_a_key_that_names_no_linear_layer_is_refused_naming_it_and_what_exists(assets, tmp_path):
+    spec = load_job(lm_job(assets, tmp_path, model={"lora_keys": ["self_attn.q_proj", "attn.qq"]}))
+    with pytest.raises(ModelError, match=r"model.lora_keys: 'attn.qq' names no linear layer.*self_attn.q_proj"):
+        LMTask(spec, tmp_path / "cache", with_data=False)
+    with pytest.raises(JobFileError, match=r"model.lora_keys"):
+        parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "lora_keys": []}, "data": {"source": "d"}})
+    with pytest.raises(JobFileError, match=r"model.lora_layers.*-1"):
+        parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "lora_layers": 0}, "data": {"source": "d"}})
+    with pytest.raises(JobFileError, match=r"model.adapters.*'lora' or 'dora'"):
+        parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "fine_tune": "full", "adapters": "a"}, "data": {"source": "d"}})
+
+
+def write_adapters(folder: Path, weights: dict, config: dict | None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "adapters.safetensors"), weights)
+    if config is not None:
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_start_from_adapters_loads_them_as_mlx_lm_and_refuses_what_does_not_fit(assets, tmp_path):
+    keys = {"lora_keys": ["self_attn.q_proj"], "lora_layers": 2}
+    spec = load_job(lm_job(assets, tmp_path / "a", model=keys))
+    shapes = trained_shapes(LMTask(spec, tmp_path / "cache", with_data=False).model)
+    rng = np.random.default_rng(0)
+    weights = {k: mx.array(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    folder = write_adapters(tmp_path / "adapters", weights, {"fine_tune_type": "lora", "lora_parameters": {"rank": 4}})
+
+    for given in (folder, folder / "adapters.safetensors"):
+        task = LMTask(load_job(lm_job(assets, tmp_path / "b", model={**keys, "adapters": str(given)})), tmp_path / "cache", with_data=False)
+        loaded = dict(tree_flatten(task.model.trainable_parameters()))
+        assert sorted(loaded) == sorted(weights)
+        assert all(mx.array_equal(loaded[k], weights[k]).item() for k in weights)
+        assert "adapters" in task.fingerprints
+
+    # mlx-lm's resume_adapter_file on the same config ends with the same trained parameters.
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(assets / "llama"))
+    model.freeze()
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 20.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]})
+    model.load_weights(str(folder / "adapters.safetensors"), strict=False)
+    theirs = dict(tree_flatten(model.trainable_parameters()))
+    assert sorted(theirs) == sorted(loaded) and all(mx.array_equal(theirs[k], loaded[k]).item() for k in theirs)
+
+    def refused(model: dict, match: str) -> None:
+        with pytest.raises(ModelError, match=match):
+            LMTask(load_job(lm_job(assets, tmp_path / "c", model=model)), tmp_path / "cache", with_data=False)
+
+    refused({"lora_keys": ["self_attn.q_proj"], "lora_layers": 1, "adapters": str(folder)}, r"'model\.layers\.1\.self_attn\.q_proj\.lora_[ab]', which is not a trained parameter")
+    refused({"fine_tune": "dora", **keys, "adapters": str(folder)}, r"fine_tune_type = 'lora'.*model.fine_tune = 'dora'")
+    bad_rank = write_adapters(tmp_path / "rank8", weights, {"fine_tune_type": "lora", "lora_parameters": {"rank": 8}})
+    refused({**keys, "adapters": str(bad_rank)}, r"lora_parameters.rank = 8.*model.lora_rank = 4")
+    name = next(iter(weights))
+    reshaped = write_adapters(tmp_path / "shape", {name: mx.zeros((3, 3))}, None)
+    refused({**keys, "adapters": str(reshaped)}, rf"{re.escape(name)}' has shape \(3, 3\)")
+    with pytest.raises(JobFileError, match=r"model.adapters.*no adapters.safetensors"):
+        from dpool.protocol.jobspec import check_paths
+
+        check_paths(load_job(lm_job(assets, tmp_path / "d", model={"adapters": str(tmp_path / "nowhere")})), "job")
