@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from dpool.client.jobtimes import JobTimes, status_object
 from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, pages
 from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
 from dpool.protocol import messages as m
+from dpool.protocol import mlxlm_config
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, parse_job
 from dpool.protocol.payloads import (
@@ -112,12 +113,23 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def read_job(path: str, sets: Sequence[str] = ()) -> JobSpec:
+def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] | None = None) -> JobSpec:
     """The job file at `path` with each `--set KEY=VALUE` applied, validated (BadInput, naming the
-    file, the key, the value and what is allowed, and the --set that gave it)."""
+    file, the key, the value and what is allowed, and the --set that gave it). An `mlx_lm lora`
+    config (`.yaml`) is converted first (its relative paths are the current folder's, as in
+    mlx-lm); what the conversion wants the user to know goes to `notes` (stderr by default)."""
+    base_dir = os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        if mlxlm_config.is_mlx_lm_config(path):
+            made = mlxlm_config.job_document(mlxlm_config.read_config(path), path, mlxlm_config.job_name(path))
+            data, base_dir = made.job, os.getcwd()
+            for line in made.notes:
+                (notes or (lambda s: print(s, file=sys.stderr)))(f"note: {path}: {line}")
+        else:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+    except JobFileError as e:
+        raise BadInput(str(e)) from None
     except FileNotFoundError:
         raise BadInput(str(JobFileError(path, "file", path, "no such file"))) from None
     except OSError as e:
@@ -135,7 +147,7 @@ def read_job(path: str, sets: Sequence[str] = ()) -> JobSpec:
         table_[keys[-1]] = value
         given[".".join(keys)] = item
     try:
-        return parse_job(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+        return parse_job(data, source=path, base_dir=base_dir)
     except JobFileError as e:
         raise BadInput(f"{e} (from --set {given[e.key]})" if e.key in given else str(e)) from None
 
@@ -172,6 +184,21 @@ def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
     sys.stdout.flush()
     if a.follow:
         return follow_logs(c, reply.job_id, None, to_stderr=not a.json and not sys.stdout.isatty(), json=a.json, reached=True)
+    return EXIT_OK
+
+
+def cmd_convert(_c: Client | None, a: argparse.Namespace) -> int:
+    """An mlx-lm config (or a job file) as the job TOML it means, to stdout or `-o FILE`."""
+    spec = read_job(a.config, a.set or ())
+    text = dump_job(spec)
+    if a.output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            Path(a.output).write_text(text)
+        except OSError as e:
+            raise BadInput(f"-o {a.output}: {e.strerror or e}") from None
+        print(f"wrote {a.output} ({spec.name}: {spec.train.steps} steps, training hash {spec.training_hash()})", file=sys.stderr)
     return EXIT_OK
 
 
@@ -601,12 +628,18 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="validate and queue a job; prints its id")
-    s.add_argument("job", help="the job file (job.toml)").completer = argcomplete.completers.FilesCompleter(["toml"])  # type: ignore[attr-defined]
+    s.add_argument("job", help="the job file (job.toml), or an mlx_lm lora config (config.yaml) as it is").completer = argcomplete.completers.FilesCompleter(["toml", "yaml", "yml"])  # type: ignore[attr-defined]
     s.add_argument("--follow", action="store_true", help="then stream its output until it ends (exit 1 unless it succeeds)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the job file, read as TOML (--set train.lr=1e-4 --set workers.max=2); repeatable")
     s.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved job file and check it; submit nothing")
     s.add_argument("--json", action="store_true", help='print {"id": ...} (with --follow, then one log object a line; with --dry-run, {"job": ...})')
     s.set_defaults(fn=cmd_submit)
+
+    s = sub.add_parser("convert", help="print the job TOML an mlx_lm lora config (YAML) means; nothing is submitted")
+    s.add_argument("config", help="an mlx_lm lora config (lora_config.yaml); a job.toml is printed resolved").completer = argcomplete.completers.FilesCompleter(["yaml", "yml", "toml"])  # type: ignore[attr-defined]
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="set a value of the job made (--set workers.max=2 --set name=qwen-sql); repeatable")
+    s.add_argument("-o", "--output", metavar="FILE", help="write the TOML to FILE instead of stdout")
+    s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("status", help="all jobs (newest first), or one in detail")
     s.add_argument("job", nargs="?", help="a job id, unique id prefix or name")
@@ -695,8 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     if getattr(args, "local_fn", None):
         return int(args.local_fn(args))  # needs no coordinator (keys init, demo, completion)
-    if args.command == "submit" and args.dry_run:
-        return _handled(lambda: cmd_submit(None, args))
+    if (args.command == "submit" and args.dry_run) or args.command == "convert":
+        return _handled(lambda: args.fn(None, args))
     addr = coordinator_address(args.coordinator)
     try:
         keys = client_keys.load_client_keys(args.keys, DEFAULT_CONFIG)

@@ -21,26 +21,12 @@ from typing import Any
 
 import orjson
 
+from dpool.protocol import mlxlm_config
+from dpool.protocol.joberrors import MISSING as _MISSING
+from dpool.protocol.joberrors import JobFileError
 from dpool.protocol.schema import MAX_INT
 
 NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
-
-
-class JobFileError(ValueError):
-    """A job file that cannot be used; the message is meant for the user as it is."""
-
-    def __init__(self, source: str, key: str, given: Any, allowed: str) -> None:
-        self.source, self.key, self.given, self.allowed = source, key, given, allowed
-        shown = "missing" if given is _MISSING else f"= {given!r}"
-        super().__init__(f"{source}: {key} {shown}: {allowed}")
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING: Any = _Missing()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +211,10 @@ class CheckpointSpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EvalSpec:
     every_steps: int = _spec(_int(1), "validation loss every this many steps", 100)
-    batches: int = _spec(_int(1), "held-out batches (of global_batch sequences) per evaluation", 20)
+    batches: int = _spec(
+        lambda v: None if v == -1 and not isinstance(v, bool) else _int(1)(v) and "must be an integer >= 1, or -1 (mlx_lm: every held-out example)",
+        "held-out batches (of global_batch sequences) per evaluation; mlx_lm: -1 for all", 20,
+    )
     sample_every_steps: int = _spec(_int(1), "a generated text sample every this many steps", 200)
     sample_tokens: int = _spec(_int(1, 100000), "tokens per sample", 200)
     sample_prompt: str | None = _spec(
@@ -492,6 +481,8 @@ def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], sou
 def _cross_check(spec: JobSpec, source: str) -> None:
     m, t, w = spec.model, spec.train, spec.workers
     if m.kind == "gpt":
+        if spec.eval.batches == -1:
+            raise JobFileError(source, "eval.batches", -1, "-1 (every held-out example) is for model.kind = 'mlx_lm'; the GPT's held-out windows are counted in batches >= 1")
         if m.dim % m.heads:
             raise JobFileError(source, "model.heads", m.heads, f"must divide model.dim = {m.dim}")
         if (m.dim // m.heads) % 2 and m.positions == "rope":
@@ -576,8 +567,12 @@ def data_files(spec: JobSpec) -> list[str]:
 
 
 def load_job(path: str | os.PathLike[str]) -> JobSpec:
-    """Read and validate a job file; raises JobFileError (one line, for the user)."""
+    """Read and validate a job file, or an `mlx_lm lora` config (`.yaml`: its paths are taken from
+    the current folder, as mlx-lm takes them); raises JobFileError (one line, for the user)."""
     path = str(path)
+    if mlxlm_config.is_mlx_lm_config(path):
+        made = mlxlm_config.job_document(mlxlm_config.read_config(path), path, mlxlm_config.job_name(path))
+        return parse_job(made.job, source=path, base_dir=os.getcwd())
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

@@ -117,7 +117,7 @@ class LMTask:
         self.data = load_lm_data(spec, tokenizer, files, cache_dir)
         lengths = np.array([len(t) for t in self.data.train.tokens], dtype=np.int64)
         self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
-        self.val_count = min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
+        self.val_count = len(self.data.val) if spec.eval.batches == -1 else min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
         self.fingerprints["data"] = self.data.fingerprint
 
     def _prepare(self, model: nn.Module) -> nn.Module:
