@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dpool.protocol.content import data_tree, model_tree, staged
-from dpool.protocol.jobspec import JobFileError, JobSpec, model_location, parse_job
+from dpool.protocol.jobspec import JobFileError, JobSpec, data_location, model_location, parse_job
 from dpool.protocol.messages import Message
 from dpool.protocol.stage_messages import (
     ACCEPT_S,
@@ -215,6 +215,8 @@ class NodeStaging:
             return None
         if what == "data" and spec.data.source == "stdlib":
             return None
+        if what == "data" and digest is None and spec.model.kind == "mlx_lm" and data_location(spec)[0] != "dir":
+            return None  # a Hugging Face dataset id (no folder of that name where it was submitted): each worker loads it
         local = await asyncio.to_thread(data_tree if what == "data" else model_tree, spec)
         if digest is None:
             if local is None and not (what == "model" and model_location(spec)[0] == "repo"):

@@ -21,7 +21,7 @@ import glob
 import os
 from pathlib import Path
 
-from dpool.protocol.jobspec import JobSpec, data_files, model_location
+from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_location
 
 WILDCARDS = frozenset("*?[")
 LM_DATA_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl")
@@ -38,11 +38,15 @@ def source_root(resolved: str) -> Path:
 
 
 def data_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
-    """The data's root on this machine and its files (None: the built-in 'stdlib', or no such path)."""
-    if spec.data.source == "stdlib":
+    """The data's root on this machine and its files (None: the built-in 'stdlib', a Hugging Face
+    dataset, which each node loads itself, or no such path)."""
+    if spec.data.source == "stdlib":  # data.hf_dataset leaves it so
         return None
     if spec.model.kind == "mlx_lm":
-        root = Path(spec.resolved_source())
+        where, folder = data_location(spec)
+        if where != "dir":
+            return None
+        root = Path(folder)
         files = [root / name for name in LM_DATA_FILES if (root / name).is_file()]
     else:
         root = source_root(spec.resolved_source())

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from dpool.protocol import mlxlm_config
+from dpool.protocol.hf_dataset import HFDatasetSpec, parse_hf_datasets
 from dpool.protocol.joberrors import MISSING as _MISSING
 from dpool.protocol.joberrors import JobFileError
 from dpool.protocol.schema import MAX_INT
@@ -164,7 +165,8 @@ class ModelSpec:
 class DataSpec:
     source: str = _spec(
         _str(),
-        "gpt: 'stdlib' or a path/glob of .txt/.jsonl files; mlx_lm: a directory with train.jsonl (and valid.jsonl)",
+        "gpt: 'stdlib' or a path/glob of .txt/.jsonl files; mlx_lm: a directory with train.jsonl (and valid.jsonl), "
+        "or a Hugging Face dataset id (owner/name, its train, valid and test splits; a directory that exists wins)",
         "stdlib",
     )
     val_fraction: float = _spec(
@@ -174,6 +176,16 @@ class DataSpec:
         lambda v: None if isinstance(v, bool) else "must be true or false",
         "mlx_lm: train on the completion (or the last assistant message) only, as mlx-lm's --mask-prompt",
         False,
+    )
+    hf_dataset: tuple[HFDatasetSpec, ...] | None = field(
+        default=None,
+        metadata={
+            "check": lambda v: None,  # checked field by field as it is built
+            "build": parse_hf_datasets,
+            "doc": "mlx_lm: Hugging Face datasets instead of data.source, mlx-lm's hf_dataset: a table "
+            "(path, config, train_split, valid_split, test_split, prompt_feature, completion_feature, "
+            "text_feature, chat_feature) or a list of them ([[data.hf_dataset]], concatenated)",
+        },
     )
 
 
@@ -324,6 +336,8 @@ class JobSpec:
         out["model"] = self._model_fields()
         if self.model.kind == "gpt":
             out["data"].pop("mask_prompt")
+        # Absent when unset (jobs from before it keep their hash); when set, data.source is unused.
+        out["data"].pop("hf_dataset" if self.data.hf_dataset is None else "source")
         if self.sync.mode == "sync":
             for key in SYNC_DILOCO_KEYS:
                 out["sync"].pop(key)
@@ -417,6 +431,19 @@ def model_location(spec: JobSpec) -> tuple[str, str]:
     return "repo", spec.model.path
 
 
+def data_location(spec: JobSpec) -> tuple[str, str]:
+    """Where an mlx_lm job's examples come from on this machine: ("dir", folder) for a local folder
+    of jsonl files (what dpool stages), ("hub", id) for a Hugging Face dataset id in data.source
+    that the `datasets` package loads, or ("hf_dataset", "") for data.hf_dataset. A folder that
+    exists here wins over an id of the same spelling, as in mlx-lm."""
+    if spec.data.hf_dataset is not None:
+        return "hf_dataset", ""
+    local = spec.resolved_source()
+    if os.path.exists(local) or not HF_REPO_RE.match(spec.data.source):
+        return "dir", local
+    return "hub", spec.data.source
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading.
 
@@ -437,6 +464,9 @@ def _build(cls: type, table: Any, prefix: str, source: str) -> Any:
         err = f.metadata["check"](table[name])
         if err:
             raise JobFileError(source, f"{prefix}.{name}", table[name], err)
+        if "build" in f.metadata:  # a nested table: built (and checked) by its own module
+            values[name] = f.metadata["build"](table[name], f"{prefix}.{name}", source)
+            continue
         values[name] = float(table[name]) if f.type == "float" else table[name]
     return cls(**values)
 
@@ -474,6 +504,8 @@ def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], sou
             raise JobFileError(source, f"model.{key}", model[key], f"only for model.kind = '{owner}'")
     if kind == "gpt" and "mask_prompt" in data:
         raise JobFileError(source, "data.mask_prompt", data["mask_prompt"], "only for model.kind = 'mlx_lm'")
+    if kind == "gpt" and data.get("hf_dataset") is not None:
+        raise JobFileError(source, "data.hf_dataset", data["hf_dataset"], "only for model.kind = 'mlx_lm'")
     if kind == "gpt" and isinstance(evals, dict) and evals.get("test"):
         raise JobFileError(source, "eval.test", evals["test"], "only for model.kind = 'mlx_lm' (the test loss of test.jsonl)")
 
@@ -490,11 +522,23 @@ def _cross_check(spec: JobSpec, source: str) -> None:
     else:
         if not m.path:
             raise JobFileError(source, "model.path", _MISSING, "required when model.kind = 'mlx_lm'")
-        if spec.data.source == "stdlib":
+        hf = spec.data.hf_dataset
+        if hf is not None and spec.data.source != "stdlib":
             raise JobFileError(
                 source, "data.source", spec.data.source,
-                "model.kind = 'mlx_lm' needs a directory holding train.jsonl (and optionally valid.jsonl)",
+                "data.hf_dataset names the data already: give data.source or data.hf_dataset, not both",
             )
+        if hf is None and spec.data.source == "stdlib":
+            raise JobFileError(
+                source, "data.source", spec.data.source,
+                "model.kind = 'mlx_lm' needs a directory holding train.jsonl (and optionally valid.jsonl), "
+                "a Hugging Face dataset id, or data.hf_dataset",
+            )
+        if hf is not None and spec.eval.test:
+            for i, d in enumerate(hf):
+                if d.test_split is None:
+                    key = "data.hf_dataset" + (f"[{i}]" if len(hf) > 1 else "")
+                    raise JobFileError(source, f"{key}.test_split", _MISSING, "required with eval.test = true (the test examples)")
         if m.fine_tune == "full":
             for key in ("lora_keys", "adapters"):
                 if getattr(m, key) is not None:
@@ -533,11 +577,12 @@ def check_paths(spec: JobSpec, source: str) -> None:
         where, path = model_location(spec)
         if where == "dir" and not os.path.isdir(path):
             raise JobFileError(source, "model.path", spec.model.path, f"no such directory on this machine ({path})")
-        folder = spec.resolved_source()
-        if not os.path.isfile(os.path.join(folder, "train.jsonl")):
+        kind, folder = data_location(spec)  # a dataset id or hf_dataset: the `datasets` package loads it (trainer/hf_data.py)
+        if kind == "dir" and not os.path.isfile(os.path.join(folder, "train.jsonl")):
             what = "no such directory" if not os.path.isdir(folder) else "it holds no train.jsonl"
-            raise JobFileError(source, "data.source", spec.data.source, f"{what} on this machine ({folder})")
-        if spec.eval.test and not os.path.isfile(os.path.join(folder, "test.jsonl")):
+            hint = "; a Hugging Face dataset id is owner/name" if not os.path.isdir(folder) and "/" not in spec.data.source else ""
+            raise JobFileError(source, "data.source", spec.data.source, f"{what} on this machine ({folder}){hint}")
+        if kind == "dir" and spec.eval.test and not os.path.isfile(os.path.join(folder, "test.jsonl")):
             raise JobFileError(
                 source, "data.source", spec.data.source,
                 f"eval.test = true needs a test.jsonl beside train.jsonl, and {os.path.join(folder, 'test.jsonl')} does not exist on this machine",

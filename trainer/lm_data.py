@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.jobspec import JobSpec, data_location
 from dpool.trainer.data import DataError, is_validation
 
 CACHE_FORMAT = 1
@@ -108,7 +108,7 @@ def read_jsonl(path: Path) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
     return fmt, rows
 
 
-def tokenize(path: Path, fmt: str, rows: list[dict[str, Any]], tokenizer, mask_prompt: bool) -> list[tuple[list[int], int]]:
+def tokenize(path: Path | str, fmt: str, rows: list[dict[str, Any]], tokenizer, mask_prompt: bool) -> list[tuple[list[int], int]]:
     """(tokens, offset) per row, by mlx-lm's dataset classes."""
     from mlx_lm.tuner.datasets import create_dataset
 
@@ -145,9 +145,10 @@ class Split:
 class LMData:
     train: Split
     val: Split
-    formats: dict[str, str]  # file name -> format
+    formats: dict[str, str]  # file name (or Hugging Face dataset and split) -> format
     fingerprint: int
     key: str
+    test: Split | None = None  # the test examples, where the data has them
 
 
 def _cache_key(spec: JobSpec, files: list[Path], tokenizer_files: list[Path]) -> str:
@@ -181,25 +182,54 @@ def _load(path: Path) -> tuple[dict[str, Split], dict[str, Any]]:
     with np.load(path) as z:
         meta = json.loads(bytes(z["meta"]).decode())
         out = {}
-        for name in ("train", "val"):
+        for name in ("train", "val", "test"):
+            if f"{name}_tokens" not in z:
+                continue
             flat, lengths = z[f"{name}_tokens"], z[f"{name}_lengths"]
             cuts = np.cumsum(lengths)[:-1]
             out[name] = Split(list(np.split(flat, cuts)) if len(lengths) else [], z[f"{name}_offsets"])
     return out, meta
 
 
+def cached(cache_dir: Path, key: str) -> LMData | None:
+    """The examples tokenized before under this key (None: not cached, or a damaged cache)."""
+    path = Path(cache_dir) / f"lm-examples-{key}.npz"
+    if not path.is_file():
+        return None
+    try:
+        splits, meta = _load(path)
+        return LMData(splits["train"], splits["val"], meta["formats"], int(meta["fingerprint"]), key, splits.get("test"))
+    except (OSError, ValueError, KeyError):
+        return None  # rebuilt
+
+
+def finish(cache_dir: Path, key: str, splits: dict[str, list[tuple[list[int], int]]], formats: dict[str, str]) -> LMData:
+    """The tokenized examples as arrays, fingerprinted (every rank must hold the same) and cached."""
+    out = {name: _split(pairs) for name, pairs in splits.items()}
+    h = hashlib.sha256()
+    for name in ("train", "val", "test"):
+        if name not in out:
+            continue
+        for t in out[name].tokens:
+            h.update(t.tobytes())
+            h.update(b"|")
+        h.update(out[name].offsets.tobytes())
+    fingerprint = int.from_bytes(h.digest()[:7], "little")
+    _save(Path(cache_dir) / f"lm-examples-{key}.npz", out, {"formats": formats, "fingerprint": fingerprint})
+    return LMData(out["train"], out["val"], formats, fingerprint, key, out.get("test"))
+
+
 def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_dir: Path) -> LMData:
+    if data_location(spec)[0] != "dir":  # a Hugging Face dataset: the `datasets` package, only for jobs that use it
+        from dpool.trainer.hf_data import load_hf_data
+
+        return load_hf_data(spec, tokenizer, tokenizer_files, cache_dir)
     folder = Path(spec.resolved_source())
     train_file, valid_file = folder / "train.jsonl", folder / "valid.jsonl"
     files = [train_file] + ([valid_file] if valid_file.is_file() else [])
     key = _cache_key(spec, files, tokenizer_files)
-    cached = Path(cache_dir) / f"lm-examples-{key}.npz"
-    if cached.is_file():
-        try:
-            splits, meta = _load(cached)
-            return LMData(splits["train"], splits["val"], meta["formats"], int(meta["fingerprint"]), key)
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache is rebuilt
+    if (done := cached(cache_dir, key)) is not None:
+        return done
     formats: dict[str, str] = {}
     fmt, rows = read_jsonl(train_file)
     formats[train_file.name] = fmt
@@ -221,15 +251,6 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
             f"{folder}: no validation examples; add a valid.jsonl or raise data.val_fraction "
             f"({spec.data.val_fraction} of {len(rows)} examples held out none)"
         )
-    train, val = _split(train_pairs), _split(val_pairs)
-    h = hashlib.sha256()
-    for split in (train, val):
-        for t in split.tokens:
-            h.update(t.tobytes())
-            h.update(b"|")
-        h.update(split.offsets.tobytes())
-    fingerprint = int.from_bytes(h.digest()[:7], "little")
-    _save(cached, {"train": train, "val": val}, {"formats": formats, "fingerprint": fingerprint})
-    return LMData(train, val, formats, fingerprint, key)
+    return finish(cache_dir, key, {"train": train_pairs, "val": val_pairs}, formats)
 
 

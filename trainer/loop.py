@@ -69,6 +69,8 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
         if differ:
             key = {"data": "data.source", "adapters": "model.adapters"}.get(what, "model.path")
             source = {"data": spec.data.source, "adapters": spec.model.adapters}.get(what, spec.model.path)
+            if what == "data" and spec.data.hf_dataset is not None:
+                key, source = "data.hf_dataset", ", ".join(d.path for d in spec.data.hf_dataset)
             hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
             if fp0 != mine:
                 # Bad input on this machine (exit 2): its node sits the job out, and the group
