@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import ring
 from jobs import write_job
 from mlx.utils import tree_flatten
 
@@ -158,3 +161,100 @@ def test_start_from_adapters_loads_them_as_mlx_lm_and_refuses_what_does_not_fit(
         from dpool.protocol.jobspec import check_paths
 
         check_paths(load_job(lm_job(assets, tmp_path / "d", model={"adapters": str(tmp_path / "nowhere")})), "job")
+
+
+def trainer(job_file: Path, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(run_dir), *args],
+        env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+
+
+def mlx_lm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_lm", *args], env=ring.trainer_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_test_loss_is_mlx_lms_on_two_ranks_and_for_a_checkpoint(assets, tmp_path):
+    # 10 test examples in batches of 4: mlx-lm scores the first 8, and so does dpool.
+    job_file = lm_job(assets, tmp_path, eval={"test": True}, checkpoint={"every_steps": 2})
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 2, tmp_path / "logs", env={"DPOOL_CACHE_DIR": str(tmp_path / "cache")})
+    reported = ring.metrics(run_dir, "test")[4]["test_loss"]
+
+    out = tmp_path / "adapters"
+    assert trainer(job_file, run_dir, "--export", str(out)).returncode == 0
+    scored = mlx_lm("lora", "--model", str(assets / "llama"), "--adapter-path", str(out), "--data", str(assets / "chat"),
+                    "--test", "--test-batches", "-1", "--batch-size", "4", "--mask-prompt", "--max-seq-length", "512")
+    match = re.search(r"Test loss ([0-9.]+)", scored.stdout + scored.stderr)
+    assert match, scored.stdout[-2000:] + scored.stderr[-2000:]
+    assert abs(float(match.group(1)) - reported) <= 1e-3, (match.group(1), reported)
+
+    # The trainer's --test (what `dpctl test` runs on a node) gives the same for the last step, and
+    # another loss for an earlier one.
+    for step in (4, 2):
+        done = trainer(job_file, run_dir, "--test", str(tmp_path / f"test-{step}"), "--step", str(step))
+        assert done.returncode == 0, done.stderr[-2000:]
+        got = json.loads((tmp_path / f"test-{step}" / "test.json").read_text())
+        assert (got["step"], got["examples"]) == (step, 8)
+        if step == 4:
+            assert abs(got["test_loss"] - reported) <= 1e-5, (got, reported)
+        else:
+            assert abs(got["test_loss"] - reported) > 1e-4, (got, reported)
+
+
+def test_test_without_a_test_jsonl_is_refused_at_start_naming_it(assets, tmp_path):
+    data = tmp_path / "data"
+    tinylm.make_chat_data(data, train=24, valid=8, seed=3, fmt="chat")
+    job_file = lm_job(assets, tmp_path, eval={"test": True}, data={"source": str(data)})
+    done = trainer(job_file, tmp_path / "run")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"data.source = '{data}'" in done.stderr and "test.jsonl" in done.stderr and "does not exist" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("base", ["llama", "llama-4bit"])
+def test_fused_export_loads_without_adapters_generates_and_computes_the_adapter_models_logits(assets, tmp_path, base):
+    from mlx_lm import generate, load
+
+    if not (assets / base).is_dir():
+        tinylm.quantize(assets / "llama", assets / base, bits=4)
+    extra = ["--dequantize"] if base.endswith("4bit") else []
+    job_file = lm_job(assets, tmp_path, model={"path": str(assets / base), "lora_keys": ["self_attn.q_proj", "mlp.up_proj"]},
+                      checkpoint={"every_steps": 4})
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env={"DPOOL_CACHE_DIR": str(tmp_path / "cache")})
+    adapters, fused = tmp_path / "adapters", tmp_path / "fused"
+    assert trainer(job_file, run_dir, "--export", str(adapters)).returncode == 0
+    done = trainer(job_file, run_dir, "--export", str(fused), "--fuse", *extra)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in fused.iterdir()}
+    assert not (fused / "adapters.safetensors").exists()
+    config = json.loads((fused / "config.json").read_text())
+    assert ("quantization" in config) == (base.endswith("4bit") and not extra)
+
+    with_adapters, tokenizer = load(str(assets / base), adapter_path=str(adapters))
+    alone, tokenizer2 = load(str(fused))
+    assert not any("lora" in k for k, _ in tree_flatten(alone.parameters()))
+    prompt = mx.array(tokenizer.encode("What is 2 + 3?"))[None]
+    a, b = with_adapters(prompt), alone(prompt)
+    base_model, _ = load(str(assets / base))
+    assert float(mx.abs(a - base_model(prompt)).max()) > 1e-3  # the adapters change the output
+    assert float(mx.abs(a - b).max()) <= 1e-4
+    assert generate(alone, tokenizer2, "What is 2 + 3?", max_tokens=6)  # it generates
+
+    cli = mlx_lm("generate", "--model", str(fused), "--prompt", "What is 2 + 3?", "--max-tokens", "6")
+    assert cli.returncode == 0 and re.search(r"Generation: [1-9]\d* tokens", cli.stdout), cli.stdout + cli.stderr
+
+
+def test_fuse_of_a_full_fine_tune_is_its_model_and_flags_are_checked(assets, tmp_path):
+    job_file = lm_job(assets, tmp_path, model={"fine_tune": "full", "lora_layers": 1}, checkpoint={"every_steps": 4}, train={"lr": 1e-3})
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env={"DPOOL_CACHE_DIR": str(tmp_path / "cache")})
+    plain, fused = tmp_path / "plain", tmp_path / "fused"
+    assert trainer(job_file, run_dir, "--export", str(plain)).returncode == 0
+    assert trainer(job_file, run_dir, "--export", str(fused), "--fuse").returncode == 0
+    from mlx_lm import load
+
+    prompt = mx.array([[1, 5, 9, 13]])
+    assert mx.array_equal(load(str(plain))[0](prompt), load(str(fused))[0](prompt)).item()
+    bad = trainer(job_file, run_dir, "--export", str(tmp_path / "x"), "--dequantize")
+    assert bad.returncode == 2 and "--dequantize goes with --fuse" in bad.stderr, bad.stderr

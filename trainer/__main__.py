@@ -49,11 +49,27 @@ def _main(argv: list[str]) -> int:
         help="train nothing: write the newest checkpoint of --run-dir (or --step N) to OUT, as `dpctl export` does "
         "(an mlx-lm adapter directory, or a model directory)",
     )
-    parser.add_argument("--step", type=int, help="with --export: the checkpoint step to export (default: the newest)")
+    parser.add_argument(
+        "--fuse", action="store_true",
+        help="with --export (mlx_lm jobs): a model directory with the adapters fused in, as `mlx_lm fuse` writes it",
+    )
+    parser.add_argument("--dequantize", action="store_true", help="with --export --fuse: a dequantized model, as `mlx_lm fuse --dequantize`")
+    parser.add_argument(
+        "--test", metavar="OUT",
+        help="train nothing: the test loss (test.jsonl) of the newest checkpoint of --run-dir (or --step N), "
+        "written as OUT/test.json, as `dpctl test` reports it",
+    )
+    parser.add_argument("--step", type=int, help="with --export or --test: the checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
-    if args.step is not None and not args.export:
-        parser.error("--step goes with --export")
-    if args.warm and (args.export or args.shares):
+    if args.step is not None and not (args.export or args.test):
+        parser.error("--step goes with --export or --test")
+    if (args.fuse or args.dequantize) and not args.export:
+        parser.error("--fuse and --dequantize go with --export")
+    if args.dequantize and not args.fuse:
+        parser.error("--dequantize goes with --fuse")
+    if args.export and args.test:
+        parser.error("--export and --test: one at a time")
+    if args.warm and (args.export or args.test or args.shares):
         parser.error("--warm takes its shares from worker.go, and does not export")
 
     # Before MLX is imported: re-exec with an optimized BLAS where the wheel bundles the reference one.
@@ -75,8 +91,14 @@ def _main(argv: list[str]) -> int:
     try:
         spec = load_job(args.job)
         if args.export:
-            step, files = loop.export(spec, Path(args.run_dir), Path(args.export), args.step, source=args.job)
+            step, files = loop.export(
+                spec, Path(args.run_dir), Path(args.export), args.step, source=args.job, fuse=args.fuse, dequantize=args.dequantize,
+            )
             print(f"exported step {step} of {spec.name} to {args.export}: {', '.join(files)}")
+            return loop.EXIT_DONE
+        if args.test:
+            step, _ = loop.export(spec, Path(args.run_dir), Path(args.test), args.step, source=args.job, test=True)
+            print(f"test loss of step {step} of {spec.name}: {(Path(args.test) / 'test.json').read_text().strip()}")
             return loop.EXIT_DONE
         return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max, at_go=at_go)
     except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError) as e:

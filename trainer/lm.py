@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, lora_blocks, model_location
-from dpool.trainer.data import ExampleOrder
+from dpool.trainer.data import DataError, ExampleOrder
 from dpool.trainer.lm_data import load_lm_data
 from dpool.trainer.task import Example
 
@@ -239,6 +239,31 @@ class LMTask:
         val = self.data.val
         return [Example(val.tokens[i], int(val.offsets[i]), i) for i in indices]
 
+    def test_indices(self) -> list[int]:
+        """The test examples scored, in order, as mlx-lm's `--test` chooses them: whole batches of
+        train.global_batch in file order (the last len % global_batch examples are left out, as
+        mlx-lm's iterate_batches leaves them; its sort by length sees the raw rows, one JSON object
+        each, so it keeps the file's order), all of them (test_batches = -1) or test_batches of
+        those batches, chosen by the seed (mlx-lm draws them at random). Fewer examples than one
+        batch (which mlx-lm refuses): all of them."""
+        test = self.data.test
+        if test is None or len(test) == 0:
+            raise DataError(f"data.source = {self.spec.data.source!r}: no test examples (a test.jsonl beside train.jsonl)")
+        gb = self.spec.train.global_batch
+        order = list(range(len(test)))
+        if len(order) < gb:
+            return order
+        batches = [order[b : b + gb] for b in range(0, len(order) - gb + 1, gb)]
+        if self.spec.eval.test_batches != -1 and self.spec.eval.test_batches < len(batches):
+            pick = np.random.default_rng(self.spec.train.seed).permutation(len(batches))[: self.spec.eval.test_batches]
+            batches = [batches[i] for i in sorted(pick)]
+        return [i for batch in batches for i in batch]
+
+    def test_examples(self, indices: list[int]) -> list[Example]:
+        test = self.data.test
+        assert test is not None
+        return [Example(test.tokens[i], int(test.offsets[i]), i) for i in indices]
+
     def set_dropout_keys(self, keys: Any) -> None:
         self._keys.value = keys
 
@@ -297,6 +322,27 @@ class LMTask:
             if (self.model_dir / extra).is_file():
                 shutil.copy(self.model_dir / extra, out / extra)
         return sorted(p.name for p in out.iterdir())
+
+    def export_fused(self, out: Path, *, dequantize: bool = False) -> list[str]:
+        """A model directory with the adapters fused into the base, by mlx-lm's own fuse code
+        (`mlx_lm fuse`: each adapter layer's `fuse(dequantize=...)`, then `mlx_lm.utils.save`, with
+        the tokenizer and config); `mlx_lm generate --model OUT` loads it without adapters. full:
+        already a whole model, saved the same way (dequantize still applies)."""
+        from mlx.utils import tree_unflatten
+        from mlx_lm.utils import dequantize_model, save
+
+        model, config = self.model, dict(self.config)
+        model.eval()
+        fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules() if hasattr(module, "fuse")]
+        if fused:
+            model.update_modules(tree_unflatten(fused))
+        if dequantize:
+            model = dequantize_model(model)
+            config.pop("quantization", None)
+            config.pop("quantization_config", None)
+        # The local folder, never a repo id: mlx-lm would fetch the repo's model card from the Hub.
+        save(out, str(self.model_dir), model, self.tokenizer, config, donate_model=False)
+        return sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
 
     def describe(self) -> dict[str, Any]:
         total = sum(v.size for _, v in tree_flatten(self.model.parameters()))

@@ -31,7 +31,7 @@ import numpy as np
 from dpool.protocol.jobspec import JobSpec, data_location
 from dpool.trainer.data import DataError, is_validation
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a test.jsonl beside the data is read too
 FORMATS = {
     "completions": "{\"prompt\", \"completion\"}",
     "chat": "{\"messages\"}",
@@ -225,8 +225,8 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
 
         return load_hf_data(spec, tokenizer, tokenizer_files, cache_dir)
     folder = Path(spec.resolved_source())
-    train_file, valid_file = folder / "train.jsonl", folder / "valid.jsonl"
-    files = [train_file] + ([valid_file] if valid_file.is_file() else [])
+    train_file, valid_file, test_file = folder / "train.jsonl", folder / "valid.jsonl", folder / "test.jsonl"
+    files = [train_file] + [f for f in (valid_file, test_file) if f.is_file()]
     key = _cache_key(spec, files, tokenizer_files)
     if (done := cached(cache_dir, key)) is not None:
         return done
@@ -251,6 +251,11 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
             f"{folder}: no validation examples; add a valid.jsonl or raise data.val_fraction "
             f"({spec.data.val_fraction} of {len(rows)} examples held out none)"
         )
-    return finish(cache_dir, key, {"train": train_pairs, "val": val_pairs}, formats)
+    splits = {"train": train_pairs, "val": val_pairs}
+    if test_file.is_file():  # read when present, as mlx-lm's local datasets are: `dpctl test` may ask later
+        tfmt, trows = read_jsonl(test_file)
+        formats[test_file.name] = tfmt
+        splits["test"] = tokenize(test_file, tfmt, [r for _, r in trows], tokenizer, spec.data.mask_prompt)
+    return finish(cache_dir, key, splits, formats)
 
 

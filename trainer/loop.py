@@ -7,6 +7,8 @@ started it, DPOOL_WORKER_ADDR names the daemon's socket and every step is report
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import time
@@ -31,8 +33,10 @@ from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import restore as _restore
 from dpool.trainer.step import Stepper, lr_at
 from dpool.trainer.task import build_task
+from dpool.trainer.testloss import report_test, test_loss
 
 EXIT_DONE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
+EVAL_MICRO = 8  # sequences per forward pass of a test loss computed outside training (no memory probe there)
 
 
 class UsageError(ValueError):
@@ -144,6 +148,9 @@ def run(
     if spec.sync.mode == "diloco":
         describe = {**task.describe(), "startup_s": marks, "warm": warm}
         stopped = diloco.train(spec, group, task, run_dir, shares, generation, link, log, resume_max, describe)
+        if spec.eval.test and not stopped:  # the outer parameters, after the last checkpoint
+            micro = t.micro_batch if isinstance(t.micro_batch, int) else EVAL_MICRO
+            report_test(spec, task, group, shares, micro, t.steps, MetricsLog(run_dir, t.steps, enabled=rank == 0), link, log)
         return _finish(link, log, stopped, t.steps)
     model = task.model
     optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
@@ -313,6 +320,8 @@ def run(
     report_checkpoints(writer.close())
     if kept is not None:
         report_kept(kept.close())
+    if spec.eval.test and not stopped:  # after the last step's checkpoint: a failure here loses no training
+        report_test(spec, task, group, shares, stepper.micro, t.steps, metrics, link, log)
     return _finish(link, log, stopped, t.steps)
 
 
@@ -326,8 +335,13 @@ def _finish(link, log, stopped: bool, steps: int) -> int:
     return EXIT_DONE
 
 
-def export(spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: str = "job file") -> tuple[int, list[str]]:
-    """Write the trained result of checkpoint `step` (default: the newest valid one) to `out`."""
+def export(
+    spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: str = "job file", *,
+    fuse: bool = False, dequantize: bool = False, test: bool = False,
+) -> tuple[int, list[str]]:
+    """Write the trained result of checkpoint `step` (default: the newest valid one) to `out`:
+    the adapters or the model (`fuse`: the adapters fused into the base, as `mlx_lm fuse` makes
+    it), or with `test` its test loss, as `test.json`."""
     log = get_logger(job=spec.name)
     job_hash = spec.training_hash()
     if step is None:
@@ -342,10 +356,15 @@ def export(spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: st
             raise
         except ckpt.CheckpointError as e:
             raise UsageError(f"--step {step}: {e}") from None
+    flag = "--test" if test else "--export"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"--export {out}: exists and is not an empty directory; nothing was written")
+        raise UsageError(f"{flag} {out}: exists and is not an empty directory; nothing was written")
+    if test and not (spec.model.kind == "mlx_lm"):
+        raise UsageError(f"--test: job {spec.name!r} is of model.kind = {spec.model.kind!r}; the test loss is for 'mlx_lm' jobs (a test.jsonl)")
+    if fuse and spec.model.kind != "mlx_lm":
+        raise UsageError(f"--fuse: job {spec.name!r} is of model.kind = {spec.model.kind!r}; fusing is for 'mlx_lm' jobs")
     check_paths(spec, source)
-    task = build_task(spec, run_dir / "cache", with_data=False)
+    task = build_task(spec, _cache_dir(run_dir), with_data=test)
     weights, _ = ckpt.load_arrays(run_dir, step)
     ckpt.check_trained(weights, task.model, run_dir, step)
     task.model.load_weights(list(weights.items()), strict=False)
@@ -354,7 +373,12 @@ def export(spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: st
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        files = task.export(tmp)
+        if test:
+            files = [_write_test(spec, task, step, tmp)]
+        elif fuse:
+            files = task.export_fused(tmp, dequantize=dequantize)  # type: ignore[attr-defined]
+        else:
+            files = task.export(tmp)
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)
@@ -362,6 +386,16 @@ def export(spec: JobSpec, run_dir: Path, out: Path, step: int | None, source: st
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("export.done", step=step, out=str(out), files=files)
     return step, files
+
+
+def _write_test(spec: JobSpec, task: Any, step: int, out: Path) -> str:
+    """The checkpoint's test loss, computed here alone (a group of one), as test.json in `out`."""
+    t = spec.train
+    micro = t.micro_batch if isinstance(t.micro_batch, int) else EVAL_MICRO
+    loss, count = test_loss(spec, task, Group(), [t.global_batch], micro)
+    body = {"job": spec.name, "step": step, "test_loss": loss, "test_ppl": math.exp(min(loss, 700.0)), "examples": count}
+    (out / "test.json").write_text(json.dumps(body) + "\n")
+    return "test.json"
 
 
 def _process_start() -> float:
