@@ -11,7 +11,8 @@ stops the pool: SIGTERM to each daemon, then SIGKILL to anything of it still run
 
 `dpctl demo --lm` runs the same flow on a language model (`demo_lm.py`): a tiny model that mlx-lm
 loads, made offline, gets LoRA adapters on two workers; one is killed and the pool resumes; then
-`dpctl export` fetches the adapters and `mlx_lm generate` answers a prompt with them.
+`dpctl export` fetches the adapters and `mlx_lm generate` answers a prompt with them; the model
+and the adapters stay in `./dpool-demo-lm/` for the `mlx_lm generate` line it prints.
 
 Exit codes: 0 the job succeeded after an automatic resume; 1 anything went wrong (the message says
 what; the pool's logs are kept); 2 bad flags; 130 interrupted (Ctrl-C stops the pool too).
@@ -39,7 +40,15 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from dpool.client.demo_lm import PROMPT, AssetsFailed, export_and_generate, lm_spec, make_assets
+from dpool.client.demo_lm import (
+    KEEP_DIR,
+    PROMPT,
+    AssetsFailed,
+    check_keep,
+    export_and_generate,
+    lm_spec,
+    make_assets,
+)
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError
 from dpool.client.plot import JobRecord, fetch_job, plot
 from dpool.client.rpc import Client, RemoteError, Unreachable
@@ -277,6 +286,7 @@ class Demo:
             s.plain(f"language model that mlx-lm loads, on chat data with the prompts masked, {steps} steps; one worker is")
             s.plain(f"killed at step {kill_at}, the pool resumes on its own, and mlx-lm generates with the exported adapters.")
             s.plain()
+            check_keep(Path.cwd() / KEEP_DIR)  # before training: what the end replaces is the demo's own
             t0 = time.time()
             self.lm_model, data = make_assets(self.root / "assets")
             spec = lm_spec(a.steps, self.lm_model, data)
@@ -405,10 +415,11 @@ class Demo:
         path = plot(rec, Path.cwd() / PLOT_FILE)
         s.plain(f"  loss curve:      {path}")
         if self.args.lm:
-            out = self.root / "adapters"
-            said, text = export_and_generate(self.pool.addr, st.id, self.lm_model, out)
+            kept = Path.cwd() / KEEP_DIR
+            said, text = export_and_generate(self.pool.addr, st.id, self.lm_model, kept)
             s.plain(f"  export:          {said}")
-            s.plain(f"  mlx_lm generate --model {self.lm_model} --adapter-path {out} --prompt {PROMPT!r}:")
+            s.plain(f"  kept:            {kept} (model/ and adapters/; the next demo --lm replaces them)")
+            s.plain(f"  mlx_lm generate --model {kept / 'model'} --adapter-path {kept / 'adapters'} --prompt {PROMPT!r}:")
             for line in [ln.rstrip() for ln in text.splitlines() if ln.strip()][:6] or [f"(whitespace only: {text!r})"]:
                 s.plain(f"    | {line}")
             s.plain()

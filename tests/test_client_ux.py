@@ -6,6 +6,7 @@ a real local pool, a real SIGKILL, a real automatic resume. It takes about a min
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -118,6 +119,35 @@ def test_demo_lm_fine_tunes_resumes_exports_and_generates(processes: Processes, 
     assert answer.startswith("    | "), out
     pool = re.search(r"control plane \S+; state in (\S+)", out)
     assert pool and pids_with(pool.group(1)) == [] and out.rstrip().endswith("pool stopped")
+    assert not Path(pool.group(1)).exists()
+    # The printed command works after the demo: its model and adapters are kept in ./dpool-demo-lm.
+    line = re.search(r"mlx_lm generate --model (\S+) --adapter-path (\S+) --prompt", out)
+    assert line, out
+    model, adapters = Path(line.group(1)), Path(line.group(2))
+    assert (model, adapters) == (tmp_path / "dpool-demo-lm" / "model", tmp_path / "dpool-demo-lm" / "adapters")
+    assert sorted(p.name for p in (tmp_path / "dpool-demo-lm").iterdir()) == ["adapters", "model"]
+    assert json.loads((adapters / "adapter_config.json").read_text())["model"] == str(model)
+    load = "import sys; from mlx_lm import load; load(sys.argv[1], adapter_path=sys.argv[2]); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", load, str(model), str(adapters)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_lm_demo_replaces_only_what_it_kept(tmp_path: Path) -> None:
+    from dpool.client.demo_lm import AssetsFailed, check_keep, replace_kept
+
+    dest = tmp_path / "dpool-demo-lm"
+    check_keep(dest)  # free
+    for run in ("first", "second"):
+        new = tmp_path / f"new-{run}"
+        (new / "model").mkdir(parents=True)
+        (new / "adapters").mkdir()
+        (new / "model" / "which").write_text(run)
+        replace_kept(new, dest)
+        assert (dest / "model" / "which").read_text() == run and not new.exists()
+    (dest / "notes.txt").write_text("mine")
+    with pytest.raises(AssetsFailed, match="is not a folder an earlier `dpctl demo --lm` kept"):
+        check_keep(dest)
+    assert (dest / "notes.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
