@@ -25,6 +25,13 @@ from dpool.protocol import mlxlm_config
 from dpool.protocol.hf_dataset import HFDatasetSpec, parse_hf_datasets
 from dpool.protocol.joberrors import MISSING as _MISSING
 from dpool.protocol.joberrors import JobFileError
+from dpool.protocol.optimizers import (
+    OPTIMIZERS,
+    LrSchedule,
+    OptionError,
+    lr_schedule,
+    optimizer_config,
+)
 from dpool.protocol.schema import MAX_INT
 
 NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
@@ -81,6 +88,10 @@ def _opt(inner):
 
 def _is_minus_one(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v == -1
+
+
+def _table(v: Any) -> str | None:
+    return None if isinstance(v, dict) else "must be a table"
 
 
 def _spec(check, doc: str, default: Any = _MISSING):
@@ -206,6 +217,44 @@ class TrainSpec:
     grad_clip: float = _spec(_float(0.0), "clip the global gradient norm to this (0: off)", 1.0)
     seed: int = _spec(_int(0, 2**31 - 1), "seeds weights, data order and sampling", 1234)
     log_every_steps: int = _spec(_int(1), "a metrics row every this many steps", 10)
+    optimizer: str | None = _spec(
+        _opt(_choice(*OPTIMIZERS)),
+        "unset: AdamW with betas [0.9, 0.95] and train.weight_decay (dpool's own); or one of mlx-lm's: "
+        + ", ".join(OPTIMIZERS) + ", built as `mlx_lm lora` builds it, with [train.optimizer_config]",
+        None,
+    )
+    optimizer_config: dict[str, Any] | None = _spec(  # noqa: RUF009 (_spec only attaches the check; the default is None)
+        _opt(_table),
+        "with train.optimizer: its class's keyword arguments (e.g. betas, eps, weight_decay, momentum); "
+        "unset ones take MLX's defaults",
+        None,
+    )
+    lr_schedule: LrSchedule | None = _spec(  # noqa: RUF009 (_spec only attaches the check; the default is None)
+        _opt(_table),
+        "mlx-lm's lr_schedule: name (cosine_decay, exponential_decay, linear_schedule, step_decay, or 'constant'), "
+        "arguments (the first is the peak), warmup, warmup_init; replaces train.lr and train.warmup_steps",
+        None,
+    )
+
+    def unused(self) -> list[str]:
+        """Keys that say nothing in this job: the optimizer keys while unset (so jobs from before
+        them keep their hash and their wire form), and the keys they replace: weight_decay (the
+        default AdamW's) with an optimizer, lr and warmup_steps with a schedule."""
+        out = [k for k in ("optimizer", "optimizer_config", "lr_schedule") if getattr(self, k) is None]
+        if self.optimizer is not None:
+            out.append("weight_decay")
+        if self.lr_schedule is not None:
+            out += ["lr", "warmup_steps"]
+        return out
+
+    def hashed(self) -> dict[str, Any]:
+        """What of it shapes the curve."""
+        out = dataclasses.asdict(self)
+        out.pop("log_every_steps")
+        out.pop("micro_batch")  # accumulation does not change the math
+        for key in self.unused():
+            out.pop(key)
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -341,6 +390,8 @@ class JobSpec:
         if self.sync.mode == "sync":
             for key in SYNC_DILOCO_KEYS:
                 out["sync"].pop(key)
+        for key in self.train.unused():
+            out["train"].pop(key)
         return out
 
     def max_workers(self) -> int:
@@ -357,9 +408,7 @@ class JobSpec:
         job. Otherwise paths enter as the user wrote them, not resolved: `~/data` is the same job
         on every machine although it names a different folder on each (the content is compared
         across ranks separately, by fingerprint)."""
-        train = dataclasses.asdict(self.train)
-        train.pop("log_every_steps")
-        train.pop("micro_batch")  # accumulation does not change the math
+        train = self.train.hashed()
         model, data = self._model_fields(), self.to_dict()["data"]
         if self.content.data is not None:
             data["source"] = f"sha256:{self.content.data}"
@@ -416,6 +465,8 @@ def lora_blocks(m: ModelSpec, blocks: int) -> int:
     if m.lora_layers is None:
         return blocks if m.fine_tune == "full" else min(LORA_LAYERS_DEFAULT, blocks)
     return blocks if m.lora_layers == -1 else min(m.lora_layers, blocks)
+
+
 DEFAULT_CONTEXT = {"gpt": 128, "mlx_lm": 2048}
 HF_REPO_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -488,11 +539,40 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
     sections = {key: _build(cls, data.get(key, {}), key, source) for key, cls in SECTIONS.items()}
+    sections["train"] = _check_optimizer(sections["train"], data.get("train", {}), source)
     _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source, data.get("eval", {}))
     spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
     _cross_check(spec, source)
     _check_sync(spec, data.get("sync", {}), source)
     return spec
+
+
+def _check_optimizer(t: TrainSpec, given: dict[str, Any], source: str) -> TrainSpec:
+    """The optimizer and schedule keys checked and in their normal form (the optimizer's config with
+    MLX's defaults filled in). A key they replace, given too, is refused: it would silently not apply."""
+    if t.optimizer_config is not None and t.optimizer is None:
+        raise JobFileError(
+            source, "train.optimizer_config", t.optimizer_config, "only with train.optimizer set (one of " + ", ".join(OPTIMIZERS) + ")"
+        )
+    if t.optimizer is not None and "weight_decay" in given:
+        raise JobFileError(
+            source, "train.weight_decay", given["weight_decay"],
+            f"applies to dpool's default AdamW only; with train.optimizer = '{t.optimizer}' set train.optimizer_config.weight_decay",
+        )
+    if t.lr_schedule is not None:
+        for key in ("lr", "warmup_steps"):
+            if key in given:
+                raise JobFileError(
+                    source, f"train.{key}", given[key],
+                    "not used with train.lr_schedule: the schedule's first argument is the peak learning rate, "
+                    "and train.lr_schedule.warmup its warm-up",
+                )
+    try:
+        config = None if t.optimizer is None else optimizer_config(t.optimizer, given.get("optimizer_config", {}))
+        schedule = None if t.lr_schedule is None else lr_schedule(given["lr_schedule"])
+    except OptionError as e:
+        raise JobFileError(source, f"train.{e.key}", e.given, e.allowed) from None
+    return dataclasses.replace(t, optimizer_config=config, lr_schedule=schedule)
 
 
 def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], source: str, evals: Any = None) -> None:
@@ -549,7 +629,7 @@ def _cross_check(spec: JobSpec, source: str) -> None:
         raise JobFileError(
             source, "train.global_batch", t.global_batch, f"must be >= workers.min = {w.min} (every worker needs a sequence)"
         )
-    if t.warmup_steps > t.steps:
+    if t.warmup_steps > t.steps and t.lr_schedule is None:
         raise JobFileError(source, "train.warmup_steps", t.warmup_steps, f"must be <= train.steps = {t.steps}")
 
 

@@ -329,9 +329,13 @@ def message(cls: M) -> M:
 
 
 # Bounded types of message fields (and of the job document, which parse_job then validates).
+JobNumbers: TypeAlias = Annotated[list[Annotated[int, Int(-MAX_INT, MAX_INT)] | Number], Items(64)]  # lr_schedule.arguments, betas
+JobOption: TypeAlias = Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | JobNumbers | None
 JobScalar: TypeAlias = (
     Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool
     | Annotated[list[Annotated[str, Str(256)]], Items(64)]  # model.lora_keys
+    | JobNumbers
+    | Annotated[dict[str, JobOption], Items(64)]  # train.optimizer_config, train.lr_schedule
     | None
 )
 JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]

@@ -3,7 +3,7 @@
     checkpoints/step-N/model.safetensors      what is trained (all weights of the GPT or of a full
                                               fine-tune; the adapters of LoRA/DoRA: never a frozen
                                               base), in the model's own dtypes (bf16 stays bf16)
-    checkpoints/step-N/optimizer.safetensors  AdamW state (step count, moments): weights alone diverge
+    checkpoints/step-N/optimizer.safetensors  the optimizer's state (step count, moments, whatever its tree): weights alone diverge
     checkpoints/step-N/manifest.json          step, job hash, world size, RNG and data position,
                                               file sizes and sha256; written last
 

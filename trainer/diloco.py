@@ -4,7 +4,7 @@ and a loss curve that depends on the job file alone.
 The job names K = `sync.replicas` and H = `sync.inner_steps`. Global step s (1-based) belongs to
 outer step t = (s - 1) // H. Replica r trains on slice r of global batch s (the sequences that rank
 r of a K-rank synchronous group would get), starting outer step t from the outer parameters θ_t,
-with its own AdamW state, kept from one outer step to the next. At the end of outer step t, the
+with its own inner optimizer state (the job's optimizer: trainer/optimizers.py), kept from one outer step to the next. At the end of outer step t, the
 replicas' changes θ_t - θ_r are averaged, each weighted by the tokens it trained (a replica never
 has more say than its tokens), and applied to θ_t with Nesterov momentum (`outer_lr`,
 `outer_momentum`), as DiLoCo (Douillard et al., 2023) does.
@@ -17,7 +17,7 @@ per outer step: the weighted changes (in `sync.dtype`) and a small float32 contr
 inner step's loss and token sums, each rank's compute seconds and tokens, the stop and checkpoint
 flags, rank 0's new split).
 
-At an outer boundary the state is θ, the outer momentum and K inner AdamW states. θ and the
+At an outer boundary the state is θ, the outer momentum and K inner optimizer states. θ and the
 momentum are the same on every rank after the outer all_sum; an inner state lives on the rank that
 runs its replica. A checkpoint (at outer boundaries only) first gathers them, an all_sum in which
 each slot is filled by its owner alone (exact), so every rank writes the same full state and any
@@ -42,13 +42,14 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.shares import apportion
 from dpool.trainer import checkpoint as ckpt
+from dpool.trainer import optimizers
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
 from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import restore
-from dpool.trainer.step import Stepper, held_out_loss, lr_at
+from dpool.trainer.step import Stepper, held_out_loss
 from dpool.trainer.task import Task
 
 SCALARS = ("step", "learning_rate")  # an optimizer state's entries that are not per parameter
@@ -129,14 +130,14 @@ class Control:
 
 
 class Replicas:
-    """This rank's replicas: their parameters and inner AdamW states, stepped in turn through one
+    """This rank's replicas: their parameters and inner optimizer states, stepped in turn through one
     compiled step (the model and the optimizer state are swapped in and out, in place: the
     compiled functions read the same dicts every call)."""
 
     def __init__(self, task: Task, spec: JobSpec, micro: int) -> None:
         t = spec.train
         self.task, self.model = task, task.model
-        self.optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
+        self.optimizer = optimizers.build(t)
         self.stepper = Stepper(task, self.optimizer, Alone(), micro, t.grad_clip, t.seed)  # type: ignore[arg-type]
         fresh = self.optimizer.state
         self.states: list[dict[str, Any]] = [tree_map(lambda x: x, fresh) for _ in range(spec.sync.replicas)]
@@ -206,6 +207,7 @@ def train(
     base, extra = divmod(t.global_batch, K)
     slices = split_shares([base + (1 if r < extra else 0) for r in range(K)])  # replica r's slice of each batch
     reps = Replicas(task, spec, 1)
+    lr_of = optimizers.learning_rate(t)
     largest = max(n for _, n in slices)
     if isinstance(t.micro_batch, int):
         micro = min(t.micro_batch, largest)
@@ -280,7 +282,7 @@ def train(
         t_round = time.perf_counter()
         for h, step in enumerate(steps):
             t0 = time.perf_counter()
-            lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
+            lr = lr_of(step)
             for r in mine:
                 offset, count = slices[r]
                 loss_sum, n = reps.step(r, task.examples(step, offset, count), lr)
@@ -332,7 +334,7 @@ def train(
                 if step % t.log_every_steps == 0 or step == t.steps:
                     row = {
                         "kind": "train", "step": step, "loss": got["losses"][h] / max(got["tokens"][h], 1),
-                        "lr": lr_at(step, t.lr, t.warmup_steps, t.steps), "tokens": got["tokens"][h],
+                        "lr": lr_of(step), "tokens": got["tokens"][h],
                         "tokens_per_s": total / round_s, "world_size": world, "generation": generation, "shares": shares,
                         "outer_step": (last - 1) // H + 1, "all_sum_s": sum_s,
                         "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(got["rank_tokens"], got["seconds"], strict=True)],

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
-from dpool.trainer import diloco
+from dpool.trainer import diloco, optimizers
 from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
@@ -31,7 +30,7 @@ from dpool.trainer.interval import AutoInterval, overhead_target
 from dpool.trainer.memstate import MemoryState, memory_dir
 from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import restore as _restore
-from dpool.trainer.step import Stepper, lr_at
+from dpool.trainer.step import Stepper
 from dpool.trainer.task import build_task
 from dpool.trainer.testloss import report_test, test_loss
 
@@ -153,7 +152,8 @@ def run(
             report_test(spec, task, group, shares, micro, t.steps, MetricsLog(run_dir, t.steps, enabled=rank == 0), link, log)
         return _finish(link, log, stopped, t.steps)
     model = task.model
-    optimizer = optim.AdamW(learning_rate=t.lr, betas=[0.9, 0.95], weight_decay=t.weight_decay)
+    optimizer = optimizers.build(t)
+    lr_of = optimizers.learning_rate(t)
     optimizer.init(model.trainable_parameters())
     memory = memory_dir()
     start, how = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max)
@@ -247,7 +247,7 @@ def run(
     for step in range(start + 1, t.steps + 1):
         writing = bool(copy_s)  # a checkpoint is being written while this step runs
         examples = task.examples(step, offset, share)
-        lr = lr_at(step, t.lr, t.warmup_steps, t.steps)
+        lr = lr_of(step)
         stats = stepper.step(
             examples, lr, stop_requested=link.stop_requested if link else False, announce=announce,
             checkpoint=bool(auto and auto.due(step)),

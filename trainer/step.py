@@ -3,7 +3,7 @@
 Every rank computes the *sum* of its trained tokens' losses and the gradient of that sum over its
 share (accumulated across micro batches, in float32), then one all_sum carries all gradient sums,
 the loss sum, the trained-token count and a small control vector. Every rank divides by the same total, clips by the same
-global norm and applies the same AdamW update: the result does not depend on how the global batch
+global norm and applies the same optimizer update (trainer/optimizers.py): the result does not depend on how the global batch
 was split, only on its content.
 """
 
@@ -95,7 +95,7 @@ class Stepper:
         self.names = [k for k, _ in flat]
         self.dtypes = {k: v.dtype for k, v in flat}
         # The update, compiled too (as mlx-lm compiles its whole step): divide the pool's sums by
-        # its token count, clip by the global norm, AdamW. Its state is the model's and the
+        # its token count, clip by the global norm, the optimizer's update. Its state is the model's and the
         # optimizer's, read and written in place (set up before compiling, so the dicts stay).
         optimizer.init(model.trainable_parameters())
         state = [model.state, optimizer.state]
