@@ -11,6 +11,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -47,6 +48,7 @@ from dpool.protocol.payloads import (
     MetricRow,
     NodeRow,
     SampleRow,
+    TestLossRow,
 )
 from dpool.protocol.security import KeysError
 
@@ -297,7 +299,8 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
         print(f"job        {j.id}  ({j.name})")
         print(f"state      {j.state}" + (f"  error: {j.error}" if j.error else ""))
         print(f"step       {j.step}/{j.steps}   generation {j.generation}   world size {j.world_size}")
-        print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}")
+        print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}"
+              + (f"   test_loss {num(j.test_loss)}" if j.test_loss is not None else ""))
         print(f"time       submitted {when(t.submitted, now) or '-'}   started {when(t.started, now) or '-'}   finished {when(t.finished, now) or '-'}")
         print(f"           elapsed {duration(t.elapsed_s(now)) or '-'}   ETA {duration(t.eta_s(j, now)) or '-'}")
         if j.comm is not None or j.comm_share is not None:
@@ -392,6 +395,8 @@ def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
     for r in rows:
         if isinstance(r, EvalRow):
             out.append([r.step, "eval", None, num(r.val_loss), None, None, None, None])
+        elif isinstance(r, TestLossRow):
+            out.append([r.step, "test", num(r.test_loss), None, None, None, None, None])  # LOSS: the test loss
         else:
             out.append([r.step, "train", num(r.loss), None, f"{r.lr:.2e}", f"{r.tokens_per_s:.0f}", r.world_size, r.generation])
     print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else "no metrics yet")
@@ -484,10 +489,13 @@ def cmd_export(c: Client, a: argparse.Namespace) -> int:
         raise BadInput(f"{a.dir}: exists and is not empty; give a new or empty directory")
     if a.step is not None and a.step < 0:
         raise BadInput(f"--step {a.step}: must be a checkpoint step >= 0")
+    if a.dequantize and not a.fuse:
+        raise BadInput("--dequantize: goes with --fuse (the fused model is what is dequantized)")
     job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]  # the pool answers in --timeout; an unknown job exits 2
     if not a.json and sys.stderr.isatty():
         print(f"preparing the export of job {job.id}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
-    ready = c.call(m.Export(job=job.id, step=a.step), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+    request = m.Export(job=job.id, step=a.step, fuse=a.fuse or None, dequantize=a.dequantize or None)
+    ready = c.call(request, m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
     reachable = True
     try:
         files = _checked_manifest(ready)
@@ -507,6 +515,40 @@ def cmd_export(c: Client, a: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"exported job {ready.job_id} step {ready.step} from node {ready.node} to {dest}: {len(files)} file(s), {size(total) or '0B'}")
     print(table(["FILE", "SIZE", "SHA256"], [[f.name, size(f.bytes) or "0B", f.sha256[:16]] for f in files]))
+    return EXIT_OK
+
+
+def cmd_test(c: Client, a: argparse.Namespace) -> int:
+    """A checkpoint's test loss: a node holding it runs the trainer's --test (through the export
+    relay, as `dpctl export` does) and its one file, test.json, is fetched and printed."""
+    if a.step is not None and a.step < 0:
+        raise BadInput(f"--step {a.step}: must be a checkpoint step >= 0")
+    job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]
+    if not a.json and sys.stderr.isatty():
+        print(f"computing the test loss of job {job.id}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
+    ready = c.call(m.Export(job=job.id, step=a.step, test=True), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+    reachable = True
+    try:
+        files = _checked_manifest(ready)
+        if [f.name for f in files] != ["test.json"] or files[0].bytes > 64 * 1024:
+            raise Failed(f"node {ready.node} sent {[f.name for f in files][:5]} where test.json was asked")
+        with tempfile.TemporaryDirectory(prefix=".dpctl-test-") as tmp:
+            _fetch_into(c, ready, files, Path(tmp) / "out")
+            body = json.loads((Path(tmp) / "out" / "test.json").read_text())
+    except Unreachable:
+        reachable = False
+        raise
+    except (OSError, ValueError) as e:
+        raise Failed(f"the test loss from node {ready.node}: {e}") from None
+    finally:
+        if reachable:
+            with contextlib.suppress(RemoteError, Unreachable):
+                c.call(m.ExportClose(export_id=ready.export_id), m.ExportClosed)
+    loss, ppl, examples = body.get("test_loss"), body.get("test_ppl"), body.get("examples")
+    if a.json:
+        emit_json({"job": ready.job_id, "step": ready.step, "node": ready.node, "test_loss": loss, "test_ppl": ppl, "examples": examples})
+        return EXIT_OK
+    print(f"test loss {num(loss)} (ppl {num(ppl)}) of job {ready.job_id} step {ready.step} on {examples} examples")
     return EXIT_OK
 
 
@@ -672,8 +714,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("job", help="a job id, unique id prefix or name")
     s.add_argument("dir", help="where to write it: a new or empty directory")
     s.add_argument("--step", type=int, help="the checkpoint step to export (default: the newest a live node holds)")
+    s.add_argument("--fuse", action="store_true", help="mlx_lm jobs: a model with the adapters fused in, as `mlx_lm fuse` writes it (mlx_lm generate loads it alone)")
+    s.add_argument("--dequantize", action="store_true", help="with --fuse: a dequantized model, as `mlx_lm fuse --dequantize`")
     s.add_argument("--json", action="store_true", help='print {"job", "step", "node", "dir", "files", "bytes"}')
     s.set_defaults(fn=cmd_export)
+
+    s = sub.add_parser("test", help="the test loss (test.jsonl) of a job's newest checkpoint, or --step N, computed on a node holding it")
+    s.add_argument("job", help="a job id, unique id prefix or name")
+    s.add_argument("--step", type=int, help="the checkpoint step (default: the newest a live node holds)")
+    s.add_argument("--json", action="store_true", help='print {"job", "step", "node", "test_loss", "test_ppl", "examples"}')
+    s.set_defaults(fn=cmd_test)
 
     s = sub.add_parser("cancel", help="stop a job; its checkpoints stay")
     s.add_argument("job")

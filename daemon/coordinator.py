@@ -444,7 +444,8 @@ class Coordinator:
                 return (m.DrainReply if drain else m.UndrainReply)(node=name, state=str(node.state), reason=node.reason), actions
             case m.Export(job=ref, step=step):
                 job_id = self._job(ref).id
-                self._relay(self.exports.start(now, peer, msg_id, job_id, step, self.pool.export_holders(job_id, step)))
+                options = {k: True for k in ("fuse", "dequantize", "test") if getattr(msg, k)}
+                self._relay(self.exports.start(now, peer, msg_id, job_id, step, self.pool.export_holders(job_id, step), options))
                 return None, []  # answered once a node has made it (or could not)
             case m.ExportRead():
                 self._relay(self.exports.read(now, peer, msg_id, msg))

@@ -78,6 +78,7 @@ class Session:
     last_used: float
     asked: list[str] = field(default_factory=list)
     node: str | None = None  # the node asked last; once ready, the one holding the files
+    options: dict[str, bool] = field(default_factory=dict)  # fuse, dequantize, test: what the node's trainer makes
     files: dict[str, tuple[int, str]] | None = None  # name -> (bytes, sha256), once ready
     reads: int = 0  # fetches in flight
 
@@ -102,7 +103,10 @@ class ExportRelay:
 
     # -- from the client -------------------------------------------------------------------------
 
-    def start(self, now: float, client: bytes, msg_id: int, job_id: str, step: int | None, holders: list[tuple[str, int]]) -> list[Action]:
+    def start(
+        self, now: float, client: bytes, msg_id: int, job_id: str, step: int | None, holders: list[tuple[str, int]],
+        options: dict[str, bool] | None = None,
+    ) -> list[Action]:
         """`export`: ask the best of `holders` ([(node, newest step it holds)], best first) to make it.
         Raises ProtocolError for what can be answered at once."""
         if step is not None and step < 0:
@@ -116,7 +120,7 @@ class ExportRelay:
         if len(self.sessions) >= MAX_EXPORTS:
             raise ProtocolError(ErrorCode.EXPORT_FAILED, f"{MAX_EXPORTS} exports are in progress in the pool; try again later")
         export_id = secrets.token_hex(16)
-        s = Session(export_id=export_id, job_id=job_id, client=client, step=step, candidates=candidates, last_used=now)
+        s = Session(export_id=export_id, job_id=job_id, client=client, step=step, candidates=candidates, last_used=now, options=options or {})
         self.sessions[export_id] = s
         return self._ask(now, s, msg_id)
 
@@ -241,7 +245,7 @@ class ExportRelay:
         s.node = node
         relay_id = next(self._ids)
         self.waiting[relay_id] = Waiting(s.export_id, node, client_id, now + self.prepare_timeout_s)
-        return [ToNode(node, relay_id, m.ExportPrepare(export_id=s.export_id, job=s.job_id, step=s.step))]
+        return [ToNode(node, relay_id, m.ExportPrepare(export_id=s.export_id, job=s.job_id, step=s.step, **s.options))]
 
     def _drop(self, s: Session) -> list[Action]:
         self.sessions.pop(s.export_id, None)

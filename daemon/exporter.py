@@ -101,7 +101,8 @@ class Exporter:
         try:
             folder.mkdir(parents=True)
             out = folder / "out"
-            await self._run_trainer(job_file, run_dir, out, step, folder / "trainer.log")
+            flags = ["--fuse"] * bool(msg.fuse) + ["--dequantize"] * bool(msg.dequantize)
+            await self._run_trainer(job_file, run_dir, out, step, folder / "trainer.log", flags, test=bool(msg.test))
             files = await asyncio.to_thread(_manifest, out)
             if not files:
                 raise ExportError(ErrorCode.EXPORT_FAILED, f"node {self.node}: the trainer's export of step {step} wrote no files")
@@ -131,8 +132,9 @@ class Exporter:
         what = f"step {step} of job {job}" if step is not None else f"a checkpoint of job {job}"
         raise ExportError(ErrorCode.NOT_FOUND, f"node {self.node} holds no {what}")
 
-    async def _run_trainer(self, job_file: Path, run_dir: Path, out: Path, step: int, log_path: Path) -> None:
-        cmd = trainer_command(str(job_file), "--run-dir", str(run_dir), "--export", str(out), "--step", str(step))
+    async def _run_trainer(self, job_file: Path, run_dir: Path, out: Path, step: int, log_path: Path, flags: list[str], test: bool = False) -> None:
+        what = "--test" if test else "--export"  # --test: the checkpoint's test loss, as OUT/test.json
+        cmd = trainer_command(str(job_file), "--run-dir", str(run_dir), what, str(out), "--step", str(step), *flags)
         with open(log_path, "wb") as log:
             proc = await asyncio.create_subprocess_exec(
                 *cmd,

@@ -60,6 +60,7 @@ from dpool.protocol.payloads import (
     RankSlot,
     RunningWorker,
     StageRow,
+    TestLossRow,
     TrainRow,
 )
 from dpool.protocol.stage_messages import NodeStaged
@@ -600,6 +601,9 @@ class Pool:
                 job.loss = row.loss
             if job.plan is not None and generation == job.plan.generation:
                 actions += self._measured(job, row, now)
+        elif isinstance(row, TestLossRow):
+            if row.test_loss is not None:
+                job.test_loss = row.test_loss
         elif row.val_loss is not None:
             job.val_loss = row.val_loss
         return actions

@@ -186,6 +186,7 @@ class Job:
     step: int = 0
     loss: float | None = None
     val_loss: float | None = None
+    test_loss: float | None = None
     checkpoint_step: int | None = None
     saved: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> seconds
     reconcile_by: float | None = None  # after a coordinator restart: ranks must reappear by then
@@ -256,6 +257,7 @@ class Job:
             checkpoint_step=self.checkpoint_step,
             loss=self.loss,
             val_loss=self.val_loss,
+            test_loss=self.test_loss,
             error=self.machine.error,
             submitted=self.submitted_at,
             started=(started := self.machine.started_at),

@@ -123,6 +123,8 @@ class Store:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(jobs)")}
         if "restarts" not in columns:  # a database written before recovery existed
             self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
+        if "test_loss" not in columns:  # written before [eval] test existed
+            self.db.execute("ALTER TABLE jobs ADD COLUMN test_loss REAL")
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
         if "hold" not in columns:  # written when a hold was only its reason's text
             self.db.execute("ALTER TABLE nodes ADD COLUMN hold TEXT")
@@ -259,9 +261,9 @@ class Store:
                 {"generation": p.generation, "ranks": [[s.node, s.index] for s in p.ranks], "shares": list(p.shares), "hostfile": [list(h) for h in p.hostfile]}
             )
         self._write(
-            "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts),
+            "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts, job.test_loss),
         )
 
     def load_jobs(self) -> list[tuple[Job, Saved]]:
@@ -270,16 +272,16 @@ class Store:
         self._see_writes()
         jobs = []
         rows = self.db.execute(
-            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts FROM jobs ORDER BY submitted_at"
+            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss FROM jobs ORDER BY submitted_at"
         )
-        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts) in rows:
+        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts, test_loss) in rows:
             try:
                 parsed = parse_job(orjson.loads(spec), source=f"stored job {jid}")
             except (JobFileError, orjson.JSONDecodeError) as e:
                 get_logger(component="store").warning("store.job_unreadable", job=jid, error=str(e)[:300])
                 continue
             job = Job(id=jid, name=name, spec=parsed, submitted_at=submitted, machine=JobMachine(max_restarts=parsed.recovery.max_restarts),
-                      step=step, loss=loss, val_loss=val_loss, checkpoint_step=ckpt)
+                      step=step, loss=loss, val_loss=val_loss, test_loss=test_loss, checkpoint_step=ckpt)
             if plan:
                 p = orjson.loads(plan)
                 job.plan = GroupPlan(
@@ -347,20 +349,20 @@ class Store:
         self._see_writes()
         query = (
             "SELECT id, name, state, step, json_extract(spec, '$.train.steps'), generation, "
-            "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error, submitted_at, started_at, finished_at FROM jobs "
+            "coalesce(json_array_length(plan, '$.ranks'), 0), checkpoint_step, loss, val_loss, error, submitted_at, started_at, finished_at, test_loss FROM jobs "
         )
         if only is not None:
             rows = self.db.execute(query + "WHERE id = ?", (only,))
         else:
             rows = self.db.execute(query + "ORDER BY submitted_at DESC LIMIT ?", (limit + len(skip),))
         out = []
-        for jid, name, state, step, steps, gen, world, ckpt, loss, val_loss, error, submitted, started, finished in rows:
+        for jid, name, state, step, steps, gen, world, ckpt, loss, val_loss, error, submitted, started, finished, test_loss in rows:
             if jid in skip:
                 continue
             with contextlib.suppress(Invalid):  # a row an older version wrote in another shape
                 out.append(JobStatus.from_wire({
                     "id": jid, "name": name, "state": state, "step": step, "steps": steps, "generation": gen,
-                    "world_size": world, "workers": [], "checkpoint_step": ckpt, "loss": loss, "val_loss": val_loss, "error": error,
+                    "world_size": world, "workers": [], "checkpoint_step": ckpt, "loss": loss, "val_loss": val_loss, "test_loss": test_loss, "error": error,
                     "submitted": submitted, "started": started, "finished": finished,
                     "elapsed_s": round(max(0.0, finished - started), 3) if started is not None and finished is not None else None,
                 }))

@@ -67,6 +67,7 @@ from dpool.protocol.payloads import (
 )
 from dpool.protocol.schema import (
     MAX_INT,
+    OMIT_NONE,
     Bytes,
     Field,
     Float,
@@ -238,7 +239,8 @@ class Message:
     SHARED: ClassVar[frozenset[str]] = frozenset()
 
     def to_body(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name, *_ in self.FIELDS}
+        # A field marked OMIT_NONE is left out while None: a peer of a version before it still reads the message.
+        return {f.name: v for f in self.FIELDS if (v := getattr(self, f.name)) is not None or not f.omit_none}
 
     def to_frames(self, msg_id: int = 0) -> list[bytes]:
         """The two frames of this message; `msg_id` pairs a reply with its request."""
@@ -574,6 +576,11 @@ class Export(Message):
     TYPE: ClassVar[MsgType] = MsgType.EXPORT
     job: JobRef
     step: Step | None = None
+    # What is made (absent: the adapters or the model, as before): `dpctl export --fuse
+    # [--dequantize]`, or `dpctl test` (the checkpoint's test loss, as the one file test.json).
+    fuse: bool | None = field(default=None, metadata=OMIT_NONE)
+    dequantize: bool | None = field(default=None, metadata=OMIT_NONE)
+    test: bool | None = field(default=None, metadata=OMIT_NONE)
 
 
 @message
@@ -954,6 +961,9 @@ class ExportPrepare(Message):
     export_id: ExportId
     job: JobId
     step: Step | None = None
+    fuse: bool | None = field(default=None, metadata=OMIT_NONE)  # as in `export`: the trainer's --fuse, --dequantize, --test
+    dequantize: bool | None = field(default=None, metadata=OMIT_NONE)
+    test: bool | None = field(default=None, metadata=OMIT_NONE)
 
 
 @message

@@ -198,7 +198,18 @@ class EvalRow(Record):
     val_loss: Number | None
 
 
-MetricRow: TypeAlias = TrainRow | EvalRow
+@record
+@dataclass(frozen=True, slots=True)
+class TestLossRow(Record):
+    """The test loss (test.jsonl) of the trained model at `step`, the job's last (null when not finite)."""
+
+    TAG: ClassVar[tuple[str, str] | None] = ("kind", "test")
+    kind: Annotated[str, OneOf("test")]
+    step: Step
+    test_loss: Number | None
+
+
+MetricRow: TypeAlias = TrainRow | EvalRow | TestLossRow
 
 
 @record
@@ -214,6 +225,8 @@ def metric_row(row: dict[str, Any]) -> MetricRow:
     clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
     if clean.get("kind") == "eval":
         return EvalRow.from_wire(clean)  # type: ignore[no-any-return]
+    if clean.get("kind") == "test":
+        return TestLossRow.from_wire(clean)  # type: ignore[no-any-return]
     return TrainRow.from_wire(clean)  # type: ignore[no-any-return]
 
 
@@ -290,6 +303,7 @@ class JobStatus(Record):
     staging: Annotated[list[StageRow], Items(MAX_WORLD)] = field(default_factory=list)  # nodes checking or fetching its files, or unfit
     comm_share: Annotated[float, Float(0.0, 1.0)] | None = None  # predicted share of a step spent in all_sum (null: not known)
     comm: CommRow | None = field(default=None, metadata=OMIT_NONE)
+    test_loss: Number | None = None  # [eval] test: the test loss after the last step (null until known)
 
 
 @record
