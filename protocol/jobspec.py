@@ -188,6 +188,10 @@ class DataSpec:
         "mlx_lm: train on the completion (or the last assistant message) only, as mlx-lm's --mask-prompt",
         False,
     )
+    prompt_feature: str | None = _spec(_opt(_str()), "mlx_lm: the key (column) of the prompt, mlx-lm's prompt_feature; unset: 'prompt'", None)
+    completion_feature: str | None = _spec(_opt(_str()), "mlx_lm: the key of the completion; unset: 'completion'", None)
+    chat_feature: str | None = _spec(_opt(_str()), "mlx_lm: the key of the chat messages; unset: 'messages'", None)
+    text_feature: str | None = _spec(_opt(_str()), "mlx_lm: the key of plain text; unset: 'text'", None)
     hf_dataset: tuple[HFDatasetSpec, ...] | None = field(
         default=None,
         metadata={
@@ -387,6 +391,9 @@ class JobSpec:
             out["data"].pop("mask_prompt")
         # Absent when unset (jobs from before it keep their hash); when set, data.source is unused.
         out["data"].pop("hf_dataset" if self.data.hf_dataset is None else "source")
+        for key in DATA_FEATURES:
+            if out["data"][key] is None:
+                out["data"].pop(key)
         if self.sync.mode == "sync":
             for key in SYNC_DILOCO_KEYS:
                 out["sync"].pop(key)
@@ -439,6 +446,7 @@ class JobSpec:
 
 
 GPT_KEYS = ("layers", "dim", "heads", "positions")
+DATA_FEATURES = ("prompt_feature", "completion_feature", "chat_feature", "text_feature")
 MLX_LM_KEYS = (
     "path", "fine_tune", "lora_rank", "lora_scale", "lora_dropout", "lora_layers", "lora_keys", "adapters", "grad_checkpoint",
 )
@@ -586,6 +594,10 @@ def _check_kind_keys(kind: str, model: dict[str, Any], data: dict[str, Any], sou
         raise JobFileError(source, "data.mask_prompt", data["mask_prompt"], "only for model.kind = 'mlx_lm'")
     if kind == "gpt" and data.get("hf_dataset") is not None:
         raise JobFileError(source, "data.hf_dataset", data["hf_dataset"], "only for model.kind = 'mlx_lm'")
+    for key in DATA_FEATURES:
+        if data.get(key) is not None and (kind == "gpt" or data.get("hf_dataset") is not None):
+            allowed = "only for model.kind = 'mlx_lm'" if kind == "gpt" else f"each data.hf_dataset names its own {key} (as in mlx-lm)"
+            raise JobFileError(source, f"data.{key}", data[key], allowed)
     if kind == "gpt" and isinstance(evals, dict) and evals.get("test"):
         raise JobFileError(source, "eval.test", evals["test"], "only for model.kind = 'mlx_lm' (the test loss of test.jsonl)")
 

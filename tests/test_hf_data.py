@@ -109,7 +109,7 @@ def test_hf_dataset_fields_are_mlx_lms_and_checked(assets):
         assert e.value.key == key and allowed in str(e.value), str(e.value)
     with pytest.raises(JobFileError, match=r"data.hf_dataset.test_split missing: required with eval.test"):
         spec_of(assets, {"hf_dataset": {"path": "a"}}, eval={"test": True})
-    with pytest.raises(JobFileError, match="only for model.kind = 'mlx_lm'"):
+    with pytest.raises(JobFileError, match=r"only for model.kind = 'mlx_lm'"):
         parse_job({"name": "g", "data": {"hf_dataset": {"path": "a"}}})
 
 
@@ -191,21 +191,51 @@ def test_a_dataset_id_loads_its_splits_as_mlx_lm_does(assets, tmp_path, monkeypa
     from dpool.trainer.hf_data import load_hf_data
 
     full = datasets.load_dataset(str(assets / "qa-json"), split="train")
-    full = full.rename_columns({"question": "prompt", "answer": "completion"})
     splits = {"train": full.select(range(40)), "valid": full.select(range(40, 50)), "test": full.select(range(50, 60))}
     asked = []
     monkeypatch.setattr(datasets, "load_dataset", lambda ident, **kw: asked.append(ident) or datasets.DatasetDict(splits))
     tok = tokenizer(assets)
-    data = load_hf_data(spec_of(assets, {"source": "someone/qa", "mask_prompt": True}), tok, [], tmp_path)
-    train, valid, test = load_hf_dataset("someone/qa", tok, types.SimpleNamespace(mask_prompt=True))
+    # The columns named by the top-level features, as mlx-lm's --data with prompt_feature in its config.
+    data = load_hf_data(spec_of(assets, {"source": "someone/qa", "mask_prompt": True, **MAPPED}), tok, [], tmp_path)
+    train, valid, test = load_hf_dataset("someone/qa", tok, types.SimpleNamespace(mask_prompt=True, **MAPPED))
     assert asked == ["someone/qa", "someone/qa"]
     assert as_lists(data.train) == mlx_lm_examples(train)
     assert as_lists(data.val) == mlx_lm_examples(valid)
     assert data.test is not None and as_lists(data.test) == mlx_lm_examples(test)
     # Without a valid split, data.val_fraction of train is held out (by a seeded hash of the row).
     del splits["valid"]
-    held = load_hf_data(spec_of(assets, {"source": "someone/qa", "val_fraction": 0.25}), tok, [], tmp_path)
+    held = load_hf_data(spec_of(assets, {"source": "someone/qa", "val_fraction": 0.25, **MAPPED}), tok, [], tmp_path)
     assert len(held.train) + len(held.val) == 40 and 0 < len(held.val) < 20
+
+
+def test_a_folder_of_jsonl_with_named_keys_reads_as_mlx_lm_reads_it(assets, tmp_path):
+    """data.prompt_feature etc. (mlx-lm's top-level keys) rename a jsonl folder's keys too, and
+    need no `datasets` package."""
+    from mlx_lm.tuner.datasets import load_local_dataset
+
+    from dpool.trainer.lm_data import load_lm_data
+
+    folder = tmp_path / "qa"
+    folder.mkdir()
+    lines = (assets / "qa-json" / "train.jsonl").read_text().splitlines(keepends=True)
+    (folder / "train.jsonl").write_text("".join(lines[:50]))
+    (folder / "valid.jsonl").write_text("".join(lines[50:]))
+    tok = tokenizer(assets)
+    spec = spec_of(assets, {"source": str(folder), "mask_prompt": True, **MAPPED})
+    assert spec.to_dict()["data"]["prompt_feature"] == "question"
+    data = load_lm_data(spec, tok, [], tmp_path / "cache")
+    train, valid, _ = load_local_dataset(folder, tok, types.SimpleNamespace(mask_prompt=True, **MAPPED))
+    assert as_lists(data.train) == mlx_lm_examples(train) and as_lists(data.val) == mlx_lm_examples(valid)
+    plain = spec_of(assets, {"source": str(folder), "mask_prompt": True})
+    assert "prompt_feature" not in plain.to_dict()["data"] and plain.training_hash() != spec.training_hash()
+    from dpool.trainer.data import DataError
+
+    with pytest.raises(DataError, match=r"train.jsonl:1: matches no data format \(has \['answer', 'id', 'question'\]\)"):
+        load_lm_data(plain, tok, [], tmp_path / "cache")
+    with pytest.raises(JobFileError, match=r"each data.hf_dataset names its own prompt_feature"):
+        spec_of(assets, {"hf_dataset": {"path": "a"}, "prompt_feature": "q"})
+    with pytest.raises(JobFileError, match=r"data.text_feature = 'body': only for model.kind = 'mlx_lm'"):
+        parse_job({"name": "g", "data": {"text_feature": "body"}})
 
 
 def test_without_the_datasets_package_the_error_names_the_extra(assets, tmp_path, monkeypatch):

@@ -30,13 +30,21 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dpool.protocol.hf_dataset import HFDatasetSpec
 from dpool.protocol.jobspec import JobSpec, data_location
 from dpool.trainer.data import DataError, is_validation
-from dpool.trainer.lm_data import CACHE_FORMAT, _check_row, cached, finish, tokenize
+from dpool.trainer.lm_data import (
+    CACHE_FORMAT,
+    Features,
+    _check_row,
+    cached,
+    example_format,
+    features,
+    finish,
+    renamed,
+    tokenize,
+)
 
 EXTRA = "pip install 'dpool[hf]'"
-DEFAULTS = HFDatasetSpec(path="-")  # mlx-lm's feature names, for a dataset id in data.source
 
 
 def _datasets(key: str, given: Any) -> Any:
@@ -61,35 +69,22 @@ def _load(datasets: Any, label: str, *args: Any, **kwargs: Any) -> Any:
 class _Part:
     """One split of one dataset: its rows, how its columns map to dpool's formats, its name."""
 
-    def __init__(self, label: str, ds: Any, features: HFDatasetSpec) -> None:
-        self.label, self.ds, self.f = label, ds, features
-        cols = set(ds.column_names)
+    def __init__(self, label: str, ds: Any, f: Features) -> None:
+        self.label, self.ds, self.f = label, ds, f
         # mlx-lm's create_dataset, on the first row's keys (a Dataset's rows all have its columns)
-        if features.prompt_feature in cols and features.completion_feature in cols:
-            self.fmt = "completions"
-        elif features.chat_feature in cols:
-            self.fmt = "chat"
-        elif features.text_feature in cols:
-            self.fmt = "text"
-        else:
+        fmt = example_format(dict.fromkeys(ds.column_names), f)
+        if fmt is None:
             raise DataError(
-                f"{label}: its columns {sorted(cols)} hold no data format: expected prompt_feature "
-                f"{features.prompt_feature!r} and completion_feature {features.completion_feature!r}, chat_feature "
-                f"{features.chat_feature!r}, or text_feature {features.text_feature!r}"
+                f"{label}: its columns {sorted(ds.column_names)} hold no data format: expected prompt_feature "
+                f"{f.prompt!r} and completion_feature {f.completion!r}, chat_feature {f.chat!r}, or text_feature {f.text!r}"
             )
+        self.fmt = fmt
 
     def rows(self) -> list[dict[str, Any]]:
         """The rows renamed to dpool's formats and checked; DataError names the first bad one."""
-        f, out = self.f, []
+        out = []
         for i, r in enumerate(self.ds):
-            if self.fmt == "completions":
-                row = {"prompt": r[f.prompt_feature], "completion": r[f.completion_feature]}
-            elif self.fmt == "chat":
-                row = {"messages": r[f.chat_feature]}
-            else:
-                row = {"text": r[f.text_feature]}
-            if self.fmt != "text" and r.get("tools") is not None:
-                row["tools"] = r["tools"]
+            row = renamed(r, self.fmt, self.f)
             problem = _check_row(row, self.fmt)
             if problem:
                 raise DataError(f"{self.label}: example {i + 1}: {problem} ({self._columns()})")
@@ -97,9 +92,8 @@ class _Part:
         return out
 
     def _columns(self) -> str:
-        f = self.f
         names = {"completions": ("prompt", "completion"), "chat": ("chat",), "text": ("text",)}[self.fmt]
-        return ", ".join(f"{n} = column {getattr(f, n + '_feature')!r}" for n in names)
+        return ", ".join(f"{n} = column {getattr(self.f, n)!r}" for n in names)
 
 
 def _local(spec: JobSpec, path: str) -> str:
@@ -141,12 +135,13 @@ def _parts(spec: JobSpec, datasets: Any) -> tuple[dict[str, list[_Part]], bool]:
         names = list(dd.keys()) if hasattr(dd, "keys") else []
         if "train" not in names:
             raise DataError(f"data.source = {ident!r}: the dataset has no 'train' split (its splits: {names})")
-        parts["train"].append(_Part(f"{ident}[train]", dd["train"], DEFAULTS))
+        f = features(spec)  # data.prompt_feature etc., as mlx-lm's top-level keys
+        parts["train"].append(_Part(f"{ident}[train]", dd["train"], f))
         valid = next((n for n in ("valid", "validation") if n in names), None)
         if valid is not None:
-            parts["val"].append(_Part(f"{ident}[{valid}]", dd[valid], DEFAULTS))
+            parts["val"].append(_Part(f"{ident}[{valid}]", dd[valid], f))
         if "test" in names:
-            parts["test"].append(_Part(f"{ident}[test]", dd["test"], DEFAULTS))
+            parts["test"].append(_Part(f"{ident}[test]", dd["test"], f))
         elif spec.eval.test:
             raise DataError(f"data.source = {ident!r}: eval.test = true needs a 'test' split (its splits: {names})")
         return parts, valid is None
@@ -159,7 +154,8 @@ def _parts(spec: JobSpec, datasets: Any) -> tuple[dict[str, list[_Part]], bool]:
             if split is None:
                 continue
             label = f"{key} ({d.path}, split {split!r})"
-            parts[name].append(_Part(label, _load(datasets, label, path, split=split, **config), d))
+            f = Features(d.prompt_feature, d.completion_feature, d.chat_feature, d.text_feature)
+            parts[name].append(_Part(label, _load(datasets, label, path, split=split, **config), f))
     return parts, False
 
 
@@ -167,7 +163,7 @@ def _cache_key(spec: JobSpec, parts: dict[str, list[_Part]], tokenizer_files: li
     """What the tokens depend on: the job's data keys, each loaded split's own fingerprint (the
     `datasets` library's hash of its source files and config), and the tokenizer's files."""
     d = spec.data
-    what = [asdict(x) for x in d.hf_dataset] if d.hf_dataset else d.source
+    what = [asdict(x) for x in d.hf_dataset] if d.hf_dataset else (d.source, features(spec))
     h = hashlib.sha256(f"v{CACHE_FORMAT}:hf:{what}:{d.mask_prompt}:{d.val_fraction}:{spec.train.seed}".encode())
     for name, ps in parts.items():
         for p in ps:

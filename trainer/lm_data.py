@@ -39,17 +39,49 @@ FORMATS = {
 }
 
 
-def example_format(row: Any) -> str | None:
+@dataclass(frozen=True)
+class Features:
+    """The keys (columns) that hold an example's parts: mlx-lm's prompt_feature, completion_feature,
+    chat_feature and text_feature, with mlx-lm's defaults."""
+
+    prompt: str = "prompt"
+    completion: str = "completion"
+    chat: str = "messages"
+    text: str = "text"
+
+
+DEFAULT_FEATURES = Features()
+
+
+def features(spec: JobSpec) -> Features:
+    """data.prompt_feature etc. (for a folder or a dataset id; each data.hf_dataset has its own)."""
+    d = spec.data
+    given = {"prompt": d.prompt_feature, "completion": d.completion_feature, "chat": d.chat_feature, "text": d.text_feature}
+    return Features(**{k: v for k, v in given.items() if v is not None})
+
+
+def example_format(row: Any, f: Features = DEFAULT_FEATURES) -> str | None:
     """mlx-lm's rule (create_dataset), in its order: prompt+completion, then messages, then text."""
     if not isinstance(row, dict):
         return None
-    if "prompt" in row and "completion" in row:
+    if f.prompt in row and f.completion in row:
         return "completions"
-    if "messages" in row:
+    if f.chat in row:
         return "chat"
-    if "text" in row:
+    if f.text in row:
         return "text"
     return None
+
+
+def renamed(row: dict[str, Any], fmt: str, f: Features) -> dict[str, Any]:
+    """The row under dpool's keys, which the checks and mlx-lm's dataset classes (with their
+    default keys) read; mlx-lm reads `tools` by that name whatever the features, so it is kept."""
+    if fmt == "text":
+        return {"text": row[f.text]}
+    out = {"prompt": row[f.prompt], "completion": row[f.completion]} if fmt == "completions" else {"messages": row[f.chat]}
+    if row.get("tools") is not None:
+        out["tools"] = row["tools"]
+    return out
 
 
 def _check_row(row: dict[str, Any], fmt: str) -> str | None:
@@ -73,8 +105,9 @@ def _check_row(row: dict[str, Any], fmt: str) -> str | None:
     return None
 
 
-def read_jsonl(path: Path) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
-    """The file's format and its (line number, row) pairs; DataError names the first bad line."""
+def read_jsonl(path: Path, keys: Features = DEFAULT_FEATURES) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
+    """The file's format and its (line number, row) pairs, under dpool's keys; DataError names the
+    first bad line."""
     rows: list[tuple[int, dict[str, Any]]] = []
     fmt: str | None = None
     with open(path, "rb") as f:
@@ -85,13 +118,16 @@ def read_jsonl(path: Path) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
                 row = json.loads(line)
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            this = example_format(row)
+            this = example_format(row, keys)
             if this is None:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                named = "" if keys == DEFAULT_FEATURES else f" (under the job's data.*_feature names: {keys})"
                 raise DataError(
                     f"{path}:{lineno}: matches no data format (has {keys}); expected one of "
-                    + ", ".join(FORMATS.values()) + " (optionally with \"tools\")"
+                    + ", ".join(FORMATS.values()) + " (optionally with \"tools\")" + named
                 )
+            if keys != DEFAULT_FEATURES:
+                row = renamed(row, this, keys)
             if fmt is None:
                 fmt = this
             elif this != fmt:
@@ -154,6 +190,8 @@ class LMData:
 def _cache_key(spec: JobSpec, files: list[Path], tokenizer_files: list[Path]) -> str:
     d = spec.data
     h = hashlib.sha256(f"v{CACHE_FORMAT}:{d.mask_prompt}:{d.val_fraction}:{spec.train.seed}".encode())
+    if (f := features(spec)) != DEFAULT_FEATURES:
+        h.update(f"{f}\n".encode())
     for p in files + tokenizer_files:
         st = p.stat()
         h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
@@ -231,11 +269,11 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
     if (done := cached(cache_dir, key)) is not None:
         return done
     formats: dict[str, str] = {}
-    fmt, rows = read_jsonl(train_file)
+    fmt, rows = read_jsonl(train_file, features(spec))
     formats[train_file.name] = fmt
     pairs = tokenize(train_file, fmt, [r for _, r in rows], tokenizer, spec.data.mask_prompt)
     if valid_file.is_file():
-        vfmt, vrows = read_jsonl(valid_file)
+        vfmt, vrows = read_jsonl(valid_file, features(spec))
         formats[valid_file.name] = vfmt
         train_pairs = pairs
         val_pairs = tokenize(valid_file, vfmt, [r for _, r in vrows], tokenizer, spec.data.mask_prompt)
@@ -253,7 +291,7 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
         )
     splits = {"train": train_pairs, "val": val_pairs}
     if test_file.is_file():  # read when present, as mlx-lm's local datasets are: `dpctl test` may ask later
-        tfmt, trows = read_jsonl(test_file)
+        tfmt, trows = read_jsonl(test_file, features(spec))
         formats[test_file.name] = tfmt
         splits["test"] = tokenize(test_file, tfmt, [r for _, r in trows], tokenizer, spec.data.mask_prompt)
     return finish(cache_dir, key, splits, formats)
