@@ -391,6 +391,8 @@ class JobSpec:
             out["data"].pop("mask_prompt")
         # Absent when unset (jobs from before it keep their hash); when set, data.source is unused.
         out["data"].pop("hf_dataset" if self.data.hf_dataset is None else "source")
+        if self.data.hf_dataset is not None:
+            out["data"]["hf_dataset"] = list(out["data"]["hf_dataset"])  # a list on the wire
         for key in DATA_FEATURES:
             if out["data"][key] is None:
                 out["data"].pop(key)

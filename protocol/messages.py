@@ -333,11 +333,17 @@ def message(cls: M) -> M:
 # Bounded types of message fields (and of the job document, which parse_job then validates).
 JobNumbers: TypeAlias = Annotated[list[Annotated[int, Int(-MAX_INT, MAX_INT)] | Number], Items(64)]  # lr_schedule.arguments, betas
 JobOption: TypeAlias = Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool | JobNumbers | None
+JobText: TypeAlias = Annotated[str, Str(4096)]
+JobFiles: TypeAlias = JobText | Annotated[list[JobText], Items(64)] | Annotated[dict[str, JobText | Annotated[list[JobText], Items(64)]], Items(64)]
+# One data.hf_dataset table: strings, and `config` (datasets.load_dataset's keyword arguments, where
+# data_files is a string, a list or a map of splits to either).
+JobDataset: TypeAlias = Annotated[dict[str, JobText | Annotated[dict[str, JobOption | JobFiles], Items(64)] | None], Items(16)]
 JobScalar: TypeAlias = (
     Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Number | bool
     | Annotated[list[Annotated[str, Str(256)]], Items(64)]  # model.lora_keys
     | JobNumbers
     | Annotated[dict[str, JobOption], Items(64)]  # train.optimizer_config, train.lr_schedule
+    | Annotated[list[JobDataset], Items(64)]  # data.hf_dataset
     | None
 )
 JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]

@@ -91,6 +91,13 @@ def test_hf_dataset_fields_are_mlx_lms_and_checked(assets):
     again = parse_job(tomllib.loads(dump_job(two)), source="again.toml")
     assert again.training_hash() == two.training_hash() != one.training_hash()
     assert "[[data.hf_dataset]]" in dump_job(two) and "source" not in again.to_dict()["data"]
+    # On the wire (dpctl submit to the coordinator, the coordinator to each dpd) as it was written.
+    from dpool.protocol import messages as m
+
+    wired = {"path": "json", "config": {"data_files": {"train": ["a.jsonl", "b.jsonl"]}, "name": "x"}}
+    three = spec_of(assets, {"hf_dataset": [wired, {"path": "c", **MAPPED}]})
+    back, _ = m.decode(m.Submit(job=three.to_dict(), source="job.toml").to_frames())
+    assert parse_job(back.job, source="wire") == three
     plain = spec_of(assets, {"source": "chat"})
     assert "hf_dataset" not in plain.to_dict()["data"]  # absent: jobs from before it keep their hash
 
