@@ -189,6 +189,7 @@ def job_document(config: dict[str, Any], source: str, name: str) -> Converted:
         out.notes.append(f"iters = {iters} is not a multiple of grad_accumulation_steps = {g}: mlx-lm makes {iters // g} updates, and so does the job")
     train["global_batch"] = b * g
     train["seed"] = c["seed"]
+    train["grad_clip"] = 0.0  # mlx-lm does not clip gradients
     train["log_every_steps"] = _per_step(positive("steps_per_report"), g)
     ev["every_steps"] = _per_step(positive("steps_per_eval"), g)
     ckpt["every_steps"] = _per_step(positive("save_every"), g)

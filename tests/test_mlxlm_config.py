@@ -1,0 +1,253 @@
+"""An `mlx_lm lora` config as it is: every key mapped to the job it means, or refused by name.
+
+Pure conversion tests (no MLX run); the config trained on a pool of dpds is in test_mlxlm_pool.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from dpool.protocol import mlxlm_config
+from dpool.protocol.jobspec import JobFileError, load_job, parse_job
+
+# mlx-lm's examples/lora_config.yaml, as it is but for the model and data paths (and one comment).
+EXAMPLE = """\
+# The path to the local model directory or Hugging Face repo.
+model: "{model}"
+
+# Whether or not to train (boolean)
+train: true
+
+# The fine-tuning method: "lora", "dora", or "full".
+fine_tune_type: lora
+
+# The training-mode: "normal", or "dpo"
+training_mode: normal
+
+# The Optimizer with its possible inputs
+optimizer: adamw
+# optimizer_config:
+#   adamw:
+#     betas: [0.9, 0.98]
+#     eps: 1e-6
+#     weight_decay: 0.05
+#     bias_correction: true
+
+# Directory with {{train, valid, test}}.jsonl files
+data: "{data}"
+
+# The PRNG seed
+seed: 0
+
+# Number of layers to fine-tune
+num_layers: 16
+
+# Minibatch size.
+batch_size: 4
+
+# Iterations to train for.
+iters: 1000
+
+# Number of validation batches, -1 uses the entire validation set.
+val_batches: 25
+
+# Adam learning rate.
+learning_rate: 1e-5
+
+# Number of training steps between loss reporting.
+steps_per_report: 10
+
+# Number of training steps between validations.
+steps_per_eval: 200
+
+# Load path to resume training with the given adapter weights.
+resume_adapter_file: null
+
+# Save/load path for the trained adapter weights.
+adapter_path: "adapters"
+
+# Save the model every N iterations.
+save_every: 100
+
+# Evaluate on the test set after training
+test: false
+
+# Number of test set batches, -1 uses the entire test set.
+test_batches: 100
+
+# Maximum sequence length.
+max_seq_length: 2048
+
+# Use gradient checkpointing to reduce memory use.
+grad_checkpoint: false
+
+# LoRA parameters can only be specified in a config file
+lora_parameters:
+  # The layer keys to apply LoRA to.
+  # These will be applied for the last lora_layers
+  keys: ["self_attn.q_proj", "self_attn.v_proj"]
+  rank: 8
+  scale: 20.0
+  dropout: 0.0
+
+# Schedule can only be specified in a config file, uncomment to use.
+#lr_schedule:
+#  name: cosine_decay
+#  warmup: 100 # 0 for no warmup
+#  warmup_init: 1e-7 # 0 if not specified
+#  arguments: [1e-5, 1000, 1e-7] # passed to scheduler
+"""
+
+# The same job written by hand as a dpool job file.
+HAND_WRITTEN = """\
+name = "lora-config"
+
+[model]
+kind = "mlx_lm"
+path = "{model}"
+fine_tune = "lora"
+lora_layers = 16
+lora_rank = 8
+lora_scale = 20.0
+lora_dropout = 0.0
+lora_keys = ["self_attn.q_proj", "self_attn.v_proj"]
+context = 2048
+
+[data]
+source = "{data}"
+
+[train]
+steps = 1000
+global_batch = 4
+seed = 0
+grad_clip = 0.0
+optimizer = "adamw"
+log_every_steps = 10
+lr_schedule = {{ name = "constant", arguments = [1e-5] }}
+
+[checkpoint]
+every_steps = 100
+
+[eval]
+every_steps = 200
+batches = 25
+test_batches = 100
+"""
+
+
+def convert(text: str, tmp_path: Path, name: str = "lora_config.yaml") -> mlxlm_config.Converted:
+    path = tmp_path / name
+    path.write_text(text)
+    return mlxlm_config.job_document(mlxlm_config.read_config(str(path)), str(path), mlxlm_config.job_name(str(path)))
+
+
+def test_the_defaults_are_mlx_lms() -> None:
+    """A key the config leaves out means what mlx-lm would run: its own defaults, kept in step."""
+    from mlx_lm.lora import CONFIG_DEFAULTS
+
+    assert mlxlm_config.MLX_LM_DEFAULTS == CONFIG_DEFAULTS
+
+
+def test_mlx_lms_example_config_is_the_hand_written_job(tmp_path: Path) -> None:
+    made = convert(EXAMPLE.format(model="/models/qwen", data="/data/sql"), tmp_path)
+    yaml_job = parse_job(made.job, source="lora_config.yaml", base_dir=str(tmp_path))
+    hand_path = tmp_path / "hand.toml"
+    hand_path.write_text(HAND_WRITTEN.format(model="/models/qwen", data="/data/sql"))
+    hand = load_job(hand_path)
+    assert yaml_job.training_hash() == hand.training_hash()
+    assert yaml_job.name == "lora-config"
+    t = yaml_job.train
+    assert (t.steps, t.global_batch, t.seed, t.optimizer) == (1000, 4, 0, "adamw")
+    assert yaml_job.model.lora_keys == ["self_attn.q_proj", "self_attn.v_proj"]
+    assert any("adapter_path" in n for n in made.notes)  # where mlx-lm writes adapters: said, not dropped
+
+
+def test_accumulation_turns_iterations_into_steps(tmp_path: Path) -> None:
+    """mlx-lm counts iterations (micro batches); g of them make one update."""
+    made = convert(
+        "model: m\ndata: d\nbatch_size: 2\ngrad_accumulation_steps: 4\niters: 400\nsteps_per_eval: 40\n"
+        "save_every: 20\nsteps_per_report: 2\nval_batches: -1\nnum_layers: -1\n", tmp_path,
+    )
+    spec = parse_job(made.job, source="c.yaml", base_dir=str(tmp_path))
+    assert (spec.train.steps, spec.train.global_batch) == (100, 8)
+    assert (spec.eval.every_steps, spec.checkpoint.every_steps, spec.train.log_every_steps) == (10, 5, 1)
+    assert spec.eval.batches == -1 and spec.model.lora_layers == -1
+    assert spec.train.optimizer == "adam"  # mlx-lm's default optimizer, not dpool's
+    assert (spec.train.lr_schedule.name, spec.train.lr_schedule.arguments) == ("constant", (1e-5,))  # mlx-lm: a fixed learning_rate
+    assert spec.train.grad_clip == 0
+
+
+def test_a_schedule_and_an_optimizer_config_carry_over(tmp_path: Path) -> None:
+    made = convert(
+        "model: m\ndata: d\noptimizer: sgd\noptimizer_config:\n  sgd:\n    momentum: 0.9\n  adamw:\n    weight_decay: 0.1\n"
+        "lr_schedule:\n  name: cosine_decay\n  warmup: 100\n  warmup_init: 1e-7\n  arguments: [1e-5, 1000, 1e-7]\n",
+        tmp_path,
+    )
+    assert made.job["train"]["optimizer_config"] == {"momentum": 0.9}
+    assert made.job["train"]["lr_schedule"] == {"name": "cosine_decay", "warmup": 100, "warmup_init": 1e-7, "arguments": [1e-5, 1000, 1e-7]}
+    assert any("optimizer_config.adamw" in n for n in made.notes)
+    parse_job(made.job, source="c.yaml", base_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "says"),
+    [
+        ("model: m\nlearning_rat: 1e-5\n", "learning_rat", "not an mlx_lm lora option"),
+        ("model: m\nreport_to: wandb\n", "report_to", "not available yet"),
+        ("model: m\ntrain: false\ntest: true\n", "train", "dpctl test"),
+        ("model: m\ntrust_remote_code: true\n", "trust_remote_code", "remote code"),
+        ("model: m\nlora_parameters:\n  rank: 8\n  alpha: 16\n", "lora_parameters.alpha", "unknown"),
+        ("model: m\ngrad_accumulation_steps: 8\niters: 4\n", "iters", "grad_accumulation_steps"),
+        ("model: m\noptimizer: lion\n", "optimizer", "must be one of"),
+        ("model: m\ntraining_mode: dpo\n", "training_mode", "normal"),
+        ("model: m\nbatch_size: 0\n", "batch_size", ">= 1"),
+        ("- model: m\n", "yaml", "mapping"),
+        ("model: [unclosed\n", "yaml", "valid YAML"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_by_name(tmp_path: Path, text: str, key: str, says: str) -> None:
+    with pytest.raises(JobFileError) as e:
+        convert(text, tmp_path)
+    assert e.value.key == key and says in str(e.value), str(e.value)
+
+
+def dpctl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "dpool.client.cli", *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+def test_dpctl_convert_writes_the_job_that_submit_would_send(tmp_path: Path) -> None:
+    """Relative paths are the current folder's (mlx-lm's rule); the TOML written reads back as the
+    same job (same hash) as the YAML itself, in dpctl and in the trainer's reader."""
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "lora_config.yaml").write_text(EXAMPLE.format(model="models/qwen", data="data"))
+    r = dpctl("convert", "lora_config.yaml", "-o", "job.toml", "--set", "workers.max=2", cwd=work)
+    assert r.returncode == 0, r.stderr
+    saved = load_job(work / "job.toml")
+    assert saved.workers.max == 2 and saved.resolve(saved.model.path) == str(work / "models" / "qwen")
+    here = os.getcwd()
+    try:
+        os.chdir(work)
+        direct = load_job("lora_config.yaml")
+    finally:
+        os.chdir(here)
+    assert saved.training_hash() == direct.training_hash()
+    shown = dpctl("submit", "--dry-run", "--json", "lora_config.yaml", cwd=work)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["job"]["train"]["optimizer"] == "adamw"
+    printed = dpctl("convert", "lora_config.yaml", cwd=work)
+    assert tomllib.loads(printed.stdout)["model"]["lora_keys"] == ["self_attn.q_proj", "self_attn.v_proj"]
+    bad = dpctl("convert", "missing.yaml", cwd=work)
+    assert bad.returncode == 2 and "missing.yaml" in bad.stderr
+
+
+def test_the_job_name_comes_from_the_file_name() -> None:
+    assert mlxlm_config.job_name("/x/Lora_Config.v2.yaml") == "lora-config-v2"
+    assert mlxlm_config.job_name("/x/___.yml") == "mlx-lm"
