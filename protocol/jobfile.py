@@ -33,7 +33,7 @@ def dump_job(spec: JobSpec) -> str:
     """The job as a TOML document that `load_job` reads back to an equal JobSpec (base_dir aside).
     Written by tomli_w: nested tables (`[train.lr_schedule]`), lists and arrays of tables
     (`[[data.hf_dataset]]`) come out as TOML writes them."""
-    data = _plain(spec.to_dict(), "job")
+    data = {k: v for k, v in _plain(spec.to_dict(), "job").items() if v != {}}  # no empty [content]
     data["base_dir"] = os.path.abspath(spec.base_dir)
     head = {k: data.pop(k) for k in ("name", "base_dir")}
     return tomli_w.dumps(head) + "\n" + tomli_w.dumps(data, multiline_strings=False)
