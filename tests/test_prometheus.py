@@ -1,0 +1,146 @@
+"""/metrics: the pool's snapshot (what `dpctl nodes/status/events --json` print) in Prometheus'
+format, read back with prometheus_client's own parsers, as a scraper reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from dpool.dashboard.prometheus import MAX_ACTIVE, MAX_ENDED, render, series_jobs
+
+NODES = [
+    {"name": "m1", "state": "busy", "memory_bytes": 68719476736, "slots": 2, "busy_slots": 2, "heartbeat_age_s": 0.25},
+    {"name": "m2", "state": "idle", "memory_bytes": 17179869184, "slots": 1, "busy_slots": 0, "heartbeat_age_s": 1.5},
+    {"name": "m3", "state": "lost", "memory_bytes": 17179869184, "slots": 1, "busy_slots": 0, "heartbeat_age_s": 42.0},
+]
+
+
+def status(id: str, state: str, **kw: Any) -> dict[str, Any]:
+    """A `dpctl status --json` object."""
+    row = {
+        "id": id, "name": id.rsplit("-", 1)[0], "state": state, "step": 0, "steps": 100, "generation": 1, "world_size": 0,
+        "workers": [], "checkpoint_step": None, "loss": None, "val_loss": None, "error": None,
+        "submitted": 1000.0, "started": None, "finished": None, "elapsed_s": None, "eta_s": None,
+    }
+    return {**row, **kw}
+
+
+RUNNING = status(
+    "gpt-aaaaaa", "running", step=40, loss=2.5, val_loss=2.75, generation=3, world_size=2, eta_s=12.5,
+    workers=[{"rank": 0, "node": "m1", "share": 4, "tokens_per_s": 1500.0}, {"rank": 1, "node": "m1", "share": 2, "tokens_per_s": 500.0}],
+)
+DONE = status("gpt-bbbbbb", "succeeded", step=100, loss=1.25, val_loss=1.5, finished=2000.0)
+QUEUED = status("gpt-cccccc", "queued")
+EVENTS = {
+    "gpt-aaaaaa": [
+        {"t": 1.0, "kind": "group.started", "generation": 1, "world_size": 3},
+        {"t": 2.0, "kind": "worker.failed", "rank": 2, "node": "m3", "reason": "heartbeat"},
+        {"t": 8.0, "kind": "group.resumed", "from_step": 12, "generation": 2, "seconds_since_failure": 6.0, "steps_recomputed": 3, "cause": "failure"},
+        {"t": 20.0, "kind": "group.resumed", "from_step": 30, "generation": 3, "seconds_since_failure": 0.75, "steps_recomputed": 0, "cause": "membership"},
+    ],
+    # an older coordinator's event, without a cause: a failure
+    "gpt-bbbbbb": [{"t": 5.0, "kind": "group.resumed", "from_step": 5, "generation": 2, "seconds_since_failure": 40.0, "steps_recomputed": 1}],
+}
+
+
+def scrape(nodes: list[dict[str, Any]], jobs: list[dict[str, Any]], events: dict[str, list[dict[str, Any]]]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition, keyed by (name, sorted labels)."""
+    body, content_type = render(nodes, jobs, events)
+    assert content_type.startswith("text/plain; version=")
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            key = (s.name, tuple(sorted(s.labels.items())))
+            assert key not in out, f"{key} twice"
+            out[key] = s.value
+    return out
+
+
+def test_nodes_are_counted_by_state_and_each_node_has_its_memory_slots_and_heartbeat_age() -> None:
+    got = scrape([*NODES, {**NODES[1], "name": "m4", "state": "yielding"}], [], {})
+    assert {s: got["dpool_nodes", (("state", s),)] for s in ("idle", "busy", "draining", "lost", "yielding")} == {
+        "idle": 1, "busy": 1, "draining": 0, "lost": 1, "yielding": 1,
+    }
+    assert got["dpool_node_memory_bytes", (("node", "m1"),)] == 68719476736
+    assert got["dpool_node_slots", (("node", "m1"),)] == 2
+    assert got["dpool_node_busy_slots", (("node", "m2"),)] == 0
+    assert got["dpool_node_heartbeat_age_seconds", (("node", "m3"),)] == 42.0
+
+
+def test_jobs_are_counted_by_state_and_a_running_job_has_its_progress_loss_and_speed() -> None:
+    got = scrape(NODES, [RUNNING, DONE, QUEUED], EVENTS)
+    assert got["dpool_jobs", (("state", "running"),)] == 1
+    assert got["dpool_jobs", (("state", "failed"),)] == 0
+    job = (("job", "gpt-aaaaaa"),)
+    assert got["dpool_job_step", job] == 40
+    assert got["dpool_job_steps", job] == 100
+    assert got["dpool_job_loss", job] == 2.5
+    assert got["dpool_job_val_loss", job] == 2.75
+    assert got["dpool_job_tokens_per_second", job] == 2000.0  # its workers together
+    assert got["dpool_job_world_size", job] == 2
+    assert got["dpool_job_generation", job] == 3
+    assert got["dpool_job_eta_seconds", job] == 12.5
+    # unknown values are left out, not written as 0: the queued job has no loss yet, the ended one no speed
+    assert ("dpool_job_loss", (("job", "gpt-cccccc"),)) not in got
+    assert ("dpool_job_tokens_per_second", (("job", "gpt-bbbbbb"),)) not in got
+    assert got["dpool_job_step", (("job", "gpt-cccccc"),)] == 0
+
+
+def test_restarts_are_a_counter_by_cause_and_recoveries_a_histogram_of_seconds() -> None:
+    got = scrape(NODES, [RUNNING, DONE, QUEUED], EVENTS)
+    a, b = "gpt-aaaaaa", "gpt-bbbbbb"
+    assert got["dpool_job_restarts_total", (("cause", "failure"), ("job", a))] == 1
+    assert got["dpool_job_restarts_total", (("cause", "membership"), ("job", a))] == 1
+    assert got["dpool_job_restarts_total", (("cause", "failure"), ("job", b))] == 1  # no cause: a failure
+    assert got["dpool_job_restarts_total", (("cause", "membership"), ("job", b))] == 0  # there from the start, at 0
+    assert got["dpool_job_restarts_total", (("cause", "failure"), ("job", "gpt-cccccc"))] == 0
+    failure = (("cause", "failure"), ("job", a))
+    assert got["dpool_recovery_seconds_count", failure] == 1
+    assert got["dpool_recovery_seconds_sum", failure] == 6.0
+    assert got["dpool_recovery_seconds_bucket", (*failure, ("le", "5.0"))] == 0
+    assert got["dpool_recovery_seconds_bucket", (*failure, ("le", "10.0"))] == 1
+    assert got["dpool_recovery_seconds_bucket", (*failure, ("le", "+Inf"))] == 1
+    assert got["dpool_recovery_seconds_bucket", (("cause", "membership"), ("job", a), ("le", "1.0"))] == 1
+    assert got["dpool_recovery_seconds_sum", (("cause", "failure"), ("job", b))] == 40.0
+
+
+def test_only_the_jobs_not_ended_and_the_last_that_ended_get_series_of_their_own() -> None:
+    ended = [status(f"old-{i:06d}", "succeeded", step=100, loss=1.0, finished=10_000.0 + i) for i in range(3000)]
+    active = [status(f"new-{i:06d}", "running" if i < 2 else "queued", submitted=20_000.0 + i) for i in range(MAX_ACTIVE + 5)]
+    jobs = ended + active
+    got = scrape(NODES, jobs, {})
+    labelled = {dict(labels)["job"] for (name, labels) in got if name == "dpool_job_step"}
+    newest_ended = {f"old-{i:06d}" for i in range(3000 - MAX_ENDED, 3000)}
+    assert labelled == set(series_jobs(jobs))
+    assert len(labelled) == MAX_ACTIVE + MAX_ENDED
+    assert newest_ended <= labelled
+    assert {"new-000000", "new-000001"} <= labelled  # the running ones come first
+    assert got["dpool_jobs", (("state", "succeeded"),)] == 3000  # the counts still count every job
+
+
+def test_values_that_are_not_numbers_are_left_out_and_label_values_are_escaped() -> None:
+    odd = [{"name": 'a"b\\c\nd', "state": "idle", "memory_bytes": "lots", "slots": True, "busy_slots": None, "heartbeat_age_s": 2}]
+    job = status("gpt-dddddd", "running", step="many", loss=float("nan"), workers=[{"tokens_per_s": None}, "junk"])
+    events = {"gpt-dddddd": [{"kind": "group.resumed", "seconds_since_failure": "soon"}, "junk", {"kind": "group.resumed", "cause": "failure", "seconds_since_failure": -1}]}
+    got = scrape(odd, [job], events)
+    assert got["dpool_node_heartbeat_age_seconds", (("node", 'a"b\\c\nd'),)] == 2
+    assert ("dpool_node_memory_bytes", (("node", 'a"b\\c\nd'),)) not in got
+    assert ("dpool_node_slots", (("node", 'a"b\\c\nd'),)) not in got
+    assert ("dpool_job_step", (("job", "gpt-dddddd"),)) not in got
+    assert got["dpool_job_tokens_per_second", (("job", "gpt-dddddd"),)] == 0
+    # both resumptions count; neither has seconds to put in the histogram
+    assert got["dpool_job_restarts_total", (("cause", "failure"), ("job", "gpt-dddddd"))] == 2
+    assert not any(name.startswith("dpool_recovery_seconds") for name, _ in got)
+
+
+def test_a_scraper_that_asks_for_openmetrics_gets_it() -> None:
+    body, content_type = render(NODES, [RUNNING], EVENTS, accept="application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    families = {f.name: f for f in openmetrics_families(body.decode())}
+    assert families["dpool_job_restarts"].type == "counter"
+    assert families["dpool_recovery_seconds"].type == "histogram"
+    assert families["dpool_recovery_seconds"].unit == "seconds"
