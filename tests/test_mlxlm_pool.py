@@ -82,3 +82,60 @@ def shorten_toml(text: str) -> str:
     for old, new in swaps.items():
         text = text.replace(old, new)
     return text
+
+
+# LORA.md's list of Hugging Face datasets, as it is but for the paths (local folders of JSON lines
+# that `datasets.load_dataset` reads offline, in place of the Hub ids) and a short run.
+LORA_MD_HF = """\
+model: "mlx_model"
+train: true
+iters: 6
+batch_size: 4
+steps_per_report: 1
+steps_per_eval: 6
+save_every: 3
+val_batches: 1
+hf_dataset:
+  - path: "orca"
+    train_split: "train[:90%]"
+    valid_split: "train[-10%:]"
+    prompt_feature: "question"
+    completion_feature: "response"
+  - path: "ultrafeedback"
+    train_split: "train[:90%]"
+    valid_split: "train[-10%:]"
+    chat_feature: "chosen"
+"""
+
+
+def test_lora_mds_list_of_hugging_face_datasets_trains_on_two_dpds(processes: Processes, tmp_path: Path, monkeypatch) -> None:
+    pytest.importorskip("datasets")
+    import random
+
+    offline = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    for k, v in offline.items():
+        monkeypatch.setenv(k, v)  # the dpds and their trainers inherit it
+    pool = LocalPool(processes, tmp_path / "pool")
+    work = pool.root
+    work.mkdir(parents=True, exist_ok=True)
+    tinylm.make_model(work / "mlx_model", arch="llama", seed=7)
+    rng = random.Random(9)
+    (work / "orca").mkdir()
+    (work / "orca" / "train.jsonl").write_text("".join(
+        json.dumps({"question": r["prompt"], "response": r["completion"]}) + "\n" for r in tinylm.examples("completions", 40, rng)))
+    (work / "ultrafeedback").mkdir()
+    (work / "ultrafeedback" / "train.jsonl").write_text("".join(
+        json.dumps({"chosen": r["messages"], "rejected": r["messages"][:1]}) + "\n" for r in tinylm.examples("chat", 30, rng)))
+    (work / "hf.yaml").write_text(LORA_MD_HF)
+    pool.start(1, 1)
+    job = pool.submit(Path("hf.yaml"))
+    final = pool.wait_end(job, timeout=300)
+    events = pool.dpctl_json("events", job)
+    assert final.state == "succeeded" and final.world_size == 2, (final, events)
+    rows = pool.dpctl_json("metrics", job)
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 7)), train
+    assert [r for r in rows if r["kind"] == "eval"], rows
+    # Both datasets, concatenated as mlx-lm does: 90% of 40 and of 30 train, 10% of each held out.
+    logs = pool.dpctl("logs", job)
+    assert '"examples":[63,7]' in logs.stdout.replace(" ", ""), logs.stdout[-2000:]
