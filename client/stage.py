@@ -1,7 +1,7 @@
 """`dpctl submit`'s side of staging: name the job's files by content, and make sure the pool holds
 them before the job is queued.
 
-Where `data.source` (and an mlx_lm `model.path`) exist on the machine dpctl runs on, their trees
+Where `data.source` (and an mlx_lm `model.path` and `model.adapters`) exist on the machine dpctl runs on, their trees
 are hashed (protocol/content.py says which files; a hash cache in ~/.cache/dpool spares a second
 hashing of unchanged files) and their digests written into the job's `[content]`. The coordinator
 is then asked which of them some node holds (`stage.offer`); the rest are sent once, into one
@@ -23,7 +23,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from dpool.client.rpc import Client
-from dpool.protocol.content import data_tree, model_tree
+from dpool.protocol.content import adapters_tree, data_tree, model_tree
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
@@ -47,14 +47,14 @@ def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
     hashes = hash_cache()
     trees: list[tuple[Path, Manifest]] = []
     content = spec.content
-    for what, tree in (("data", data_tree(spec)), ("model", model_tree(spec))):
+    for what, tree in (("data", data_tree(spec)), ("model", model_tree(spec)), ("adapters", adapters_tree(spec))):
         if tree is None or getattr(content, what) is not None:
             continue
         root, files = tree
         try:
             manifest = scan(root, files, hashes=hashes)
         except (ManifestError, OSError) as e:
-            key = "data.source" if what == "data" else "model.path"
+            key = {"data": "data.source", "model": "model.path", "adapters": "model.adapters"}[what]
             raise StageError(f"{key}: cannot read the files at {root}: {e}") from None
         content = dataclasses.replace(content, **{what: manifest.digest})
         trees.append((root, manifest))

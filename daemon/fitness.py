@@ -91,7 +91,7 @@ def needs_files(spec: JobSpec) -> bool:
 
 
 def digests(spec: JobSpec) -> list[str]:
-    return [d for d in (spec.content.data, spec.content.model) if d is not None]
+    return [d for d in (spec.content.data, spec.content.model, spec.content.adapters) if d is not None]
 
 
 class Fitness:

@@ -3,7 +3,7 @@
 The coordinator asks with `job.stage` (daemon/fitness.py); `NodeStaging.stage` answers with
 `node.staged`, at once ("checking"), while it fetches ("staging", with bytes and rate), and at the
 end ("ready", or "unfit" with one line naming what is wrong). For each of the job's trees (the
-data, an mlx_lm model):
+data, an mlx_lm model, the adapters it starts from):
 
 - the job names its content (`[content]`, written by `dpctl submit`):
   - the node's cache holds it: served from there;
@@ -13,7 +13,8 @@ data, an mlx_lm model):
   - else the content is fetched from the nodes that hold it (the data channel, staging/channel.py)
     into the cache;
 - the job names no content (a path that did not exist where it was submitted): the path must
-  exist here.
+  exist here (the data and the model may be found on one node and named by it for the others;
+  adapters are named only by the submitting machine).
 Then a model must load as a config (`config.json` with a `model_type`) and fit in this machine's
 memory (an estimate: its weights, four times over for full fine-tuning with Adam).
 
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpool.protocol.content import data_tree, model_tree, staged
+from dpool.protocol.content import adapters_tree, data_tree, model_tree, staged
 from dpool.protocol.jobspec import JobFileError, JobSpec, data_location, model_location, parse_job
 from dpool.protocol.messages import Message
 from dpool.protocol.stage_messages import (
@@ -67,6 +68,7 @@ class Staged:
 
     data: Path | None = None
     model: Path | None = None
+    adapters: Path | None = None
     digests: tuple[str, ...] = ()
 
 
@@ -143,7 +145,7 @@ class NodeStaging:
 
     def localize(self, job: str, spec: JobSpec) -> JobSpec:
         got = self.jobs.get(job)
-        return spec if got is None else staged(spec, got.data, got.model)
+        return spec if got is None else staged(spec, got.data, got.model, got.adapters)
 
     def ended(self, job: str) -> bool:
         """The job is over: its trees may be evicted. Whether this node had staged it."""
@@ -193,6 +195,7 @@ class NodeStaging:
             got = Staged()
             got.data = await self._tree(msg.job, spec, "data", say, fetched, found)
             got.model = await self._tree(msg.job, spec, "model", say, fetched, found)
+            got.adapters = await self._adapters(msg.job, spec, say, fetched)
             self._check_model(spec, got.model)
         except (Unfit, JobFileError) as e:
             self.log.warning("node.unfit", job=msg.job, reason=str(e))
@@ -231,6 +234,12 @@ class NodeStaging:
                 self.cache.adopt(mine.digest, root)
                 found[what] = mine.digest
             return None
+        return await self._serve(job, digest, key, local, say, fetched)
+
+    async def _serve(self, job: str, digest: str, key: str, local: tuple[Path, list[Path]] | None,
+                     say: Callable[..., None], fetched: list[int]) -> Path | None:
+        """The folder of tree `digest` here: the cache's copy, this node's own copy at the job's
+        path when it matches (None: served from where it is), or a fetch from the pool."""
         self.cache.pin(digest, job)
         held = self.cache.tree(digest)
         if held is not None:
@@ -248,6 +257,20 @@ class NodeStaging:
             return await self._fetch(digest, key, say, fetched, self.rates.get(job))
         finally:
             self.fetching.get(job, set()).discard(digest)
+
+    async def _adapters(self, job: str, spec: JobSpec, say: Callable[..., None], fetched: list[int]) -> Path | None:
+        """The folder this node serves the adapters a job starts from (None: the job's own path).
+        Named by content only where the job was submitted from a machine that holds them; else
+        each node needs them at the job's path."""
+        if spec.model.kind != "mlx_lm" or spec.model.adapters is None:
+            return None
+        local = await asyncio.to_thread(adapters_tree, spec)
+        digest = spec.content.adapters
+        if digest is None:
+            if local is None:
+                raise Unfit(f"model.adapters = {spec.model.adapters!r}: no adapters on this machine ({spec.resolve(spec.model.adapters)})")
+            return None
+        return await self._serve(job, digest, "model.adapters", local, say, fetched)
 
     async def _difference(self, digest: str, root: Path) -> str:
         """The first file of `root` that differs from the submitted tree (its manifest fetched

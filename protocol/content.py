@@ -1,4 +1,5 @@
-"""What a job's files are, wherever they sit: the tree behind `data.source` and `model.path`.
+"""What a job's files are, wherever they sit: the trees behind `data.source`, `model.path` and
+`model.adapters`.
 
 Identity is by content and by paths relative to a tree's root, never by absolute paths, user names
 or mount points: `~/corpus/*.txt` on alice's Mac and on bob's names two folders with the same
@@ -11,7 +12,8 @@ The root of a source:
 - a glob (`~/corpus/**/*.txt`): the folder before the first part with a wildcard;
 - one file: the folder it is in.
 An mlx_lm data folder's tree is its train.jsonl, valid.jsonl and test.jsonl; a model folder's tree
-is every file in it except hidden ones (`.git`, `.cache`).
+is every file in it except hidden ones (`.git`, `.cache`); the adapters' tree is adapters.safetensors
+and adapter_config.json of an adapter folder, or the one .safetensors file `model.adapters` names.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_loc
 
 WILDCARDS = frozenset("*?[")
 LM_DATA_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl")
+ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
 
 
 def source_root(resolved: str) -> Path:
@@ -69,7 +72,18 @@ def model_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
     return (root, files) if files else None
 
 
-def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None) -> JobSpec:
+def adapters_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
+    """The adapters an mlx_lm job starts from, on this machine (None: none named, or not here)."""
+    if spec.model.kind != "mlx_lm" or spec.model.adapters is None:
+        return None
+    path = Path(spec.resolve(spec.model.adapters))
+    if path.is_file():
+        return path.parent, [path]
+    files = [path / name for name in ADAPTER_FILES if (path / name).is_file()]
+    return (path, files) if (path / ADAPTER_FILES[0]) in files else None
+
+
+def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None, adapters_dir: Path | None = None) -> JobSpec:
     """The job as this node runs it: its sources replaced by the folders that hold their verified
     trees here. The training hash is unchanged (it counts the content digests, not the paths), and
     so are the data's split and order (documents are named relative to the root)."""
@@ -79,6 +93,10 @@ def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None) -> JobS
         data = dataclasses.replace(data, source=source)
     if model_dir is not None:
         model = dataclasses.replace(model, path=str(model_dir))
+    if adapters_dir is not None and model.adapters is not None:
+        named = Path(spec.model.adapters).name  # a file keeps its name inside the tree; a folder is the tree
+        inside = adapters_dir / named if (adapters_dir / named).is_file() else adapters_dir
+        model = dataclasses.replace(model, adapters=str(inside))
     return dataclasses.replace(spec, data=data, model=model)
 
 

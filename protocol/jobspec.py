@@ -354,6 +354,7 @@ class ContentSpec:
 
     data: str | None = _spec(_digest, "the digest of data.source's files (their manifest: relative paths, sizes, sha256)", None)
     model: str | None = _spec(_digest, "mlx_lm: the digest of model.path's files", None)
+    adapters: str | None = _spec(_digest, "mlx_lm: the digest of model.adapters' files (the adapters to start from)", None)
 
 
 SECTIONS: dict[str, type] = {
@@ -423,6 +424,8 @@ class JobSpec:
             data["source"] = f"sha256:{self.content.data}"
         if self.content.model is not None:
             model["path"] = f"sha256:{self.content.model}"
+        if self.content.adapters is not None and model.get("adapters") is not None:
+            model["adapters"] = f"sha256:{self.content.adapters}"
         body = {"model": model, "data": data, "train": train}
         if self.model.kind == "mlx_lm":
             _hash_lm_keys(self.model, model)

@@ -154,3 +154,36 @@ def test_a_model_and_data_only_on_the_submitting_machine_train_on_three_nodes_an
     again = subprocess.run([*cmd, "--set", "name=laptop-again"], capture_output=True, text=True, timeout=120, env=env)
     assert again.returncode == 0 and "sending" not in again.stderr, again.stderr
     pool.dpctl("cancel", again.stdout.strip())
+
+
+def test_adapters_to_start_from_travel_with_the_job_like_the_model(pool: HomePool, assets: Path, tmp_path: Path) -> None:
+    """`model.adapters` on the submitting machine only: the nodes fetch them with the model and the
+    data, and the job starts from them (its first step is the one a trainer beside the files takes)."""
+    laptop = tmp_path / "home-laptop"
+    (laptop / "models").mkdir(parents=True)
+    shutil.copytree(assets / "model", laptop / "models" / "tiny")
+    shutil.copytree(assets / "chat", laptop / "data" / "chat")
+    env = {**os.environ, "HOME": str(laptop)}
+    # Adapters worth starting from: 3 steps of the job, exported.
+    first = write_job(tmp_path, "first", base=LORA, train={"steps": 3})
+    run = subprocess.run([sys.executable, "-m", "dpool.trainer", str(first), "--run-dir", str(tmp_path / "first")], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-m", "dpool.trainer", str(first), "--run-dir", str(tmp_path / "first"), "--export", str(laptop / "adapters")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = write_job(tmp_path, "from-adapters", base=LORA, model={"adapters": "~/adapters"}, workers={"min": 2, "max": 2}, train={"steps": 2})
+    alone = subprocess.run([sys.executable, "-m", "dpool.trainer", str(resumed), "--run-dir", str(tmp_path / "alone")], env=env, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    reference = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+
+    pool.start(1, 1)  # no node holds the model, the data or the adapters
+    sub = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "submit", str(resumed)], capture_output=True, text=True, timeout=120, env=env)
+    assert sub.returncode == 0 and "sending" in sub.stderr, sub.stderr
+    job = sub.stdout.strip()
+    final = pool.wait_end(job, timeout=300)
+    events = pool.dpctl_json("events", job)
+    assert final.state == "succeeded" and final.world_size == 2, (final, events)
+    rows = {r["step"]: r["loss"] for r in pool.dpctl_json("metrics", job) if r["kind"] == "train"}
+    assert max(abs(rows[s] - reference[s]) for s in reference) < TOL, (rows, reference)
+    fresh = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "first" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    assert abs(rows[1] - fresh[1]) > 10 * TOL, "the job started from the adapters, not from fresh ones"
