@@ -18,6 +18,7 @@ from dpool.protocol.payloads import EventRow, JobStatus
 START_KINDS = ("group.starting", "group.started")
 END_KINDS = ("job.succeeded", "job.failed", "job.cancelled")
 PACE_WINDOW_S = 120.0  # the pace is measured over about the last two minutes of the running group
+ETA_MAX_S = 1e11  # JobStatus.eta_s's bound (daemon/watch.py gives none beyond it either)
 
 
 @dataclass(slots=True)
@@ -88,7 +89,8 @@ class JobTimes:
         if s1 <= s0 or t1 <= t0:
             return None
         per_step = (t1 - t0) / (s1 - s0)
-        return max(0.0, (s.steps - s1) * per_step - (now - t1))
+        eta = max(0.0, (s.steps - s1) * per_step - (now - t1))
+        return eta if eta <= ETA_MAX_S else None  # as the coordinator's: beyond a status row's bound is no estimate
 
     def to_wire(self, s: JobStatus, now: float) -> dict[str, Any]:
         """The keys `status --json` adds to a job's object (INTERFACE.md)."""

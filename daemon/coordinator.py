@@ -44,11 +44,12 @@ from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Se
 from dpool.daemon.records import JobRef
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
+from dpool.protocol.fit import fit
 from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
-from dpool.protocol.payloads import TrainRow
+from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, SampleRow, TestLossRow, TrainRow
 from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, user_parts
 from dpool.protocol.sockets import HWM, pending_with_users
 from dpool.protocol.stage_messages import (
@@ -67,6 +68,7 @@ BATCH_S = 0.02  # and for at most this long: a flood of registrations cannot hol
 BAD_FRAME_LOGS_PER_S = 5
 SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (rate-limited), with what it was
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
+STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
 
 
 def steady_clock() -> Callable[[], float]:
@@ -114,6 +116,7 @@ class Coordinator:
         self._failed_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
         self._refused_log = Throttle(lines=1, every=REFUSAL_LOG_S)  # forbidden messages, refused reports: per key and kind
         self._slow_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)
+        self._fitted_log = Throttle(lines=1, every=TRACEBACK_EVERY_S)  # messages fitted to their bounds: per type
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -320,11 +323,34 @@ class Coordinator:
             self.log.warning("report.refused", node=r.node, type=r.kind, reason=r.reason, repeated=held)
 
     def _send_to(self, peer: bytes, msg: Message, msg_id: int = 0) -> None:
+        # Within its bounds, whatever it was derived from (protocol/fit.py): a receiver refuses a
+        # message with one value out of bound, whole, so one job's bad ETA would hide every job.
+        fitted, fixes = fit(msg, self._stored)
+        if fixes:
+            self._fitted(peer, msg, fixes)
+            if fitted is None:
+                if not msg_id or isinstance(msg, m.Error):
+                    return
+                fitted = m.Error(code=str(ErrorCode.INTERNAL), message=f"{msg.TYPE} could not be made to fit its bounds: {fixes[-1]}"[: m.ERROR_MESSAGE_MAX])
+        msg = fitted
         try:
             frames = msg.to_frames(msg_id)
         except ProtocolError as e:
             frames = m.Error(code=str(e.code), message=e.message).to_frames(msg_id)
         self._send_frames(peer, frames)
+
+    def _stored(self, row: Any) -> bool:
+        """A row the store read back through `from_wire` (checked there), which `fit` takes as it
+        is: the rows of metrics, samples and events pages, and the status rows of jobs no longer
+        in memory. Those of jobs in memory are made from their state, and checked."""
+        return isinstance(row, STORED_ROWS) or (isinstance(row, JobStatus) and row.id not in self.pool.jobs)
+
+    def _fitted(self, peer: bytes, msg: Message, fixes: list[str]) -> None:
+        """A message fitted to its bounds: a value derived out of them (a bug to fix where it is
+        derived), one line per message type a minute."""
+        held = self._fitted_log.allow(str(msg.TYPE), self.clock())
+        if held is not None:
+            self.log.warning("message.fitted", type=str(msg.TYPE), fixes=fixes[:8], count=len(fixes), peer=peer.hex(), repeated=held)
 
     def _send_frames(self, peer: bytes, frames: list[bytes]) -> None:
         self._outbox.append([peer, *frames])

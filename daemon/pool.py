@@ -70,6 +70,7 @@ __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeSt
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
+TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
@@ -571,7 +572,7 @@ class Pool:
         step, seconds = msg.step, msg.seconds
         run.step = step
         if seconds > 0:
-            rate = msg.tokens / seconds
+            rate = min(msg.tokens / seconds, TOKENS_PER_S_MAX)  # 2^53-1 tokens in 5e-324 s is inf
             run.tokens_per_s = rate if run.tokens_per_s == 0 else 0.8 * run.tokens_per_s + 0.2 * rate
         if msg.rank == 0:
             job.step = step

@@ -41,6 +41,7 @@ from dpool.protocol.jobspec import JobSpec
 
 RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
+ETA_MAX_S = 1e11  # a status row's bound on eta_s (3,000 years): a longer estimate is none
 
 
 @dataclass(slots=True)
@@ -123,10 +124,12 @@ class StepWatch:
 
     def eta(self, now: float) -> float | None:
         """Seconds until the last step at the recent median step interval (None before one is
-        measured)."""
+        measured, or when it is beyond ETA_MAX_S: 100,000 steps left at a valid step time of
+        1e7 s would be 1e12 s, a value no status row can carry)."""
         if self.last_step is None or not self.recent:
             return None
-        return max(0.0, (self.steps - self.last_step) * statistics.median(self.recent) - (now - self.last_at))
+        eta = max(0.0, (self.steps - self.last_step) * statistics.median(self.recent) - (now - self.last_at))
+        return eta if eta <= ETA_MAX_S else None
 
     def deadline(self) -> float:
         return (self.started_at if self.last_step is None else self.last_at) + self.allowance()
