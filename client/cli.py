@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -31,6 +32,7 @@ from dpool.client import comm as client_comm
 from dpool.client import demo as client_demo
 from dpool.client import keys as client_keys
 from dpool.client import plot as client_plot
+from dpool.client import queue as client_queue
 from dpool.client import stage
 from dpool.client import watch as client_watch
 from dpool.client.jobtimes import JobTimes, status_object
@@ -39,7 +41,7 @@ from dpool.client.tables import age, clock, duration, event_details, num, size, 
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
 from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, parse_job
+from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, check_priority, parse_job
 from dpool.protocol.payloads import (
     EvalRow,
     EventRow,
@@ -156,6 +158,10 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
 
 def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
     spec = read_job(a.job, a.set or ())
+    if a.priority is not None:
+        if (err := check_priority(a.priority)) is not None:
+            raise BadInput(f"--priority {a.priority}: {err}")
+        spec = dataclasses.replace(spec, priority=a.priority)
     if a.dry_run:
         try:
             spec, _ = stage.with_content(spec)  # the digests submit would write, of the files here
@@ -297,7 +303,9 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
     if a.job:
         j, t = jobs[0], times[jobs[0].id]
         print(f"job        {j.id}  ({j.name})")
-        print(f"state      {j.state}" + (f"  error: {j.error}" if j.error else ""))
+        print(f"state      {j.state}" + (f"  error: {j.error}" if j.error else "") + (f"   priority {j.priority}" if j.priority else ""))
+        if j.waiting:
+            print(f"waits for  {j.waiting}")
         print(f"step       {j.step}/{j.steps}   generation {j.generation}   world size {j.world_size}")
         print(f"loss       {num(j.loss) or '-'}   val_loss {num(j.val_loss) or '-'}   checkpoint step {j.checkpoint_step if j.checkpoint_step is not None else '-'}"
               + (f"   test_loss {num(j.test_loss)}" if j.test_loss is not None else ""))
@@ -327,7 +335,14 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
             j.id, j.state, f"{j.step}/{j.steps}", j.generation, j.world_size, num(j.loss), num(j.val_loss), j.checkpoint_step,
             when(t.submitted, now), when(t.started, now), when(t.finished, now), duration(t.elapsed_s(now)), duration(t.eta_s(j, now)), j.error,
         ])
-    print(table(["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "SUBMITTED", "STARTED", "FINISHED", "ELAPSED", "ETA", "ERROR"], rows))
+    headers = ["JOB", "STATE", "STEP", "GEN", "WORKERS", "LOSS", "VAL_LOSS", "CKPT", "SUBMITTED", "STARTED", "FINISHED", "ELAPSED", "ETA", "ERROR"]
+    if any(j.priority for j in jobs):  # sharing the pool: each job's priority, and what a waiting one waits for
+        headers.insert(2, "PRIORITY")
+        rows = [[*r[:2], j.priority or 0, *r[2:]] for r, j in zip(rows, jobs, strict=True)]
+    if any(j.waiting for j in jobs):
+        headers.append("WAITS FOR")
+        rows = [[*r, j.waiting] for r, j in zip(rows, jobs, strict=True)]
+    print(table(headers, rows))
     return EXIT_OK
 
 
@@ -674,6 +689,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--follow", action="store_true", help="then stream its output until it ends (exit 1 unless it succeeds)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the job file, read as TOML (--set train.lr=1e-4 --set workers.max=2); repeatable")
     s.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved job file and check it; submit nothing")
+    s.add_argument("--priority", type=int, metavar="N", help="the job's priority (overrides the file's `priority`; higher runs first, default 0)")
     s.add_argument("--json", action="store_true", help='print {"id": ...} (with --follow, then one log object a line; with --dry-run, {"job": ...})')
     s.set_defaults(fn=cmd_submit)
 
@@ -747,6 +763,7 @@ def parser() -> argparse.ArgumentParser:
 
     client_plot.add_parser(sub)
     client_cache.add_parser(sub)
+    client_queue.add_parser(sub)
     client_watch.add_parser(sub)
     client_demo.add_parser(sub)
     client_keys.add_parser(sub)

@@ -42,6 +42,7 @@ from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
 from dpool.daemon.records import JobRef
+from dpool.daemon.sharing import queue_reply, set_priority
 from dpool.daemon.store import Store
 from dpool.protocol import messages as m
 from dpool.protocol.fit import fit
@@ -51,6 +52,7 @@ from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, SampleRow, TestLossRow, TrainRow
 from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, user_parts
+from dpool.protocol.sharing import Queue, SetPriority
 from dpool.protocol.sockets import HWM, pending_with_users
 from dpool.protocol.stage_messages import (
     Cache,
@@ -435,6 +437,10 @@ class Coordinator:
                 return CachePruneReply(nodes=asked), [Send(n, StagePrune()) for n in asked]
             case m.Nodes():
                 return m.NodesReply(nodes=self.pool.node_rows(now)), []
+            case Queue():
+                return queue_reply(self.pool), []
+            case SetPriority(job=ref, priority=priority):
+                return set_priority(self.pool, self._job(ref), priority, now)
             case m.Metrics(job=ref, after=after, limit=limit):
                 job_id = self._job(ref).id
                 rows, cursor, more = self.store.metrics(job_id, after, _page(limit))

@@ -18,9 +18,9 @@ Starting a group is two-phase because only a node knows which of its TCP ports a
 the ring hostfile and sends `group.start`. Slots are set aside from admission until the node
 reports their worker's exit (or stops listing it in its heartbeat, or is lost).
 
-Recovery re-uses admission: a job whose old group has stopped is admitted again, with the slots
-that are free, ahead of jobs submitted after it; rank 0 goes to the slot holding the newest
-checkpoint, so the new generation resumes from it.
+Recovery re-uses admission: a job whose old group has stopped is admitted again, in its place in
+the queue (daemon/scheduler.py: priority, then submission); rank 0 goes to the slot holding the
+newest checkpoint, so the new generation resumes from it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import dataclasses
 from typing import Any, TypeAlias
 
 from dpool.daemon import jobstate as js
+from dpool.daemon import scheduler as sched
 from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.links import Links
@@ -83,7 +84,10 @@ RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCh
 
 
 class Pool:
-    def __init__(self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None, stage_rate_bps: float = TRAINING_RATE_BPS) -> None:
+    def __init__(
+        self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None, stage_rate_bps: float = TRAINING_RATE_BPS,
+        policy: sched.Policy = sched.POLICY,
+    ) -> None:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
         self.expiry_s = heartbeat_s * liveness
         # A node of a group stopped at once (a failure, a cancel) is lost unless heard from within
@@ -98,6 +102,8 @@ class Pool:
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
         self.fitness = Fitness(stage_rate_bps)  # which nodes can serve which job, and who holds its files (staging)
         self.links = Links()  # the links groups measured, and each running job's share of a step in all_sum
+        self.policy = policy  # sharing the pool (daemon/scheduler.py)
+        self.decision: sched.Decision | None = None  # the scheduler's newest, for `dpctl queue`
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -473,6 +479,12 @@ class Pool:
         w = spec.workers
         return [Record(job_id, "job.submitted", now, {"workers_min": w.min, "workers_max": w.max}), JobChanged(job_id)]
 
+    def set_priority(self, now: float, job: Job, priority: int) -> list[Action]:
+        """`dpctl priority JOB N` (daemon/sharing.py): the scheduler's next round acts on it."""
+        was = job.spec.priority
+        job.spec, job._doc = dataclasses.replace(job.spec, priority=priority), None
+        return [Record(job.id, "job.priority", now, {"priority": priority, "previous": was}), JobChanged(job.id)]
+
     def cancel(self, now: float, job: Job) -> list[Action]:
         return self._feed(job, js.CancelRequested(), now)
 
@@ -716,42 +728,91 @@ class Pool:
     # -- admission -----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> list[Action]:
-        """Admit waiting jobs in submission order while their workers.min fits in the free slots.
+        """Admit waiting jobs and resize running ones as the scheduler decides (daemon/scheduler.py:
+        priorities, fair shares, backfill, preemption by shrinking).
 
         Run once per batch of messages and per tick (not per message). Waiting means queued, or
-        recovering with the old group stopped (those were submitted earlier, so they go first). A
-        job that could never fit in the pool as it is (workers.min above every healthy slot) does
-        not hold back the jobs behind it; one that merely waits for busy slots does, so big jobs
-        are not starved by a stream of small ones. Then running jobs below workers.max grow into
-        slots nobody waits for.
+        recovering with the old group stopped. A job no live node can serve fails; one whose files
+        the nodes are still checking (its first group) waits for them outside the plan. Every resize
+        is a planned restart (`_reshape`: checkpoint at the next step and exit, so 0 steps are
+        recomputed), and a stopped job whose target is 0 goes back to the queue with its checkpoint.
         """
-        waiting = [j for j in self.live.values() if j.state is JobState.QUEUED or (j.pending is None and j.machine.ready_to_restart(now))]
         actions: list[Action] = self._ask_fitness(now)
-        blocked = False
-        if waiting:
-            usable = [n for n in self.nodes.values() if not n.lost and n.hold is None]
-            for job in waiting:
-                hopeless = self.fitness.hopeless(job.id, [n.name for n in usable])
-                if hopeless is not None:
-                    actions += self._feed(job, js.Unservable(hopeless), now)
-                    continue
-                if job.machine.generation == 0 and self.fitness.checking(job.id, [n.name for n in usable], now):
-                    continue  # its first group waits (briefly) for the nodes still checking its files
-                capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
-                recovering = job.state is JobState.RECOVERING
-                lo = job.spec.workers.min
-                chosen = None if blocked else choose_slots(self._free_slots(job), lo, job.spec.max_workers())
-                if chosen is not None:
-                    actions += self._admit(job, chosen, now)
-                    continue
-                if recovering:
-                    # RECOVERING -> QUEUED: fewer than workers.min usable slots are left.
-                    actions += self._feed(job, js.Requeue(f"{capacity} usable slot(s) for workers.min = {lo}" if lo > capacity else "waiting for free slots"), now)
-                if lo <= capacity:
-                    blocked = True  # it waits for busy slots: nothing behind it jumps the queue
-        if not blocked:
-            actions += self._grow(now)
+        usable = [n for n in self.nodes.values() if not n.lost and n.hold is None]
+        names = [n.name for n in usable]
+        held = collections.Counter(job for n in usable for job, _ in n.used.values())
+        views = []
+        for job in list(self.live.values()):
+            waiting = job.state is JobState.QUEUED or (job.pending is None and job.machine.ready_to_restart(now))
+            if waiting and (hopeless := self.fitness.hopeless(job.id, names)) is not None:
+                actions += self._feed(job, js.Unservable(hopeless), now)
+                continue
+            if waiting and job.machine.generation == 0 and self.fitness.checking(job.id, names, now):
+                job.waiting = "the nodes still checking its files"
+                continue  # its first group waits (briefly) for them
+            capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
+            views.append(self._view(job, waiting, held[job.id], capacity))
+        d = self.decision = sched.plan(now, sum(n.slots for n in usable), sum(len(n.free()) for n in usable), views, self.policy)
+        for start in d.starts:
+            job = self.live[start.job]
+            chosen = choose_slots(self._free_slots(job), job.spec.workers.min, start.slots)
+            if chosen is not None:
+                actions += self._admit(job, chosen, now)
+        for job_id, why in d.waits.items():
+            job = self.live[job_id]
+            job.waiting = why
+            if d.targets[job_id] == 0 and job.state is JobState.RECOVERING:
+                # RECOVERING -> QUEUED: stopped, and the slots it could run on go to jobs ahead of it.
+                note, job.resize = job.resize, None
+                if note is not None and note.how is sched.How.PREEMPT:
+                    actions.append(Record(job.id, "job.preempted", now, sched.preempted_event(note, now, job.step, job.checkpoint_step)))
+                actions += self._feed(job, js.Requeue(why), now)
+        claimed: set[tuple[str, int]] = set()  # slots growths warm this round: one job each
+        growing = {r.job for r in d.resizes if r.how is sched.How.GROW}
+        for job in self.live.values():
+            if job.id not in growing:
+                job.warming = None  # a later growth asks again
+        for r in d.resizes:
+            actions += self._resize(self.live[r.job], r, now, claimed)
         return actions
+
+    def _view(self, job: Job, waiting: bool, held: int, capacity: int) -> sched.JobView:
+        jm, plan = job.machine, job.plan
+        running = not waiting and job.state is JobState.RUNNING
+        # Resizable: a step of this generation done (a group that cannot get going is not made to
+        # start over) and not finishing (a rank that is done frees its slot by itself).
+        resizable = running and plan is not None and jm.from_step is not None and jm.interrupted_at is None and jm.from_step < job.step < job.spec.train.steps
+        phase = sched.Phase.WAITING if waiting else sched.Phase.RUNNING if running else sched.Phase.MOVING
+        return sched.JobView(
+            id=job.id, priority=job.spec.priority, min=job.spec.workers.min, max=job.spec.max_workers(), submitted_at=job.submitted_at,
+            phase=phase, held=0 if waiting else held, resizable=resizable, started_at=jm.started_at, resized_at=job.resized_at, capacity=capacity,
+        )
+
+    def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]]) -> list[Action]:
+        """Stop a running group at its next step to restart it on `r.to` slots (0: requeue it).
+        A growth first warms trainers on the slots it adds (job.warm) while the group trains on."""
+        plan = job.plan
+        assert plan is not None
+        actions: list[Action] = []
+        if r.how is sched.How.GROW:
+            own = {(s.node, s.index) for s in plan.ranks} | claimed
+            fit = self.fitness.eligible
+            new = sorted((name, i) for name, n in self.nodes.items() if fit(job.id, job.spec, name) for i in n.free() if (name, i) not in own)
+            new = new[: r.to - plan.world_size]
+            if not new:
+                return []  # only this job's own slots are free (its ranks are exiting)
+            claimed |= set(new)
+            warm = self._warm(job, set(new), now)
+            if warm is not None:
+                return warm
+            actions.append(Record(job.id, "group.growing", now, {"generation": job.machine.generation, "world_size": plan.world_size, "to": r.to}))
+            reason = f"growing from {plan.world_size} to {r.to} workers"
+        elif r.how is sched.How.SHRINK:
+            reason = f"shrinking from {plan.world_size} to {r.to} workers for {', '.join(r.by)}"
+        else:
+            reason = f"preempted by {', '.join(r.by)}: back to the queue with its checkpoint"
+        job.resize, job.resized_at = sched.Note(r.how, plan.world_size, r.by, now), now
+        return actions + self._reshape(job, now, reason)
 
     def _free_slots(self, job: Job) -> list[FreeSlot]:
         fit = self.fitness.eligible
@@ -767,38 +828,6 @@ class Pool:
             if not job.machine.terminal:
                 actions += self.fitness.ask(now, job.id, job.spec, job.doc, usable)
         return actions
-
-    def _grow(self, now: float) -> list[Action]:
-        """A running job below workers.max, with healthy slots free: checkpoint and restart wider.
-
-        At most once per generation, and only once the generation has completed a step (a group
-        that cannot get going is not made to start over for more workers).
-        """
-        growable = []
-        for j in self.live.values():
-            if self._may_grow(j):
-                growable.append(j)
-            else:
-                j.warming = None  # it failed, finished or was reshaped meanwhile: a later growth asks again
-        if not growable:
-            return []
-        free = sum(len(n.free()) for n in self.nodes.values())
-        if not free:
-            return []
-        for job in growable:
-            plan = job.plan
-            assert plan is not None
-            own = {(s.node, s.index) for s in plan.ranks}
-            new = {(name, i) for name, n in self.nodes.items() if self.fitness.eligible(job.id, job.spec, name) for i in n.free() if (name, i) not in own}
-            if not new:
-                continue  # only this job's own slots are free (its ranks are exiting)
-            warm = self._warm(job, new, now)
-            if warm is not None:
-                return warm  # the slots go to one job: it waits, and so do the others
-            job.grown_in = job.machine.generation
-            actions: list[Action] = [Record(job.id, "group.growing", now, {"generation": job.machine.generation, "world_size": plan.world_size, "free_slots": free})]
-            return actions + self._reshape(job, now, f"{free} free slot(s): growing from {plan.world_size} workers")  # the slots go to one job
-        return []
 
     def _warm(self, job: Job, new: set[tuple[str, int]], now: float) -> list[Action] | None:
         """Before a growth: warm trainers of the job on the slots it adds (job.warm), while the
@@ -822,19 +851,9 @@ class Pool:
         doc = job.doc
         return actions + [Send(name, m.JobWarm(job=job.id, spec=doc, slots=slots)) for name, slots in by_node.items()]
 
-    @staticmethod
-    def _may_grow(job: Job) -> bool:
-        jm, plan = job.machine, job.plan
-        if job.state is not JobState.RUNNING or plan is None or job.grown_in == jm.generation:
-            return False
-        if jm.from_step is None or job.step <= jm.from_step or jm.interrupted_at is not None:
-            return False  # no step of this generation yet
-        if job.step >= job.spec.train.steps:
-            return False  # finishing: a rank that is done frees its slot, which is no reason to grow
-        return plan.world_size < job.spec.max_workers()
-
     def _admit(self, job: Job, chosen: list[Slot], now: float) -> list[Action]:
         generation = job.machine.generation + 1
+        job.waiting, job.resized_at = None, now
         job.pending = Pending(generation=generation, slots=chosen, deadline=now + self.prepare_timeout_s)
         for s in chosen:
             self.nodes[s.node].used[s.index] = (job.id, generation)
@@ -860,6 +879,11 @@ class Pool:
                     lost.lost_blames += 1
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
+                if action.kind == "group.resumed" and job.resize is not None:
+                    # The first step after a resize: its cost is known (job.shrunk, job.grown).
+                    note, job.resize = job.resize, None
+                    made = sched.resumed_event(note, job.plan.world_size if job.plan else 0, action.fields)
+                    out += [Record(job.id, made[0], now, made[1])] if made else []
         if job.machine.terminal:
             out += self._release_pending(job)
             if job.id in self.live:

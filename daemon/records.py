@@ -11,6 +11,7 @@ from typing import Any
 from dpool.daemon import jobstate as js
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.plan import GroupPlan, Slot
+from dpool.daemon.scheduler import Note
 from dpool.daemon.watch import StepWatch
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.messages import Message
@@ -191,12 +192,14 @@ class Job:
     saved: dict[int, dict[int, float]] = field(default_factory=dict)  # step -> rank -> seconds
     reconcile_by: float | None = None  # after a coordinator restart: ranks must reappear by then
     watch: StepWatch | None = None  # the running generation's progress deadline
-    grown_in: int = 0  # the generation a growth was asked of (at most once per generation)
     shares: tuple[int, ...] | None = None  # the split in force, when the trainer rebalanced the plan's
     speeds: dict[str, float] = field(default_factory=dict)  # node -> tokens/s of one rank there (last measured)
     placed: dict[int, tuple[str, ...]] = field(default_factory=dict)  # generation -> the node of each rank (the newest few)
     logged: dict[str, int] = field(default_factory=dict)  # metric kind ("train", "eval") -> newest step recorded
     warming: Warming | None = None  # a growth waiting for warm trainers on its new slots
+    waiting: str | None = None  # waiting for slots: why (daemon/scheduler.py), for `dpctl queue` and status
+    resize: Note | None = None  # a resize the scheduler asked of it, until it restarts (its event then says the cost)
+    resized_at: float | None = None  # its last start or resize (the scheduler's damping)
     _doc: dict[str, Any] | None = None
 
     def resume_max(self) -> int:
@@ -264,4 +267,6 @@ class Job:
             finished=(finished := self.machine.finished_at),
             elapsed_s=None if started is None else round(max(0.0, (finished if finished is not None else now) - started), 3),
             eta_s=round(eta, 1) if self.state is JobState.RUNNING and self.watch and (eta := self.watch.eta(now)) is not None else None,
+            priority=self.spec.priority or None,
+            waiting=self.waiting if self.state in (JobState.QUEUED, JobState.RECOVERING) else None,
         )

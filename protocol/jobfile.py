@@ -35,7 +35,7 @@ def dump_job(spec: JobSpec) -> str:
     (`[[data.hf_dataset]]`) come out as TOML writes them."""
     data = {k: v for k, v in _plain(spec.to_dict(), "job").items() if v != {}}  # no empty [content]
     data["base_dir"] = os.path.abspath(spec.base_dir)
-    head = {k: data.pop(k) for k in ("name", "base_dir")}
+    head = {k: data.pop(k) for k in ("name", "priority", "base_dir") if k in data}
     return tomli_w.dumps(head) + "\n" + tomli_w.dumps(data, multiline_strings=False)
 
 

@@ -382,6 +382,7 @@ class JobSpec:
     recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
     sync: SyncSpec = dataclasses.field(default_factory=SyncSpec)
     content: ContentSpec = dataclasses.field(default_factory=ContentSpec)
+    priority: int = 0  # higher runs first (README: "Sharing the pool"); not in the training hash
     base_dir: str = "."  # where relative paths are resolved: the folder of the job file as submitted
 
     def to_dict(self) -> dict[str, Any]:
@@ -402,6 +403,8 @@ class JobSpec:
                 out["sync"].pop(key)
         for key in self.train.unused():
             out["train"].pop(key)
+        if not self.priority:
+            out.pop("priority")  # absent at the default: peers from before priorities read the job as before
         return out
 
     def max_workers(self) -> int:
@@ -546,18 +549,31 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
         raise JobFileError(source, "base_dir", carried, "must be a string (a folder)")
     base_dir = carried or base_dir or "."
     for key in data:
-        if key != "name" and key not in SECTIONS:
-            raise JobFileError(source, key, data[key], "unknown key; allowed: name, base_dir, " + ", ".join(SECTIONS))
+        if key not in ("name", "priority") and key not in SECTIONS:
+            raise JobFileError(source, key, data[key], "unknown key; allowed: name, priority, base_dir, " + ", ".join(SECTIONS))
     name = data.get("name", _MISSING)
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
+    priority = data.get("priority", 0)
+    if (err := check_priority(priority)) is not None:
+        raise JobFileError(source, "priority", priority, err)
     sections = {key: _build(cls, data.get(key, {}), key, source) for key, cls in SECTIONS.items()}
     sections["train"] = _check_optimizer(sections["train"], data.get("train", {}), source)
     _check_kind_keys(sections["model"].kind, data.get("model", {}), data.get("data", {}), source, data.get("eval", {}))
-    spec = JobSpec(name=name, base_dir=str(base_dir), **sections)
+    spec = JobSpec(name=name, base_dir=str(base_dir), priority=priority, **sections)
     _cross_check(spec, source)
     _check_sync(spec, data.get("sync", {}), source)
     return spec
+
+
+PRIORITY_MAX = 1_000_000_000  # as Kubernetes' PriorityClass values for users
+
+
+def check_priority(v: Any) -> str | None:
+    """What is wrong with a job's priority (None: nothing): an integer, higher runs first."""
+    if isinstance(v, bool) or not isinstance(v, int) or not -PRIORITY_MAX <= v <= PRIORITY_MAX:
+        return f"must be an integer from {-PRIORITY_MAX} to {PRIORITY_MAX} (higher runs first; default 0)"
+    return None
 
 
 def _check_optimizer(t: TrainSpec, given: dict[str, Any], source: str) -> TrainSpec:
@@ -727,7 +743,10 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
 
 def describe() -> str:
     """Every key with its default and meaning, for `--help` and the README."""
-    lines = ["name  (required)  [a-z0-9-]{1,63}", "base_dir  (default: the job file's folder)  where relative paths are resolved"]
+    lines = [
+        "name  (required)  [a-z0-9-]{1,63}", "priority = 0  # higher runs first, taking slots from lower ones (README: Sharing the pool)",
+        "base_dir  (default: the job file's folder)  where relative paths are resolved",
+    ]
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]")
         for f in fields(cls):

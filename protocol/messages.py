@@ -176,6 +176,11 @@ class MsgType(enum.StrEnum):
     STAGE_PRUNE = "stage.prune"  # coordinator -> dpd
     STAGE_ACCEPT = "stage.accept"  # coordinator -> dpd
     STAGE_PEERS = "stage.peers"  # coordinator -> dpd
+    # sharing the pool (protocol/sharing.py): the queue as the scheduler sees it, a job's priority
+    QUEUE = "queue"  # dpctl -> coordinator
+    QUEUE_REPLY = "queue.reply"
+    PRIORITY = "priority"  # dpctl -> coordinator
+    PRIORITY_REPLY = "priority.reply"
     # the ring's measured link (protocol/link_messages.py): a trainer's probe, relayed by its dpd
     WORKER_LINK = "worker.link"  # trainer -> its dpd
     NODE_LINK = "node.link"  # dpd -> coordinator
@@ -346,7 +351,8 @@ JobScalar: TypeAlias = (
     | Annotated[list[JobDataset], Items(64)]  # data.hf_dataset
     | None
 )
-JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]
+# Top level: name and base_dir (strings), priority (an integer, left out at 0), and the sections.
+JobDoc: TypeAlias = Annotated[dict[str, Annotated[str, Str(4096)] | Annotated[int, Int(-MAX_INT, MAX_INT)] | Annotated[dict[str, JobScalar], Items(64)]], Items(16)]
 Cursor: TypeAlias = Annotated[int, Int(0, MAX_INT)]
 Limit: TypeAlias = Annotated[int, Int(0, 2**31 - 1)]  # rows asked for; more than PAGE_LIMIT gets PAGE_LIMIT
 ExportId: TypeAlias = Token
@@ -1112,6 +1118,7 @@ FROM_CLIENT = frozenset({
     MsgType.SUBMIT, MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES,
     MsgType.LOGS, MsgType.CANCEL, MsgType.DRAIN, MsgType.UNDRAIN, MsgType.EXPORT, MsgType.EXPORT_READ,
     MsgType.EXPORT_CLOSE, MsgType.RM, MsgType.STAGE_OFFER, MsgType.CACHE, MsgType.CACHE_PRUNE,
+    MsgType.QUEUE, MsgType.PRIORITY,
 })
 FROM_NODE = frozenset(t for t in MsgType if t.value.startswith("node.") and t is not MsgType.NODE_REGISTERED)
 TO_NODE = frozenset({
@@ -1125,6 +1132,7 @@ TO_CLIENT = frozenset({
     MsgType.SUBMITTED, MsgType.STATUS_REPLY, MsgType.NODES_REPLY, MsgType.METRICS_REPLY, MsgType.EVENTS_REPLY,
     MsgType.SAMPLES_REPLY, MsgType.LOGS_REPLY, MsgType.CANCEL_REPLY, MsgType.DRAIN_REPLY, MsgType.UNDRAIN_REPLY,
     MsgType.EXPORT_REPLY, MsgType.EXPORT_DATA, MsgType.EXPORT_CLOSED, MsgType.RM_REPLY, MsgType.STAGE_OFFER_REPLY, MsgType.CACHE_REPLY, MsgType.CACHE_PRUNE_REPLY, MsgType.ERROR,
+    MsgType.QUEUE_REPLY, MsgType.PRIORITY_REPLY,
 })
 TO_WORKER = frozenset({MsgType.WORKER_STOP, MsgType.WORKER_GO})
 

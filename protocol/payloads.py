@@ -304,6 +304,8 @@ class JobStatus(Record):
     comm_share: Annotated[float, Float(0.0, 1.0)] | None = None  # predicted share of a step spent in all_sum (null: not known)
     comm: CommRow | None = field(default=None, metadata=OMIT_NONE)
     test_loss: Number | None = None  # [eval] test: the test loss after the last step (null until known)
+    priority: Annotated[int, Int(-MAX_INT, MAX_INT)] | None = field(default=None, metadata=OMIT_NONE)  # left out at 0
+    waiting: Text | None = field(default=None, metadata=OMIT_NONE)  # queued (or stopped): what it waits for (daemon/scheduler.py)
 
 
 @record

@@ -64,7 +64,7 @@ HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FA
 # -- roles: who may send what (protocol/README.md, "Roles") -----------------------------------
 
 ROLE_FOLDERS = {"node": "nodes", "client": "clients", "viewer": "viewers"}  # role -> its folder in allowed/
-READ_ONLY = frozenset({MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES, MsgType.LOGS, MsgType.CACHE})
+READ_ONLY = frozenset({MsgType.STATUS, MsgType.NODES, MsgType.METRICS, MsgType.EVENTS, MsgType.SAMPLES, MsgType.LOGS, MsgType.CACHE, MsgType.QUEUE})
 ROLE_SENDS: dict[str, frozenset[MsgType]] = {
     "node": m.FROM_NODE | {MsgType.ERROR},
     "client": m.FROM_CLIENT,
