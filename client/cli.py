@@ -38,6 +38,7 @@ from dpool.client import watch as client_watch
 from dpool.client.jobtimes import JobTimes, status_object
 from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, pages
 from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
+from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
 from dpool.protocol.jobfile import dump_job
@@ -672,6 +673,11 @@ def completer(query: str) -> Any:
     return complete
 
 
+def cmd_dashboard(a: argparse.Namespace) -> int:
+    """The read-only web dashboard of the pool at --coordinator, until Ctrl-C (dashboard/cli.py)."""
+    return dashboard_cli.start(a, coordinator_address(a.coordinator), client_keys.configured_keys_dir(a.keys, DEFAULT_CONFIG))
+
+
 def cmd_completion(a: argparse.Namespace) -> int:
     sys.stdout.write(argcomplete.shellcode(["dpctl"], shell=a.shell))
     return EXIT_OK
@@ -760,6 +766,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("node")
     s.add_argument("--json", action="store_true", help='print {"node", "state", "reason"}')
     s.set_defaults(fn=cmd_undrain)
+
+    s = sub.add_parser("dashboard", help="serve a read-only web page of the pool (default http://127.0.0.1:7341/) until Ctrl-C")
+    dashboard_cli.add_arguments(s, standalone=False)
+    s.set_defaults(fn=None, local_fn=cmd_dashboard)
 
     client_plot.add_parser(sub)
     client_cache.add_parser(sub)

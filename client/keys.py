@@ -3,11 +3,13 @@
     dpctl keys init DIR [--node NAME ...] [--client NAME ...]   the pool's keys (on the machine that serves)
     dpctl keys add-node NAME [--dir DIR]                         one more node
     dpctl keys add-client NAME [--read-only] [--dir DIR]         one more client (or viewer)
+    dpctl keys add-viewer NAME [--dir DIR]                       a viewer: read-only key and dashboard token
 
     DIR/coordinator.key[_secret]   the coordinator's pair
     DIR/client.key[_secret]        dpctl's default pair, for this machine
     DIR/node-NAME.key[_secret]     one pair per node (default: this machine's host name, dpd's --name)
     DIR/client-NAME.key[_secret]   named clients; DIR/viewer-NAME.key[_secret] read-only ones
+    DIR/viewer-NAME.token          a viewer's dashboard token (its hash: allowed/viewers/NAME.token)
     DIR/allowed/nodes/NAME.key     the allow-list, by role: nodes, clients, viewers
     DIR/bundles/NAME/              what machine NAME needs, and nothing more: coordinator.key, plus
                                    node-NAME.key[_secret] (a node) and client.key[_secret] (a client)
@@ -34,6 +36,7 @@ from typing import Any
 
 import zmq.auth
 
+from dpool.dashboard import auth
 from dpool.protocol.security import (
     ALLOWED,
     BUNDLES,
@@ -277,6 +280,42 @@ def cmd_keys_init(a: argparse.Namespace) -> int:
     return _issue(make)
 
 
+def add_viewer(directory: Path, name: str, *, force: bool = False) -> list[Path]:
+    """Viewer NAME: its read-only pair (as add-client --read-only) and its dashboard token
+    (dashboard/auth.py): the token in DIR/viewer-NAME.token and the bundle's viewer.token, its hash
+    in allowed/viewers/NAME.token."""
+    pair = Pair("viewer", check_name("add-viewer", name))
+    written = add_key(directory, pair, force=force)
+    token = auth.new_token(name)
+    old_umask = os.umask(0o077)
+    try:
+        written.append(auth.write_secret(directory / f"{pair.stem}.token", token))
+        written.append(auth.write_secret(directory / BUNDLES / name / "viewer.token", token))
+        written.append(auth.write_hash(directory / ALLOWED / ROLE_FOLDERS["viewer"], name, token))
+    finally:
+        os.umask(old_umask)
+    return written
+
+
+def cmd_keys_add_viewer(a: argparse.Namespace) -> int:
+    def make() -> tuple[list[Path], str]:
+        directory = keys_dir(a.dir or getattr(a, "keys", None))
+        if directory is None:
+            raise KeysError("no key directory: pass --dir DIR (the pool's, made by `dpctl keys init DIR`), or set $DPOOL_KEYS")
+        written = add_viewer(directory, a.name, force=a.force)
+        bundle = directory / BUNDLES / a.name
+        revoke = directory / ALLOWED / (Pair("viewer", a.name).allowed or "")
+        return written, (
+            f"\nViewer {a.name}: a read-only key for the control plane and a token for the dashboard.\n"
+            f"  the dashboard:  open http://HOST:7341/?token=$(cat {bundle}/viewer.token) once (or send it as `Authorization: Bearer ...`)\n"
+            f"  dpctl, read-only, on its machine: copy {bundle}/ there and run dpctl --keys ~/dpool-keys ...\n"
+            f"A dashboard off loopback checks tokens against {directory / ALLOWED / ROLE_FOLDERS['viewer']}/ (dpd run --serve --keys {directory} --dashboard 0.0.0.0:7341).\n"
+            f"Revoke both: delete {revoke}."
+        )
+
+    return _issue(make)
+
+
 def cmd_keys_add(a: argparse.Namespace) -> int:
     role = "node" if a.keys_command == "add-node" else ("viewer" if getattr(a, "read_only", False) else "client")
 
@@ -311,10 +350,15 @@ def add_parser(sub: Any) -> None:
         if command == "add-client":
             p.add_argument("--read-only", action="store_true", help="a viewer (allowed/viewers/): status, nodes, metrics, events, samples, logs only")
         p.set_defaults(fn=None, local_fn=cmd_keys_add)
+    p = ksub.add_parser("add-viewer", help="issue a viewer: a read-only key (allowed/viewers/NAME.key) and a dashboard token (bundles/NAME/viewer.token)")
+    p.add_argument("name", help="its name (a-z, 0-9, '-')")
+    p.add_argument("--dir", help="the pool's key directory (default: --keys, else $DPOOL_KEYS)")
+    p.add_argument("--force", action="store_true", help="replace its pair and token (the old token stops working)")
+    p.set_defaults(fn=None, local_fn=cmd_keys_add_viewer)
 
 
-def load_client_keys(flag: str | None, config_file: Path) -> ClientKeys | None:
-    """dpctl's keys: --keys, else $DPOOL_KEYS, else `keys` in the config file, else none."""
+def configured_keys_dir(flag: str | None, config_file: Path) -> Path | None:
+    """dpctl's key directory: --keys, else $DPOOL_KEYS, else `keys` in the config file, else none."""
     config = None
     try:
         with open(config_file, "rb") as f:
@@ -322,5 +366,10 @@ def load_client_keys(flag: str | None, config_file: Path) -> ClientKeys | None:
         config = value if isinstance(value, str) else None
     except (OSError, tomllib.TOMLDecodeError):
         pass
-    directory = keys_dir(flag, config)
+    return keys_dir(flag, config)
+
+
+def load_client_keys(flag: str | None, config_file: Path) -> ClientKeys | None:
+    """dpctl's keys: --keys, else $DPOOL_KEYS, else `keys` in the config file, else none."""
+    directory = configured_keys_dir(flag, config_file)
     return None if directory is None else client_keys(directory, "client")

@@ -62,6 +62,7 @@ CONFIG_KEYS = {
     "stage_rate": str,
     "log_level": str,
     "log_file": str,
+    "dashboard": str,
 }
 LOCK_FILE = "dpd.lock"
 
@@ -92,6 +93,8 @@ class Settings:
     server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
     cache_max: int | None = None  # bytes the staging cache may hold (None: as the disk allows)
     stage_rate: float = TRAINING_RATE_BPS  # with --serve: bytes/s a fetch is paced to while its sources train (0: never)
+    dashboard: str | None = None  # with --serve: where the dashboard's child process listens (dashboard/child.py)
+    keys_dir: Path | None = None  # the key directory (the dashboard's keys come from there)
 
 
 def default_state_dir() -> Path:
@@ -196,6 +199,9 @@ def settings(args: argparse.Namespace) -> Settings:
         coord_keys = server_keys(kdir) if kdir and serve else None
     except KeysError as e:
         raise UsageError(f"--keys: {e}") from None
+    dashboard = pick("dashboard", None)
+    if dashboard is not None:
+        _check_dashboard(dashboard, serve, kdir, insecure)
     log_file = pick("log_file", None)
     level = str(pick("log_level", "info"))
     if level not in ("debug", "info", "warning", "error"):
@@ -223,7 +229,21 @@ def settings(args: argparse.Namespace) -> Settings:
         server_keys=coord_keys,
         cache_max=_cache_max(pick("cache_max", None)),
         stage_rate=_stage_rate(pick("stage_rate", None)),
+        dashboard=dashboard,
+        keys_dir=kdir,
     )
+
+
+def _check_dashboard(listen: str, serve: str | None, kdir: Path | None, insecure: bool) -> None:
+    """--dashboard's address, checked as `dpctl dashboard --listen` checks it (dashboard/options.py)."""
+    from dpool.dashboard.options import OptionsError, check
+
+    if serve is None:
+        raise UsageError(f"--dashboard {listen}: goes with --serve (the dashboard reads the coordinator this daemon hosts); elsewhere run `dpctl dashboard`")
+    try:
+        check(listen, serve, keys=kdir, tokens=None, insecure=insecure, flag="--dashboard")
+    except OptionsError as e:
+        raise UsageError(str(e)) from None
 
 
 def _stage_rate(value: object) -> float:
@@ -269,6 +289,7 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
     coord_ended: asyncio.Future[None] | None = None  # the coordinator thread's end, on this loop
     crash_said = False
     notify_task = None
+    dashboard_task: asyncio.Task[None] | None = None
     join = s.join
     try:
         if s.serve:
@@ -285,6 +306,11 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
                 return 1
             join = join or endpoint
             coord_ended = asyncio.wrap_future(coord.ended)
+            if s.dashboard is not None:
+                from dpool.dashboard import child as dashboard_child
+
+                dashboard_cmd = dashboard_child.command(s.dashboard, endpoint, s.keys_dir if s.server_keys else None, insecure=s.insecure)
+                dashboard_task = asyncio.create_task(dashboard_child.supervise(dashboard_cmd, stopping, log))
         assert join is not None
         agent = Agent(
             ctx,
@@ -315,6 +341,10 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
     finally:
         if notify_task is not None:
             notify_task.cancel()
+        if dashboard_task is not None:
+            stopping.set()
+            with contextlib.suppress(Exception):
+                await dashboard_task  # its child stopped (SIGTERM, then SIGKILL)
         stuck = False
         if coord is not None:
             coord.stop()  # after the agent: its node.bye still reaches the coordinator
@@ -377,6 +407,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
     run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
     run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 10MB; 0: never paced)")
+    run.add_argument("--dashboard", nargs="?", const="127.0.0.1:7341", metavar="ADDR", help="with --serve: also serve the read-only web dashboard at ADDR (default 127.0.0.1:7341; elsewhere needs viewer tokens or --insecure), a process of its own")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")

@@ -38,6 +38,7 @@ import zmq.asyncio
 
 from dpool.daemon import export_relay as xr
 from dpool.daemon import jobstate as js
+from dpool.daemon import statuspage
 from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
@@ -407,6 +408,8 @@ class Coordinator:
         match msg:
             case m.Submit():
                 return self._submit(msg, now)
+            case m.Status(job=None, limit=int()):
+                return self._status_page(msg, now), []
             case m.Status(job=None):
                 live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
                 stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live}) if self.pool.forgotten else []
@@ -552,6 +555,20 @@ class Coordinator:
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {ref!r} (an id, a unique id prefix, or a job name)")
         job = self.pool.jobs.get(found.id)
         return job.ref() if job is not None else found
+
+    def _status_page(self, msg: m.Status, now: float) -> m.StatusReply:
+        """A page of the job list, newest first (daemon/statuspage.py)."""
+        before = None
+        if msg.before is not None:
+            after = self._job(msg.before)
+            before = (after.submitted_at, after.id)
+        memory = [dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in self.pool.jobs.values()]
+
+        def stored(cursor: statuspage.Key, n: int, skip: set[str]) -> list[JobStatus]:
+            return self.store.statuses(n, skip=skip, before=cursor)
+
+        jobs, more = statuspage.page(memory, stored, before, _page(msg.limit or 0))
+        return m.StatusReply(jobs=jobs, more=more, total=self.store.job_count())
 
     def _submit(self, msg: m.Submit, now: float) -> tuple[Message, list[Any]]:
         try:

@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job, seq);
 CREATE INDEX IF NOT EXISTS jobs_name ON jobs (name, submitted_at);
+CREATE INDEX IF NOT EXISTS jobs_submitted ON jobs (submitted_at, id);
 CREATE TABLE IF NOT EXISTS logs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, t REAL NOT NULL, rank INTEGER NOT NULL,
     generation INTEGER NOT NULL, text TEXT NOT NULL
@@ -307,6 +308,11 @@ class Store:
         jid, name, state, submitted, finished = found[0]
         return JobRef(id=jid, name=name, state=JobState(state), submitted_at=submitted, finished_at=finished)
 
+    def job_count(self) -> int:
+        """Every job the database holds (live, finished, in memory or not)."""
+        self._see_writes()
+        return int(self.db.execute("SELECT count(*) FROM jobs").fetchone()[0])
+
     def has_job(self, job_id: str) -> bool:
         """Whether the id is taken: by a job, or by a removed job some node has still to delete
         (a new job under that id would lose its folder there)."""
@@ -343,9 +349,10 @@ class Store:
         self._see_writes()
         return [name for (name,) in self.db.execute("SELECT name FROM nodes ORDER BY name")]
 
-    def statuses(self, limit: int, *, skip: frozenset[str] | set[str] = frozenset(), only: str | None = None) -> list[JobStatus]:
+    def statuses(self, limit: int, *, skip: frozenset[str] | set[str] = frozenset(), only: str | None = None, before: tuple[float, str] | None = None) -> list[JobStatus]:
         """The newest `limit` stored jobs' status objects (newest first), but those in `skip`; or
-        the one job `only`. (A job in the coordinator's memory has a fresher one: `Job.status`.)"""
+        the one job `only`. (A job in the coordinator's memory has a fresher one: `Job.status`.)
+        `before` (submitted_at, id): only the jobs that come after that one, newest first (a page)."""
         self._see_writes()
         query = (
             "SELECT id, name, state, step, json_extract(spec, '$.train.steps'), generation, "
@@ -353,6 +360,8 @@ class Store:
         )
         if only is not None:
             rows = self.db.execute(query + "WHERE id = ?", (only,))
+        elif before is not None:
+            rows = self.db.execute(query + "WHERE (submitted_at, id) < (?, ?) ORDER BY submitted_at DESC, id DESC LIMIT ?", (*before, limit + len(skip)))
         else:
             rows = self.db.execute(query + "ORDER BY submitted_at DESC LIMIT ?", (limit + len(skip),))
         out = []

@@ -404,10 +404,14 @@ class Submitted(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class Status(Message):
-    """One job (`job` = an id, a unique id prefix, or a name: its newest job), or all when None."""
+    """One job (`job` = an id, a unique id prefix, or a name: its newest job), or all when None.
+    With `limit` (and no job): a page of the list, the `limit` newest jobs (capped at PAGE_LIMIT)
+    submitted before job `before` (the previous page's last; None: the first page)."""
 
     TYPE: ClassVar[MsgType] = MsgType.STATUS
     job: JobRef | None = None
+    limit: Limit | None = field(default=None, metadata=OMIT_NONE)
+    before: JobRef | None = field(default=None, metadata=OMIT_NONE)
 
 
 @message
@@ -416,6 +420,8 @@ class StatusReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
     jobs: Annotated[list[JobStatus], Items(ROWS_MAX)]
+    more: bool | None = field(default=None, metadata=OMIT_NONE)  # a page (status with `limit`): whether older jobs follow
+    total: Count | None = field(default=None, metadata=OMIT_NONE)  # a page: every job the pool holds
 
 
 @message

@@ -1,0 +1,384 @@
+"""The dashboard's one reader of the pool: a thread that asks the coordinator what dpctl asks it, at
+a bounded rate, and renders each page that someone looks at, once per change, for every browser
+that shows it.
+
+However many pages are open, the coordinator sees one client: every `poll_s` seconds while someone
+looks (a page open and streaming, a page loaded, a /metrics scrape in the last INTEREST_S seconds),
+`nodes`, the first page of `status`, and for each job a page shows, its `status` and the rows that
+came since the last poll (metrics, events, logs and samples, by their cursors; at most
+PAGES_PER_POLL pages of each a poll, so a long history is caught up over a few polls rather than
+in one burst). An older page of the job list is read when it is asked for, and again at most every
+OLD_PAGE_S seconds while it is shown. With nobody looking the thread sleeps and the coordinator
+sees nothing.
+
+A coordinator that does not answer (it restarts) is asked again at the next poll, on a new socket
+(ZeroMQ's reconnection would not drop what was queued for the old peer); the pages keep what they
+last showed and say since when the coordinator is silent.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dpool.client.jobtimes import JobTimes, status_object
+from dpool.client.rpc import Client, RemoteError, Unreachable
+from dpool.dashboard import views
+from dpool.dashboard.follow import TERMINAL, JobFollow
+from dpool.protocol import messages as m
+from dpool.protocol.payloads import JobStatus, NodeRow
+from dpool.protocol.security import ClientKeys
+
+INTEREST_S = 10.0  # a page loaded (or a scrape) keeps the poller busy this long; a stream as long as it is open
+PAGES_PER_POLL = 4  # pages of one kind of row read for one job in one poll
+JOBS_PAGE = 50  # jobs a page of the list shows
+FOLLOWED_MAX = 160  # jobs followed at once: the pages asked for, then for /metrics the jobs it shows (events only)
+METRICS_LIST_S = 15.0  # while /metrics is scraped, the whole job list is read again this often (a page of
+METRICS_JOBS_MAX = 20_000  # PAGE_LIMIT jobs a request, up to this many): the counts of jobs by state
+OLD_PAGE_S = 10.0  # an older page of the job list, while shown, is read again this often
+LIST_PAGES_MAX = 64  # older pages of the job list kept
+
+
+@dataclass(frozen=True, slots=True)
+class Conn:
+    """Whether the coordinator answered the newest poll, and what the pages say about it."""
+
+    ok: bool = False
+    error: str | None = None
+    since: float | None = None  # unix time of the first poll it missed (or answered, when ok)
+    polled: float | None = None  # unix time of the newest answer
+
+
+@dataclass(slots=True)
+class ListPage:
+    """A page of the job list: the jobs submitted before `before` (None: the newest)."""
+
+    before: str | None
+    jobs: list[JobStatus] = field(default_factory=list)
+    more: bool = False
+    total: int | None = None
+    read_at: float = 0.0  # monotonic
+    version: int = 0
+    missing: str | None = None
+
+
+class Interest:
+    """Which views (pages) someone looks at, told from the server's thread, read by the poller."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._asked: dict[str, float] = {}
+        self._streams: collections.Counter[str] = collections.Counter()
+        self.wake = threading.Event()
+
+    def ask(self, view: str) -> None:
+        with self._lock:
+            self._asked[view] = self.clock()
+            self._asked = dict(sorted(self._asked.items(), key=lambda kv: kv[1])[-256:])  # bounded: the newest asked
+        self.wake.set()
+
+    def stream(self, view: str, delta: int) -> None:
+        with self._lock:
+            self._streams[view] += delta
+            if self._streams[view] <= 0:
+                del self._streams[view]
+        if delta > 0:
+            self.wake.set()
+
+    def views(self) -> list[str]:
+        """The views wanted now: streamed, or asked for in the last INTEREST_S seconds (newest first)."""
+        now = self.clock()
+        with self._lock:
+            asked = [v for v, t in sorted(self._asked.items(), key=lambda kv: -kv[1]) if now - t < INTEREST_S]
+            return list(dict.fromkeys([*self._streams, *asked]))
+
+    def streams(self) -> int:
+        with self._lock:
+            return sum(self._streams.values())
+
+
+class Poller:
+    """Reads the pool for the views `interest` names and hands each view to `publish(view,
+    rendered)` after every round, None when it did not change (from this thread: the server
+    moves it to its own loop)."""
+
+    def __init__(self, coordinator: str, keys: ClientKeys | None, publish: Callable[[str, views.Rendered | None], None], *, poll_s: float, timeout_s: float, interest: Interest | None = None) -> None:
+        self.coordinator, self.keys, self.publish = coordinator, keys, publish
+        self.poll_s, self.timeout_s = poll_s, timeout_s
+        self.interest = interest or Interest()
+        self.conn = Conn()
+        self.nodes: list[NodeRow] = []
+        self.first = ListPage(None)
+        self.pages: collections.OrderedDict[str, ListPage] = collections.OrderedDict()
+        self.follows: collections.OrderedDict[str, JobFollow] = collections.OrderedDict()
+        self.paged = True  # the coordinator takes status with a limit (an older one lists every job at once)
+        self.polls = 0
+        self.requests = 0  # sent to the coordinator, in all
+        self._client: Client | None = None
+        self._stop = threading.Event()
+        self._rendered: dict[str, tuple[Any, views.Rendered]] = {}
+        self._nodes_version = 0
+        self._all_jobs: list[JobStatus] = []  # the whole job list, for /metrics
+        self._all_wire: dict[str, dict[str, Any]] = {}  # the same, as `status --json` prints them
+        self._all_read_at = -METRICS_LIST_S
+        self.metrics_snapshot: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]] = ([], [], {})
+        self.thread = threading.Thread(target=self.run, name="dashboard-poller", daemon=True)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.interest.wake.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                wanted = self.interest.views()
+                if not wanted:
+                    self.interest.wake.wait()  # nobody looks: the coordinator sees nothing
+                    self.interest.wake.clear()
+                    continue
+                started = time.monotonic()
+                self.interest.wake.clear()
+                self.round(wanted)
+                done = set(wanted)
+                # Until the next round, a poll period after this one began: a page nobody looked
+                # at before is read at once, alone (what it needs and nothing more).
+                while not self._stop.is_set() and (left := self.poll_s - (time.monotonic() - started)) > 0:
+                    if self.interest.wake.wait(left):
+                        self.interest.wake.clear()
+                        new = [v for v in self.interest.views() if v not in done]
+                        if new:
+                            self.round(new, full=False)
+                            done.update(new)
+        finally:
+            if self._client is not None:
+                self._client.close()
+
+    def round(self, wanted: list[str], *, full: bool = True) -> None:
+        self.poll(wanted)
+        self.render(wanted, full=full)
+
+    def call(self, request: m.Message, expect: type[Any]) -> Any:
+        if self._client is None:
+            self._client = Client(self.coordinator, self.timeout_s, self.keys)
+        self.requests += 1
+        try:
+            return self._client.call(request, expect)
+        except Unreachable:
+            self._client.close()  # a new socket next time: the old one's queue goes with it
+            self._client = None
+            raise
+
+    def poll(self, wanted: list[str]) -> None:
+        """One round of questions for the views in `wanted`; the coordinator's silence is noted,
+        never raised."""
+        self.polls += 1
+        now = time.time()
+        try:
+            if "pool" in wanted or "metrics" in wanted:
+                nodes = self.call(m.Nodes(), m.NodesReply).nodes
+                if nodes != self.nodes:
+                    self.nodes, self._nodes_version = nodes, self._nodes_version + 1
+            if {"pool", "jobs", "metrics"} & set(wanted):
+                self.read_list(self.first, force=True)
+            for view in wanted:
+                if view.startswith("jobs?"):
+                    self.read_list(self.list_page(view), force=False)
+            if "metrics" in wanted and time.monotonic() - self._all_read_at > METRICS_LIST_S:
+                self._all_jobs, self._all_read_at = self.read_all(), time.monotonic()
+                self._all_wire = {j.id: status_object(j, JobTimes.of(j), now) for j in self._all_jobs}
+            pages = {views.job_ref(v) for v in wanted if v.startswith("job:")}
+            for follow in self.followed(wanted):
+                self.read_job(follow, full=follow.ref in pages)
+            if "metrics" in wanted:
+                self.metrics_snapshot = self.for_metrics(now)
+        except Unreachable as e:
+            if self.conn.ok or self.conn.since is None:
+                self.conn = Conn(False, str(e), now, self.conn.polled)
+            return
+        except RemoteError as e:
+            self.conn = Conn(False, e.message, now if self.conn.ok or self.conn.since is None else self.conn.since, self.conn.polled)
+            return
+        self.conn = Conn(True, None, self.conn.since if self.conn.ok and self.conn.since else now, now)
+
+    # -- the job list ----------------------------------------------------------------------------
+
+    def list_page(self, view: str) -> ListPage:
+        before = views.list_before(view)
+        page = self.pages.get(view)
+        if page is None:
+            page = self.pages[view] = ListPage(before)
+            while len(self.pages) > LIST_PAGES_MAX:
+                self.pages.popitem(last=False)
+        self.pages.move_to_end(view)
+        return page
+
+    def read_list(self, page: ListPage, *, force: bool) -> None:
+        if not force and page.read_at and time.monotonic() - page.read_at < OLD_PAGE_S:
+            return
+        jobs, more, total, missing = self._status_page(page.before)
+        page.read_at = time.monotonic()
+        if (jobs, more, total, missing) != (page.jobs, page.more, page.total, page.missing):
+            page.jobs, page.more, page.total, page.missing = jobs, more, total, missing
+            page.version += 1
+
+    def _status_page(self, before: str | None) -> tuple[list[JobStatus], bool, int | None, str | None]:
+        if self.paged:
+            try:
+                reply = self.call(m.Status(limit=JOBS_PAGE, before=before), m.StatusReply)
+                return reply.jobs, bool(reply.more), reply.total, None
+            except RemoteError as e:
+                if e.code == m.ErrorCode.NOT_FOUND:
+                    return [], False, None, e.message
+                if e.code not in (m.ErrorCode.BAD_BODY, m.ErrorCode.BAD_REQUEST):
+                    raise
+                self.paged = False  # a coordinator of a version before paged status
+        every = self.call(m.Status(), m.StatusReply).jobs
+        start = 0
+        if before is not None:
+            ids = [j.id for j in every]
+            if before not in ids:
+                return [], False, len(every), f"no job {before!r} in the list"
+            start = ids.index(before) + 1
+        return every[start : start + JOBS_PAGE], len(every) > start + JOBS_PAGE, len(every), None
+
+    def read_all(self) -> list[JobStatus]:
+        """Every job (up to METRICS_JOBS_MAX), newest first, a PAGE_LIMIT page a request."""
+        if not self.paged:
+            return self.call(m.Status(), m.StatusReply).jobs  # type: ignore[no-any-return]
+        out: list[JobStatus] = []
+        before = None
+        while len(out) < METRICS_JOBS_MAX:
+            reply = self.call(m.Status(limit=m.PAGE_LIMIT, before=before), m.StatusReply)
+            out += reply.jobs
+            if not reply.more or not reply.jobs:
+                break
+            before = reply.jobs[-1].id
+        return out
+
+    # -- one job ---------------------------------------------------------------------------------
+
+    def followed(self, wanted: list[str]) -> list[JobFollow]:
+        """The jobs to read this poll: those whose page is wanted, then (for /metrics) the active
+        jobs of the list's first page; at most FOLLOWED_MAX, the least recently wanted dropped."""
+        refs = [views.job_ref(v) for v in wanted if v.startswith("job:")]
+        if "metrics" in wanted:
+            from dpool.dashboard.prometheus import series_jobs
+
+            refs += series_jobs([{"id": j.id, "state": j.state, "submitted": j.submitted, "finished": j.finished} for j in self._all_jobs])
+        out = []
+        for ref in list(dict.fromkeys(refs))[:FOLLOWED_MAX]:
+            follow = self.follows.get(ref)
+            if follow is None:
+                follow = self.follows[ref] = JobFollow(ref)
+            self.follows.move_to_end(ref)
+            out.append(follow)
+        while len(self.follows) > FOLLOWED_MAX:
+            self.follows.popitem(last=False)
+        return out
+
+    def read_job(self, f: JobFollow, *, full: bool = True) -> None:
+        """Read what came of the job since the last poll: its status and events, and with `full`
+        (a page shows it) its metrics, output and samples too."""
+        if f.settled:
+            return  # ended and read whole: nothing will change
+        try:
+            status = self.call(m.Status(job=f.ref), m.StatusReply).jobs[0]
+        except RemoteError as e:
+            if e.code != m.ErrorCode.NOT_FOUND:
+                raise
+            f.not_found(e.message)
+            return
+        f.saw_status(status)
+        job, ended = status.id, status.state in TERMINAL
+        done = self._pages(lambda after: m.Events(job=job, after=after), m.EventsReply, f.cursors.events, lambda r: f.saw_events(r.events, r.cursor))
+        if not full:
+            return
+        done = all(
+            (
+                done,
+                self._pages(lambda after: m.Metrics(job=job, after=after), m.MetricsReply, f.cursors.metrics, lambda r: f.saw_metrics(r.rows, r.cursor)),
+                self._pages(lambda after: m.Logs(job=job, after=after), m.LogsReply, f.cursors.logs, lambda r: f.saw_logs(r.lines, r.cursor)),
+                self._pages(lambda after: m.Samples(job=job, after=after), m.SamplesReply, f.cursors.samples, lambda r: f.saw_samples(r.rows, r.cursor)),
+            )
+        )
+        f.settled = ended and done
+
+    def _pages(self, ask: Callable[[int], m.Message], expect: type[Any], after: int, take: Callable[[Any], None]) -> bool:
+        """Up to PAGES_PER_POLL pages from cursor `after`; whether the last one said no more."""
+        for _ in range(PAGES_PER_POLL):
+            reply = self.call(ask(after), expect)
+            take(reply)
+            after = reply.cursor
+            if not reply.more:
+                return True
+        return False
+
+    # -- what /metrics reads ---------------------------------------------------------------------
+
+    def for_metrics(self, now: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+        """(nodes, jobs, events by job) as `dpctl nodes --json`, `status --json` and `events
+        JOB --json` print them: what dashboard/prometheus.py renders."""
+        nodes = [n.to_wire() for n in self.nodes]
+        fresh = {j.id: j for j in self.first.jobs}
+        events: dict[str, list[dict[str, Any]]] = {}
+        for f in self.follows.values():
+            if f.status is not None:
+                fresh[f.status.id] = f.status
+                # every restart (the newest RESTARTS_MAX), though the other events kept are the newest only
+                kept = sorted([*f.resumed, *(e for e in f.events if e.kind != "group.resumed")], key=lambda e: e.t)
+                events[f.status.id] = [e.to_wire() for e in kept]
+        jobs = dict(self._all_wire) | {k: status_object(j, JobTimes.of(j), now) for k, j in fresh.items()}
+        return nodes, list(jobs.values()), events
+
+    # -- rendering -------------------------------------------------------------------------------
+
+    def render(self, wanted: list[str], *, full: bool = True) -> None:
+        """Render each wanted view whose inputs changed since it was last rendered, and publish it
+        (None: unchanged); a full round forgets the views no longer wanted."""
+        for view in wanted:
+            if view == "metrics":
+                continue
+            made = self._render(view)
+            if made is None:
+                self.publish(view, None)  # nothing to show yet (the coordinator has not answered)
+                continue
+            signature, build = made
+            old = self._rendered.get(view)
+            if old is not None and old[0] == signature:
+                self.publish(view, None)  # looked at, unchanged
+                continue
+            rendered = build()
+            self._rendered[view] = (signature, rendered)
+            self.publish(view, rendered)
+        for view in [v for v in self._rendered if full and v not in wanted]:
+            del self._rendered[view]
+
+    def _render(self, view: str) -> tuple[Any, Callable[[], views.Rendered]] | None:
+        """The view's inputs (a page renders again when they change) and how to render it."""
+        conn = self.conn
+        said = (conn.ok, conn.error, conn.since)
+        if view == "pool":
+            return (said, self._nodes_version, self.first.version), lambda: views.pool_view(self.nodes, self.first.jobs, conn)
+        if view == "jobs" or view.startswith("jobs?"):
+            page = self.first if view == "jobs" else self.pages.get(view)
+            if page is None:
+                return None
+            offset = views.list_offset(view)
+            return (said, page.version), lambda: views.jobs_view(page, offset, conn)
+        if view.startswith("job:"):
+            follow = self.follows.get(views.job_ref(view))
+            if follow is None:
+                return None
+            return (said, follow.version), lambda: views.job_view(follow, conn)
+        return None
+

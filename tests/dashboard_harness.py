@@ -1,0 +1,168 @@
+"""Helpers for the dashboard's tests and bench: a dashboard process started like a user starts it,
+HTTP reads of it, a server-sent-events reader, and a tiny reverse proxy that serves it under a
+sub-path (what nginx or Caddy would do)."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpool.client.localpool import Processes, free_port, wait_for
+
+
+@dataclass
+class Dashboard:
+    url: str  # http://127.0.0.1:PORT/
+    port: int
+    proc: Any
+    log: Path
+
+
+def start_dashboard(procs: Processes, root: Path, coordinator: str, *args: str, listen: str | None = None, poll: float = 0.5, name: str = "dashboard") -> Dashboard:
+    """`dpctl dashboard` as a user runs it, on a free port; returns once it answers."""
+    port = free_port()
+    log = root / f"{name}.log"
+    proc = procs.start(
+        [sys.executable, "-m", "dpool.client.cli", "--coordinator", coordinator, "dashboard", "--listen", listen or f"127.0.0.1:{port}", "--poll", str(poll), *args],
+        log, label=name,
+    )
+    if listen is not None:
+        port = int(listen.rpartition(":")[2])
+    d = Dashboard(f"http://127.0.0.1:{port}/", port, proc, log)
+    wait_for(f"the dashboard on port {port} ({log})", lambda: (proc.poll() is None and _answers(port)) or _exited(proc, log), 30)
+    return d
+
+
+def _answers(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _exited(proc: Any, log: Path) -> bool:
+    if proc.poll() is not None:
+        raise AssertionError(f"the dashboard exited with {proc.returncode}: {log.read_text()[-2000:]}")
+    return False
+
+
+def get(url: str, *, headers: dict[str, str] | None = None, method: str = "GET", timeout: float = 15) -> tuple[int, dict[str, str], str]:
+    """(status, headers, body) of one request; redirects are not followed."""
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *a: Any, **kw: Any) -> None:
+            return None
+
+    opener = urllib.request.build_opener(NoRedirect)
+    req = urllib.request.Request(url, headers=headers or {}, method=method)
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode(errors="replace")
+
+
+def sse_events(host: str, port: int, path: str, *, headers: dict[str, str] | None = None, timeout: float = 30) -> Iterator[tuple[str, str]]:
+    """(event, data) of a server-sent-events stream, as they come."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn.request("GET", path, headers=headers or {})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise AssertionError(f"{path}: {resp.status} {resp.read()[:300]!r}")
+    event, data = "message", []
+    try:
+        while True:
+            raw = resp.fp.readline()
+            if not raw:
+                return
+            line = raw.decode().rstrip("\n")
+            if line == "":
+                if data:
+                    yield event, "\n".join(data)
+                event, data = "message", []
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip())
+    finally:
+        conn.close()
+
+
+class SubPathProxy:
+    """A reverse proxy (aiohttp, on its own thread) serving `upstream` under `/PREFIX/`, as a
+    front server does: the prefix stripped on the way in, X-Forwarded-Prefix set, the body
+    streamed through (server-sent events included), and nothing rewritten on the way out."""
+
+    def __init__(self, upstream: str, prefix: str = "/pool") -> None:
+        self.upstream, self.prefix = upstream.rstrip("/"), prefix
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}{prefix}/"
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        if not self.ready.wait(10):
+            raise RuntimeError("the proxy did not start")
+
+    def _run(self) -> None:
+        from aiohttp import ClientSession, ClientTimeout, web
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            path = request.path_qs
+            if not path.startswith(self.prefix + "/"):
+                return web.Response(status=404, text="not under the prefix")
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            headers["X-Forwarded-Prefix"] = self.prefix
+            async with ClientSession(timeout=ClientTimeout(total=None, sock_read=None)) as session, session.request(
+                request.method, self.upstream + path[len(self.prefix) :], headers=headers, allow_redirects=False,
+            ) as up:
+                out = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "content-encoding", "connection")})
+                await out.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+
+        async def main() -> None:
+            app = web.Application()
+            app.router.add_route("*", "/{tail:.*}", handle)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", self.port).start()
+            self.ready.set()
+            while True:
+                await asyncio.sleep(3600)
+
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(main())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def hrefs(html: str) -> list[str]:
+    """Every href= and src= of a page."""
+    import re
+
+    return re.findall(r'(?:href|src|data-stream)="([^"]*)"', html)
+
+
+def wait_page(url: str, check: Sequence[str], timeout: float = 60, headers: dict[str, str] | None = None) -> str:
+    """The page at `url` once it contains every string of `check`."""
+    deadline = time.monotonic() + timeout
+    body = ""
+    while time.monotonic() < deadline:
+        status, _, body = get(url, headers=headers)
+        if status == 200 and all(c in body for c in check):
+            return body
+        time.sleep(0.3)
+    raise AssertionError(f"{url} never showed {check}: {body[:1000]}")

@@ -1,0 +1,383 @@
+"""The read-only dashboard (issue 21): its pages against a real pool of dpds, the job list's pages
+over a long history, viewer tokens, GET only, a sub-path behind a reverse proxy, `dpd run
+--dashboard`, and the poller's promise that many open pages cost the coordinator what one does.
+The browser's view of it is tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import psutil
+import pytest
+from conftest import LocalPool, Processes, alive, free_port, wait_for
+from dashboard_harness import SubPathProxy, get, hrefs, sse_events, start_dashboard, wait_page
+from jobs import write_job
+
+from dpool.client.keys import add_viewer, init_keys
+from dpool.client.rpc import Client, RemoteError
+from dpool.daemon import statuspage
+from dpool.dashboard import chart, options, views
+from dpool.dashboard.auth import Tokens
+from dpool.dashboard.follow import JobFollow, Thinned
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import parse_job
+from dpool.protocol.payloads import EventRow, JobStatus, TrainRow
+from dpool.protocol.security import client_keys
+
+QUEUED = parse_job({"name": "waits", "workers": {"min": 64, "max": 64}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
+
+
+# -- pure parts ------------------------------------------------------------------------------------
+
+
+def train(step: int, loss: float = 1.0) -> TrainRow:
+    return TrainRow(kind="train", step=step, loss=loss, lr=1e-3, tokens=100, tokens_per_s=1000.0, world_size=2, generation=1)
+
+
+def test_a_long_series_is_thinned_to_its_bound_evenly_and_keeps_its_newest_rows() -> None:
+    s = Thinned(cap=100)
+    for step in range(1, 100_001):
+        s.add(train(step))
+    assert len(s) <= 101
+    gaps = {b - a for a, b in zip(s.steps, s.steps[1:], strict=False)}
+    assert len(gaps - {s.stride}) <= 1, gaps  # evenly spread (the newest row may sit closer)
+    assert s.steps[-1] >= 100_000 - s.stride
+
+
+def test_a_recomputed_step_replaces_its_row_and_a_thinned_step_changes_nothing() -> None:
+    s = Thinned(cap=4)
+    for step in range(1, 10):
+        s.add(train(step))
+    kept = s.steps[0]
+    assert s.add(train(kept, loss=9.0)) and s.rows[0].loss == 9.0
+    assert not s.add(train(kept + 1, loss=9.0)) or kept + 1 in s.steps
+
+
+def js(i: int, t: float) -> JobStatus:
+    return JobStatus(id=f"j-{i:04d}", name="j", state="succeeded", step=1, steps=1, generation=1, world_size=1, workers=[], checkpoint_step=None, loss=None, val_loss=None, error=None, submitted=t)
+
+
+def test_status_pages_list_every_job_once_newest_first_with_fresh_rows_from_memory() -> None:
+    every = [js(i, 1000.0 + i // 3) for i in range(200)]  # three jobs share each submission second
+    memory = [j for j in every if j.id.endswith(("0", "7"))]
+    stored_rows = sorted(every, key=statuspage.key, reverse=True)
+
+    def stored(before: statuspage.Key, n: int, skip: set[str]) -> list[JobStatus]:
+        return [j for j in stored_rows if statuspage.key(j) < before and j.id not in skip][:n]
+
+    seen, before, more = [], None, True
+    while more:
+        page, more = statuspage.page(memory, stored, before, 23)
+        seen += page
+        before = statuspage.key(page[-1]) if page else None
+    assert [j.id for j in seen] == [j.id for j in stored_rows]
+
+
+def test_a_dashboard_beyond_loopback_needs_tokens_or_insecure(tmp_path: Path) -> None:
+    with pytest.raises(options.OptionsError, match="viewer tokens"):
+        options.check("0.0.0.0:7341", "tcp://127.0.0.1:7340", keys=None, tokens=None, insecure=False)
+    assert options.check("0.0.0.0:7341", "tcp://x:1", keys=None, tokens=None, insecure=True).tokens is None
+    assert options.check("[::1]:7341", "tcp://x:1", keys=None, tokens=None, insecure=False).listen.loopback
+    assert options.check("7341", "tcp://x:1", keys=None, tokens=None, insecure=False).listen == options.Listen("127.0.0.1", 7341)
+    keys = tmp_path / "keys"
+    init_keys(keys, nodes=["n0"])
+    got = options.check("0.0.0.0:7341", "tcp://x:1", keys=keys, tokens=None, insecure=False)
+    assert got.tokens == keys / "allowed" / "viewers"
+    for bad in ("host", "1.2.3.4:99999", "[::1]7341", "a b:1"):
+        with pytest.raises(options.OptionsError, match="--listen"):
+            options.parse_listen(bad)
+    r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "dashboard", "--listen", "0.0.0.0:7341"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--insecure" in r.stderr and "dpctl keys add-viewer" in r.stderr, r.stderr
+
+
+def test_a_viewer_token_holds_until_its_viewer_key_or_token_file_is_removed(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    init_keys(keys, nodes=["n0"])
+    add_viewer(keys, "alice")
+    add_viewer(keys, "bob")
+    alice = (keys / "bundles" / "alice" / "viewer.token").read_text().strip()
+    bob = (keys / "viewer-bob.token").read_text().strip()
+    assert (keys / "bundles" / "alice" / "viewer.token").stat().st_mode & 0o077 == 0
+    tokens = Tokens(keys / "allowed" / "viewers")
+    assert tokens.viewer(alice) == "alice" and tokens.viewer(bob) == "bob"
+    assert tokens.viewer(alice[:-1] + ("A" if alice[-1] != "A" else "B")) is None
+    assert tokens.viewer(alice.replace(".alice.", ".bob.")) is None  # a token names its viewer
+    assert tokens.viewer("") is None and tokens.viewer("x" * 10_000) is None
+    (keys / "allowed" / "viewers" / "alice.key").unlink()  # revoke alice, as any key is revoked
+    assert tokens.viewer(alice) is None and tokens.viewer(bob) == "bob"
+    (keys / "allowed" / "viewers" / "bob.token").unlink()
+    assert tokens.viewer(bob) is None
+    client_keys(keys / "bundles" / "bob", "client")  # the bundle is a working read-only client too
+
+
+def test_the_chart_marks_each_restart_and_shades_what_was_recomputed() -> None:
+    svg = chart.svg(
+        steps=100,
+        train=[(s, 5.0 - s / 50, 1000.0) for s in range(1, 80)],
+        evals=[(50, 4.0)],
+        restarts=[{"generation": 2, "from_step": 30, "steps_recomputed": 6, "seconds": 2.5}, {"generation": 3, "from_step": 60, "steps_recomputed": 0, "seconds": None}],
+    )
+    assert svg.count('class="restart"') == 2 and svg.count('class="recomputed"') == 1
+    assert "6 steps recomputed" in svg and "2.5 s after the failure" in svg
+    assert 'class="train-loss"' in svg and 'class="val-loss"' in svg and 'class="tokens-per-s"' in svg
+    long = chart.svg(steps=10**6, train=[(s, 1.0, 1.0) for s in range(1, 10**5)], evals=[], restarts=[])
+    assert len(long) < 60_000  # a line keeps at most POINTS_MAX points
+
+
+def test_what_the_pool_says_is_escaped_on_the_page() -> None:
+    f = JobFollow("j-1")
+    f.saw_status(JobStatus(id="j-1", name="j", state="failed", step=1, steps=2, generation=1, world_size=1, workers=[], checkpoint_step=None, loss=None, val_loss=None, error="<script>alert(1)</script>"))
+    f.saw_events([EventRow(t=1.0, kind="worker.failed", fields={"reason": "<img src=x onerror=alert(1)>"})], 1)
+    page = views.page("job:j-1", views.job_view(f, _conn()))
+    assert "<script>alert" not in page and "<img src=x" not in page and "&lt;script&gt;" in page
+
+
+def _conn() -> object:
+    from dpool.dashboard.poller import Conn
+
+    return Conn(True, None, 1.0, 1.0)
+
+
+# -- against a real pool -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPool, str, Path, Processes]]:
+    """A pool of two dpds (no keys) with one finished job and 130 jobs that never ran (queued,
+    then cancelled: most of them are in the coordinator's database only)."""
+    root = tmp_path_factory.mktemp("plain")
+    procs = Processes(root)
+    pool = LocalPool(procs, root)
+    try:
+        pool.start(1, 1)
+        job = pool.submit(write_job(root, "done", train={"steps": 12}))
+        pool.wait_end(job)
+        with Client(pool.addr, 10) as c:
+            for _ in range(130):
+                queued = c.call(m.Submit(job=QUEUED, source="test"), m.Submitted).job_id
+                c.call(m.Cancel(job=queued), m.CancelReply)
+        yield pool, job, root, procs
+    finally:
+        procs.stop_all()
+
+
+def test_the_coordinator_pages_its_whole_history_newest_first(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    pool, job, _, _ = plain
+    with Client(pool.addr, 10) as c:
+        everything = c.call(m.Status(), m.StatusReply).jobs
+        seen, before, more, total = [], None, True, None
+        while more:
+            reply = c.call(m.Status(limit=40, before=before), m.StatusReply)
+            seen += reply.jobs
+            total, more = reply.total, bool(reply.more)
+            before = reply.jobs[-1].id if reply.jobs else None
+        assert len(seen) == total == 131 and len({j.id for j in seen}) == 131
+        assert [j.id for j in seen] == [j.id for j in everything]
+        assert seen[-1].id == job
+        with pytest.raises(RemoteError) as e:
+            c.call(m.Status(limit=10, before="no-such-job-000000"), m.StatusReply)
+        assert e.value.code == "not_found"
+
+
+def test_the_pages_show_the_nodes_the_job_list_and_a_job(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    pool, job, root, procs = plain
+    d = start_dashboard(procs, root, pool.addr, name="dash-pages")
+    status, headers, body = get(d.url)
+    assert status == 200 and "text/html" in headers["Content-Type"]
+    assert "default-src 'none'" in headers["Content-Security-Policy"]
+    assert all(f'<span class="node-name">{n}</span>' in body for n in ("n0", "n1"))
+    status, _, body = get(d.url + "jobs")
+    assert status == 200 and "of 131" in body and 'class="older"' in body
+    older = re.search(r'class="older" href="([^"]+)"', body)
+    assert older is not None
+    status, _, body2 = get(d.url + older.group(1).replace("&amp;", "&"))
+    assert status == 200 and "jobs <b>51–100</b> of 131" in body2
+    body = wait_page(d.url + f"jobs/{job}", ['class="train-loss"', "succeeded", "rank 0"])
+    assert '<b id="step">12</b>' in body and "job.succeeded" in body
+    assert get(d.url + "jobs/no-such-job")[0] == 404
+    assert get(d.url + "jobs?before=nope-000000")[0] == 404
+    for path in ("static/dash.js", "static/dash.css"):
+        assert get(d.url + path)[0] == 200
+    assert get(d.url + "static/../cli.py")[0] == 404
+
+
+def test_nothing_but_get_is_answered(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    pool, job, root, procs = plain
+    d = start_dashboard(procs, root, pool.addr, name="dash-methods")
+    for method in ("POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"):
+        for path in ("", "jobs", f"jobs/{job}", "stream?view=pool", "metrics"):
+            status, headers, _ = get(d.url + path, method=method)
+            assert status == 405 and headers.get("Allow") == "GET", (method, path, status)
+    assert pool.status(job) is not None and pool.status(job).state == "succeeded"  # type: ignore[union-attr]
+
+
+def test_under_a_sub_path_behind_a_proxy_every_link_and_the_live_stream_work(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    pool, job, root, procs = plain
+    d = start_dashboard(procs, root, pool.addr, name="dash-proxy")
+    proxy = SubPathProxy(d.url)
+    try:
+        from urllib.parse import urljoin
+
+        for page in (proxy.url, proxy.url + "jobs", proxy.url + f"jobs/{job}"):
+            status, _, body = get(page)
+            assert status == 200, page
+            links = [h.replace("&amp;", "&") for h in hrefs(body)]
+            assert links and all(not h.startswith(("/", "http")) for h in links), links  # relative only
+            for h in links:
+                target = urljoin(page, h)
+                assert target.startswith(proxy.url), (page, h)
+                if "stream?" not in h:
+                    assert get(target)[0] == 200, target
+        stream = urljoin(proxy.url + f"jobs/{job}", f"../stream?view=job:{job}")
+        events = sse_events("127.0.0.1", proxy.port, stream.split(str(proxy.port), 1)[1])
+        _kind, data = next(e for e in events if e[0] == "update")
+        assert f"<h1>{job}</h1>" in orjson.loads(data)["f"]["summary"]
+    finally:
+        proxy.close()
+
+
+def test_metrics_are_served_in_prometheus_text_format(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    pool, _job, root, procs = plain
+    d = start_dashboard(procs, root, pool.addr, name="dash-metrics")
+    status, headers, body = get(d.url + "metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    nodes = {s.labels["state"]: s.value for s in families["dpool_nodes"].samples}
+    jobs = {s.labels["state"]: s.value for s in families["dpool_jobs"].samples}
+    assert nodes["idle"] == 2 and jobs["cancelled"] == 130 and jobs["succeeded"] == 1, (nodes, jobs)
+
+
+def test_many_open_pages_cost_the_coordinator_what_one_does(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    """The poller in this process, its server on a thread: the requests it sends in a few rounds
+    are counted with one stream of each page open, then with eight of each."""
+    from dpool.dashboard import server
+    from dpool.dashboard.poller import Poller
+
+    pool, job, _, _ = plain
+    poller = Poller(pool.addr, None, lambda v, r: None, poll_s=0.2, timeout_s=5)
+    app = server.app(poller, None)
+    port = free_port()
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(app, "127.0.0.1", port, stopping=stop)), daemon=True)
+    thread.start()
+    wait_for("the server", lambda: get(f"http://127.0.0.1:{port}/")[0] == 200, 30)
+    views_ = ["pool", "jobs", f"job:{job}"]
+
+    def per_round(streams: int) -> float:
+        readers = []
+        for view in views_:
+            for _ in range(streams):
+                gen = sse_events("127.0.0.1", port, f"/stream?view={view}")
+                next(gen)  # connected, first update in hand
+                readers.append(gen)
+        wait_for("the streams counted", lambda: poller.interest.streams() == streams * len(views_), 10)
+        polls, requests = poller.polls, poller.requests
+        time.sleep(2.0)
+        count = (poller.requests - requests) / max(1, poller.polls - polls)
+        for gen in readers:
+            gen.close()
+        return count
+
+    try:
+        one, eight = per_round(1), per_round(8)
+        assert one > 0 and eight == one, (one, eight)
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(10)
+
+
+# -- keys and tokens ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalPool, Path, Path, Processes]]:
+    """A pool with CURVE keys (node n0) and viewers alice and bob."""
+    root = tmp_path_factory.mktemp("keyed")
+    keys = root / "keys"
+    init_keys(keys, nodes=["n0"])
+    add_viewer(keys, "alice")
+    add_viewer(keys, "bob")
+    procs = Processes(root)
+    pool = LocalPool(procs, root)
+    try:
+        pool.start_daemon("n0", serve=True, args=["--keys", str(keys)])
+        with Client(pool.addr, 60, client_keys(keys, "client")) as c:
+            wait_for("n0 registered", lambda: c.call(m.Nodes(), m.NodesReply).nodes, 60)
+        yield pool, keys, root, procs
+    finally:
+        procs.stop_all()
+
+
+def test_off_loopback_every_request_needs_a_viewer_token_and_a_revoked_one_is_refused(keyed: tuple[LocalPool, Path, Path, Processes]) -> None:
+    pool, keys, root, procs = keyed
+    port = free_port()
+    d = start_dashboard(procs, root, pool.addr, "--keys", str(keys), listen=f"0.0.0.0:{port}", name="dash-tokens")
+    alice = (keys / "bundles" / "alice" / "viewer.token").read_text().strip()
+    bob = (keys / "bundles" / "bob" / "viewer.token").read_text().strip()
+    for path in ("", "jobs", "stream?view=pool", "metrics", "static/dash.js"):
+        status, headers, body = get(d.url + path)
+        assert status == 401 and "add-viewer" in body and headers["WWW-Authenticate"].startswith("Bearer"), path
+        assert get(d.url + path, headers={"Authorization": "Bearer " + alice[:-2] + "xx"})[0] == 401
+    # the dashboard reads the pool with its own read-only key: the page lists the node
+    body = wait_page(d.url, ['<span class="node-name">n0</span>'], headers={"Authorization": f"Bearer {alice}"})
+    assert "n0" in body
+    with Client(pool.addr, 10, client_keys(keys / "bundles" / "dashboard", "client")) as c:
+        with pytest.raises(RemoteError) as e:
+            c.call(m.Drain(node="n0"), m.DrainReply)
+        assert e.value.code == "forbidden"  # the dashboard's key can change nothing
+    # ?token= is exchanged for an HttpOnly cookie, and the token leaves the address
+    status, headers, _ = get(d.url + f"jobs?token={alice}")
+    assert status == 303 and headers["Location"] == "jobs"
+    cookie = headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    jar = {"Cookie": cookie.split(";", 1)[0]}
+    assert get(d.url + "jobs", headers=jar)[0] == 200
+    assert get(d.url + "?token=dpv1.alice.wrong")[0] == 401
+    # revoked: alice's key file removed from the allow-list
+    (keys / "allowed" / "viewers" / "alice.key").unlink()
+    assert get(d.url, headers={"Authorization": f"Bearer {alice}"})[0] == 401
+    assert get(d.url, headers=jar)[0] == 401
+    assert get(d.url, headers={"Authorization": f"Bearer {bob}"})[0] == 200
+
+
+# -- dpd run --dashboard ----------------------------------------------------------------------------------
+
+
+def test_dpd_serves_its_dashboard_in_a_process_of_its_own_and_takes_it_along_when_it_ends(tmp_path: Path, processes: Processes) -> None:
+    pool = LocalPool(processes, tmp_path)
+    port = free_port()
+    d0 = pool.start_daemon("n0", serve=True, args=["--dashboard", f"127.0.0.1:{port}"])
+    pool.wait_registered(1)
+    body = wait_page(f"http://127.0.0.1:{port}/", ['<span class="node-name">n0</span>'])
+    assert "n0" in body
+
+    def dashboard_pid() -> int | None:
+        kids = [p for p in psutil.Process(d0.pid).children() if "dpool.dashboard" in " ".join(p.cmdline())]
+        return kids[0].pid if kids else None
+
+    child = wait_for("the dashboard's process", dashboard_pid, 10)
+    assert child != d0.pid
+    os.kill(d0.pid, signal.SIGKILL)  # dpd dies without stopping it
+    wait_for("the dashboard to end with its dpd", lambda: not alive(child), 15)
+
+    second = LocalPool(processes, tmp_path / "second")
+    port2 = free_port()
+    d1 = second.start_daemon("n1", serve=True, args=["--dashboard", f"127.0.0.1:{port2}"])
+    wait_page(f"http://127.0.0.1:{port2}/", ['<span class="node-name">n1</span>'])
+    child = wait_for("the dashboard's process", lambda: [p.pid for p in psutil.Process(d1.pid).children() if "dpool.dashboard" in " ".join(p.cmdline())], 10)[0]
+    os.kill(d1.pid, signal.SIGTERM)
+    assert d1.proc.wait(30) == 0
+    assert not alive(child)
