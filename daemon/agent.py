@@ -60,6 +60,7 @@ from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.forkserver import LM_MODULES, ForkedProcess, ForkServer, ForkServerError
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.nodestage import NodeStaging
+from dpool.daemon.owner import OwnerWatch
 from dpool.daemon.power import SleepGuard
 from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
@@ -71,6 +72,7 @@ from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.link_messages import NodeLink, WorkerLink
 from dpool.protocol.logs import RotatingFile, Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
+from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import AliveWorker, ExitedWorker, Holding, NodeInfo, RunningWorker
 from dpool.protocol.schema import Invalid
 from dpool.protocol.security import ClientKeys, curve_client
@@ -125,8 +127,10 @@ class Agent(WarmTrainers):
         awake: SleepGuard | None = None,
         zygote: StartedZygote | None = None,
         cache_max: int | None = None,
+        owner: OwnerWatch | None = None,
     ) -> None:
         self.keys = keys  # CURVE to the coordinator when given
+        self.owner = owner  # `--yield-when`: what this machine's owner needs it for (daemon/owner.py)
         self.awake = awake or SleepGuard.for_this_machine()  # no idle sleep while a trainer runs (macOS)
         self.ctx, self.name, self.join = ctx, name, join
         self.state_dir = Path(state_dir)
@@ -188,6 +192,8 @@ class Agent(WarmTrainers):
         self.forks.start()
         self.log.info("staging.listening", endpoint=self.staging.start(), cache=str(self.staging.cache.root))
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
+        if self.owner is not None:
+            side.append(asyncio.create_task(self.owner.run(lambda why: self._send(NodeYield(reason=why)))))
         try:
             code = await self._control_loop(stopping)
         finally:
@@ -300,6 +306,8 @@ class Agent(WarmTrainers):
                     self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
                 self._send(self.staging.hello())  # where its data channel listens, and what it holds
+                if self.owner is not None:
+                    self._send(NodeYield(reason=self.owner.yielding))  # a restarted coordinator learns it so
                 return
             if isinstance(msg, m.Error) and msg.code in (ErrorCode.DUPLICATE_NAME, ErrorCode.BAD_BODY, ErrorCode.BAD_REQUEST):
                 raise Refused(msg.message)  # asking again cannot help (`--workers 2000`: slots are at most 1024)

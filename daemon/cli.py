@@ -33,7 +33,9 @@ import zmq.asyncio
 
 from dpool.daemon import cachecmd, netif
 from dpool.daemon.childenv import UMASK, StartedZygote
+from dpool.daemon.conditions import Condition, parse_yield_when
 from dpool.daemon.fitness import TRAINING_RATE_BPS
+from dpool.daemon.owner import OwnerWatch
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -62,6 +64,7 @@ CONFIG_KEYS = {
     "stage_rate": str,
     "log_level": str,
     "log_file": str,
+    "yield_when": str,
     "dashboard": str,
 }
 LOCK_FILE = "dpd.lock"
@@ -93,6 +96,7 @@ class Settings:
     server_keys: ServerKeys | None = None  # the coordinator's pair and allow-list (with --serve)
     cache_max: int | None = None  # bytes the staging cache may hold (None: as the disk allows)
     stage_rate: float = TRAINING_RATE_BPS  # with --serve: bytes/s a fetch is paced to while its sources train (0: never)
+    yield_when: tuple[Condition, ...] = ()  # what makes this node yield to its owner (daemon/conditions.py)
     dashboard: str | None = None  # with --serve: where the dashboard's child process listens (dashboard/child.py)
     keys_dir: Path | None = None  # the key directory (the dashboard's keys come from there)
 
@@ -229,6 +233,7 @@ def settings(args: argparse.Namespace) -> Settings:
         server_keys=coord_keys,
         cache_max=_cache_max(pick("cache_max", None)),
         stage_rate=_stage_rate(pick("stage_rate", None)),
+        yield_when=_yield_when(pick("yield_when", None)),
         dashboard=dashboard,
         keys_dir=kdir,
     )
@@ -244,6 +249,17 @@ def _check_dashboard(listen: str, serve: str | None, kdir: Path | None, insecure
         check(listen, serve, keys=kdir, tokens=None, insecure=insecure, flag="--dashboard")
     except OptionsError as e:
         raise UsageError(str(e)) from None
+
+
+def _yield_when(value: object) -> tuple[Condition, ...]:
+    if value is None:
+        return ()
+    try:
+        conditions = parse_yield_when(str(value))
+        OwnerWatch.from_env(conditions, None)  # its test settings ($DPOOL_YIELD_*), checked now
+    except ValueError as e:
+        raise UsageError(f"--yield-when {value!r}: {e}") from None
+    return conditions
 
 
 def _stage_rate(value: object) -> float:
@@ -325,6 +341,7 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
             keys=s.keys,
             zygote=zygote,
             cache_max=s.cache_max,
+            owner=OwnerWatch.from_env(s.yield_when, log) if s.yield_when else None,
         )
         agent_task = asyncio.create_task(agent.run(stopping))
         notify_task = asyncio.create_task(sdnotify.announce(agent, stopping))  # systemd Type=notify
@@ -410,6 +427,11 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--dashboard", nargs="?", const="127.0.0.1:7341", metavar="ADDR", help="with --serve: also serve the read-only web dashboard at ADDR (default 127.0.0.1:7341; elsewhere needs viewer tokens or --insecure), a process of its own")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
+    run.add_argument(
+        "--yield-when", dest="yield_when", metavar="CONDITIONS",
+        help="give the machine back to its owner (its work moves off, no step lost) while any of these holds, and take work again 2 minutes after none does: "
+        "active[:MINUTES] (keyboard or mouse used within MINUTES, default 5), battery, thermal (throttled), memory (pressure); e.g. active:10,battery",
+    )
     run.add_argument("--log-file", dest="log_file", help="write dpd's log (JSON lines) to this file, rotated by size, instead of stderr")
     install = sub.add_parser("install", parents=[run], add_help=False, help="write and load the OS service (LaunchAgent, systemd unit) that runs `dpd run` with these flags")
     install.add_argument("--print", action="store_true", help="only print the file and the commands install would run")

@@ -51,6 +51,7 @@ from dpool.protocol.jobspec import JobFileError, parse_job
 from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
+from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, SampleRow, TestLossRow, TrainRow
 from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, user_parts
 from dpool.protocol.sharing import Queue, SetPriority
@@ -537,7 +538,7 @@ class Coordinator:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 return []  # never answered: an error about an error would echo forever
             case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
-                  | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged() | NodeLink()):
+                  | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged() | NodeLink() | NodeYield()):
                 pass
             case _:
                 raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

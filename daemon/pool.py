@@ -55,6 +55,7 @@ from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
+from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import (
     ExitedWorker,
     NodeRow,
@@ -75,7 +76,7 @@ TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is 
 
 NodeMessage: TypeAlias = (
     m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
-    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged | NodeLink
+    | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged | NodeLink | NodeYield
 )
 
 ANSWER_HEARTBEATS = 2  # heartbeat intervals a node of a group stopped at once has to be heard from
@@ -206,9 +207,10 @@ class Pool:
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
             actions += self.fitness.node_gone(name)  # a new dpd process: what it serves is asked afresh
             node = Node(name=name, incarnation=msg.incarnation, info=msg.info, joined_at=now, last_seen=now)
-            if old is not None and old.hold is not None:
-                node.hold, node.reason, node.drained_reported = old.hold, old.reason, True  # a hold outlives a dpd restart
-            elif name in self.remembered:
+            # A hold outlives a dpd restart; a yield is the new dpd's to say (node.yield once registered).
+            if old is not None and old.hold not in (None, Hold.YIELDING):
+                node.hold, node.reason, node.drained_reported = old.hold, old.reason, True
+            elif name in self.remembered and self.remembered[name][0] is not Hold.YIELDING:
                 node.hold, node.reason = self.remembered[name]
                 node.drained_reported = True
             self.nodes[name] = node
@@ -343,6 +345,8 @@ class Pool:
                 for a in self.fitness.staged(now, node.name, msg, job.spec if job else None, job.doc if job else None):
                     out += self._found(now, a) if isinstance(a, Found) else [a]
                 return out
+            case NodeYield():
+                return self.owner_yield(now, node, msg.reason)
         return []
 
     def _found(self, now: float, f: Found) -> list[Action]:
@@ -424,25 +428,51 @@ class Pool:
     def drain(self, now: float, name: str) -> list[Action]:
         """`dpctl drain NODE`: its groups checkpoint and restart elsewhere; it takes no new work."""
         node = self.nodes[name]
-        if node.hold is not None:
+        if node.hold is not None and node.hold is not Hold.YIELDING:
             return []
+        yielding = node.hold is Hold.YIELDING  # its work is leaving already; the user's drain outlasts the yield
         node.hold, node.reason, node.drained_reported = Hold.DRAINED, "drained", False
         actions: list[Action] = [Record(None, "node.draining", now, {"node": name}), NodeChanged(name)]
+        if not yielding:
+            actions += self._move_off(now, name, f"node {name} is being drained")
+        return actions + self._drained(now, node)
+
+    def _move_off(self, now: float, name: str, why: str) -> list[Action]:
+        actions: list[Action] = []
         for job in list(self.live.values()):
             if job.pending is not None and name in job.pending.nodes:
                 # Being prepared there: start again elsewhere (nothing ran yet).
-                actions += self._abort_start(job, now, f"node {name} is being drained")
+                actions += self._abort_start(job, now, why)
             elif job.plan is not None and job.machine.live and job.plan.ranks_on(name):
-                actions += self._reshape(job, now, f"node {name} is being drained")
-        return actions + self._drained(now, node)
+                actions += self._reshape(job, now, why)
+        return actions
 
     def undrain(self, now: float, name: str) -> list[Action]:
         """`dpctl undrain NODE`: take work again (also what lifts a node set aside)."""
         node = self.nodes[name]
         was = node.reason if node.hold is not None else None
         node.hold, node.fail_streak, node.lost_blames, node.reason, node.drained_reported = None, 0, 0, None, False
+        if node.yielding is not None:
+            node.hold, node.reason = Hold.YIELDING, node.yielding  # its owner still needs it: it yields on
         self.remembered.pop(name, None)
         return [Record(None, "node.undrained", now, {"node": name, "was": was}), NodeChanged(name)]
+
+    def owner_yield(self, now: float, node: Node, why: str | None) -> list[Action]:
+        """node.yield (`dpd run --yield-when`): its owner needs the machine for `why`, so its work
+        moves off as a drain's does and it takes none; `why` None: it takes work again. A drain or
+        a set-aside outlasts the yield."""
+        was, node.yielding = node.yielding, why
+        if why is not None and node.hold is None:
+            node.hold, node.reason = Hold.YIELDING, why
+            actions: list[Action] = [Record(None, "node.yielding", now, {"node": node.name, "reason": why}), NodeChanged(node.name)]
+            return actions + self._move_off(now, node.name, f"node {node.name} yields to its owner ({why})")
+        if node.hold is not Hold.YIELDING or why == node.reason:
+            return []
+        if why is not None:
+            node.reason = why  # yielding still, now for this
+            return [NodeChanged(node.name)]
+        node.hold, node.reason = None, None
+        return [Record(None, "node.returned", now, {"node": node.name, "reason": was}), NodeChanged(node.name)]
 
     def _drained(self, now: float, node: Node) -> list[Action]:
         if node.hold is Hold.DRAINED and not node.used and not node.drained_reported:

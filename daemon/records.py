@@ -70,6 +70,7 @@ class NodeState(enum.StrEnum):
     BUSY = "busy"
     DRAINING = "draining"
     LOST = "lost"
+    YIELDING = "yielding"  # its owner needs it (`dpd run --yield-when`): `reason` says why
 
 
 class Hold(enum.StrEnum):
@@ -77,6 +78,7 @@ class Hold(enum.StrEnum):
 
     DRAINED = "drained"  # `dpctl drain`
     SET_ASIDE = "set_aside"  # its workers kept failing
+    YIELDING = "yielding"  # its owner needs it (node.yield); lifted when its dpd says the condition cleared
 
 
 @dataclass(slots=True)
@@ -92,7 +94,8 @@ class Node:
     drained_reported: bool = False  # node.drained was recorded for the current drain
     fail_streak: int = 0  # workers failed here in a row (reset by one that ends well)
     lost_blames: int = 0  # of those, failures for its missing heartbeats (taken back if it returns alive)
-    reason: str | None = None  # shown in `dpctl nodes`: why it is lost, drained or set aside
+    reason: str | None = None  # shown in `dpctl nodes`: why it is lost, drained, set aside or yielding
+    yielding: str | None = None  # why its dpd last said it yields to its owner (node.yield), whatever its hold
     used: dict[int, tuple[str, int]] = field(default_factory=dict)  # slot -> (job, generation)
     holdings: dict[tuple[str, int], int] = field(default_factory=dict)  # (job, slot) -> newest step on disk
     # (job, slot) -> newest step it can resume from: on disk or kept in memory (outlives a trainer, not the machine)
@@ -113,6 +116,8 @@ class Node:
     def state(self) -> NodeState:
         if self.lost:
             return NodeState.LOST
+        if self.hold is Hold.YIELDING:
+            return NodeState.YIELDING  # its workers leave, or have left, for its owner
         if self.hold is not None and self.used:
             return NodeState.DRAINING  # its workers are checkpointing and leaving
         return NodeState.BUSY if self.used else NodeState.IDLE  # drained: idle, `reason` says why

@@ -184,6 +184,8 @@ class MsgType(enum.StrEnum):
     # the ring's measured link (protocol/link_messages.py): a trainer's probe, relayed by its dpd
     WORKER_LINK = "worker.link"  # trainer -> its dpd
     NODE_LINK = "node.link"  # dpd -> coordinator
+    # a Mac that yields to its owner (protocol/owner_messages.py): why it yields, or that it is back
+    NODE_YIELD = "node.yield"  # dpd -> coordinator
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"

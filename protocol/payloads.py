@@ -329,7 +329,7 @@ class NodeRow(Record):
 
     name: NodeName
     address: Annotated[str, Str(255)]
-    state: Annotated[str, OneOf("idle", "busy", "draining", "lost")]
+    state: Annotated[str, OneOf("idle", "busy", "draining", "lost", "yielding")]
     platform: Name
     chip: Annotated[str, Str(256)]
     memory_bytes: Count

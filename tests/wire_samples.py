@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Annotated, Any
 
-from dpool.protocol import link_messages, sharing, stage_messages  # noqa: F401  (register the link probe's, sharing's and staging's message types)
+from dpool.protocol import link_messages, owner_messages, sharing, stage_messages  # noqa: F401  (register the link probe's, owner's, sharing's and staging's message types)
 from dpool.protocol import messages as m
 from dpool.protocol.schema import Bytes, Float, Int, Items, OneOf, Record, Str
 
