@@ -491,6 +491,8 @@ def cmd_undrain(c: Client, a: argparse.Namespace) -> int:
     reply = c.call(m.Undrain(node=a.node), m.UndrainReply)
     if a.json:
         emit_json({"node": reply.node, "state": reply.state, "reason": reply.reason})
+    elif reply.state == "yielding":
+        print(f"node {reply.node} undrained; it yields to its owner ({reply.reason}) and takes work again once that clears")
     else:
         print(f"node {reply.node} takes work again ({reply.state})")
     return EXIT_OK

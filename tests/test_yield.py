@@ -485,6 +485,8 @@ def test_a_node_whose_owner_becomes_active_drains_and_returns(processes: Process
     assert {w.node for w in shrunk.workers} == {"n0", "n1"}
     table = pool.dpctl("nodes")
     assert table.returncode == 0 and "yielding (owner active)" in table.stdout, table.stdout
+    undrain = pool.dpctl("undrain", "n2")  # a user's undrain does not overrule the owner
+    assert undrain.returncode == 0 and "yields to its owner (owner active)" in undrain.stdout, undrain.stdout
     step = pool.wait_status(job, "steps without n2", lambda s: s.step >= shrunk.step + 3, timeout=60, every=0.05).step
     assert all(n.job is None for n in pool.nodes() if n.name == "n2")  # it takes no work while yielding
 
