@@ -83,7 +83,10 @@ class OwnerWatch:
         wall = self.wall()
         out = []
         for s in self.sources:
-            r = s.read(wall)
+            try:
+                r = s.read(wall)
+            except Exception as e:  # a parser's bug on output it never saw: unknown, like any failed probe
+                r = Reading(None, f"{s.name}: {type(e).__name__}: {e}")
             if r.holds is None and s.name not in self.unknown:
                 self.unknown.add(s.name)
                 self.log.warning("yield.source_unknown", condition=s.name, error=r.detail, counts_as="clear")

@@ -367,6 +367,25 @@ def test_unknown_readings_never_make_a_node_yield(tmp_path: Path) -> None:
     assert [kw["condition"] for e, kw in lines if e == "yield.source_back"] == ["battery"]
 
 
+def test_a_source_that_raises_reads_unknown_and_the_watch_goes_on(tmp_path: Path) -> None:
+    events: list[str] = []
+
+    class Log:
+        def warning(self, event: str, **kw: Any) -> None:
+            events.append(event)
+
+        info = warning
+
+    watch = OwnerWatch(parse_yield_when("thermal"), Log(), platform="darwin", run=files_runner(tmp_path))
+
+    def broken(now: float) -> Any:
+        raise IndexError("a parser's bug")
+
+    watch.sources[0].read = broken  # type: ignore[method-assign]
+    ((_, reading),) = watch.read()
+    assert reading.holds is None and "IndexError" in reading.detail and events == ["yield.source_unknown"]
+
+
 def test_the_probe_dir_seam_and_its_settings_come_from_the_environment(tmp_path: Path) -> None:
     write_tree(tmp_path, {"loginctl": LOGIND_ACTIVE})
     watch = OwnerWatch.from_env(parse_yield_when("active"), None, {"DPOOL_YIELD_PROBE_DIR": str(tmp_path), "DPOOL_YIELD_PERIOD_S": "0.1", "DPOOL_YIELD_CLEAR_S": "2"})
