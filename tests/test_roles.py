@@ -27,6 +27,7 @@ from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.payloads import TrainRow
 from dpool.protocol.security import AllowList, KeysError, client_keys, server_keys
+from dpool.protocol.sharing import Queue, QueueReply, SetPriority
 
 JOB = parse_job({"name": "two", "workers": {"min": 2, "max": 2}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
 
@@ -255,3 +256,11 @@ def test_a_key_directory_that_others_can_write_is_refused(keys: Path) -> None:
     bundle.chmod(0o775)
     with pytest.raises(KeysError, match=f"{bundle}: key directory writable by group or others"):
         client_keys(bundle, "node", "a")
+
+
+def test_a_viewer_reads_the_queue_and_cannot_change_a_priority(coord: Running, connect: Callable[..., Peer]) -> None:
+    viewer = connect("client", "dash")
+    assert isinstance(viewer.message(Queue()), QueueReply)
+    forbidden(viewer.message(SetPriority(job="x", priority=3)), "priority", "viewer key (viewer:dash)")
+    reply = connect("client").message(SetPriority(job="x", priority=3))
+    assert isinstance(reply, m.Error) and reply.code == "not_found"  # a client may; there is no job x
