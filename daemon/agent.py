@@ -571,7 +571,7 @@ class Agent(WarmTrainers):
 
     async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:
         """A trainer: forked from this dpd's zygote where it can be, else a new interpreter."""
-        env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, **extra)
+        env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, DPOOL_JOB_ID=job, **extra)  # the job's id: its W&B run (trainer/report.py)
         if self.memory.root.is_dir():
             env["DPOOL_MEMORY_DIR"] = str(self.memory.folder(job, slot))
         then = LM_MODULES if self.kinds.get(job) == "mlx_lm" else ()

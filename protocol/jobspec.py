@@ -339,6 +339,34 @@ class SyncSpec:
 
 SYNC_DILOCO_KEYS = ("inner_steps", "replicas", "outer_lr", "outer_momentum")
 
+REPORT_TO = ("wandb",)
+WANDB_RESERVED = "/\\#?%:"  # W&B refuses these in project and entity names
+
+
+def _report_to(v: Any) -> str | None:
+    ok = isinstance(v, list | tuple) and all(x in REPORT_TO for x in v) and len(set(v)) == len(v)
+    return None if ok else "must be a list of where rank 0 reports, each once: [] (nowhere) or " + ", ".join(f"[{a!r}]" for a in REPORT_TO)
+
+
+def _wandb_name(v: Any) -> str | None:
+    if v is None or (isinstance(v, str) and 0 < len(v) <= 128 and not any(c in WANDB_RESERVED for c in v)):
+        return None
+    return f"must be a name of 1 to 128 characters without any of {WANDB_RESERVED}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReportSpec:
+    """Where rank 0 reports the job's metrics as it trains (README: "Prometheus and W&B"). Not in
+    the training hash: reporting elsewhere trains the same job."""
+
+    to: tuple[str, ...] = _spec(_report_to, "where rank 0 reports: [] or ['wandb'] (Weights & Biases; pip install 'dpool[wandb]')", ())
+    project: str | None = _spec(_wandb_name, "wandb: the W&B project (default: $WANDB_PROJECT, else 'dpool')", None)
+    entity: str | None = _spec(_wandb_name, "wandb: the W&B team or user (default: W&B's own default entity)", None)
+    run_name: str | None = _spec(_opt(_str()), "wandb: the run's display name (default: the job's name); its id comes from the job's id", None)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "to", tuple(self.to))  # a TOML list, kept as a tuple (the spec is frozen)
+
 
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -367,6 +395,7 @@ SECTIONS: dict[str, type] = {
     "recovery": RecoverySpec,
     "sync": SyncSpec,
     "content": ContentSpec,
+    "report": ReportSpec,
 }
 
 
@@ -382,6 +411,7 @@ class JobSpec:
     recovery: RecoverySpec = dataclasses.field(default_factory=RecoverySpec)
     sync: SyncSpec = dataclasses.field(default_factory=SyncSpec)
     content: ContentSpec = dataclasses.field(default_factory=ContentSpec)
+    report: ReportSpec = dataclasses.field(default_factory=ReportSpec)
     priority: int = 0  # higher runs first (README: "Sharing the pool"); not in the training hash
     base_dir: str = "."  # where relative paths are resolved: the folder of the job file as submitted
 
@@ -403,6 +433,10 @@ class JobSpec:
                 out["sync"].pop(key)
         for key in self.train.unused():
             out["train"].pop(key)
+        if self.report.to:
+            out["report"]["to"] = list(self.report.to)
+        else:
+            out.pop("report")  # absent when it reports nowhere: peers from before [report] read the job
         if not self.priority:
             out.pop("priority")  # absent at the default: peers from before priorities read the job as before
         return out
@@ -563,6 +597,7 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
     spec = JobSpec(name=name, base_dir=str(base_dir), priority=priority, **sections)
     _cross_check(spec, source)
     _check_sync(spec, data.get("sync", {}), source)
+    _check_report(spec, source)
     return spec
 
 
@@ -664,6 +699,14 @@ def _cross_check(spec: JobSpec, source: str) -> None:
         )
     if t.warmup_steps > t.steps and t.lr_schedule is None:
         raise JobFileError(source, "train.warmup_steps", t.warmup_steps, f"must be <= train.steps = {t.steps}")
+
+
+def _check_report(spec: JobSpec, source: str) -> None:
+    r = spec.report
+    if "wandb" not in r.to:
+        for key in ("project", "entity", "run_name"):
+            if getattr(r, key) is not None:
+                raise JobFileError(source, f"report.{key}", getattr(r, key), "only with report.to = ['wandb'] (it names the W&B run)")
 
 
 def _check_sync(spec: JobSpec, given: Any, source: str) -> None:

@@ -16,6 +16,9 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, err
 
 def main(argv: list[str] | None = None) -> int:
     code = _main(sys.argv[1:] if argv is None else argv)
+    report = sys.modules.get("dpool.trainer.report")  # loaded by the loop
+    if report is not None:
+        report.close(code)  # [report]: ended or stopped, the last rows out and the W&B run finished (bounded)
     memstate = sys.modules.get("dpool.trainer.memstate")  # loaded once training was set up
     if code not in (0, 75) and memstate is not None:
         # Failing (a peer lost, a disk full): the state of the last completed step, if it is being
@@ -86,6 +89,7 @@ def _main(argv: list[str]) -> int:
     from dpool.trainer.checkpoint import CheckpointError, CheckpointMismatch, CheckpointWriteError
     from dpool.trainer.data import DataError
     from dpool.trainer.lm import ModelError
+    from dpool.trainer.report import ReportError
 
     configure_logging(args.log_level)
     try:
@@ -101,7 +105,7 @@ def _main(argv: list[str]) -> int:
             print(f"test loss of step {step} of {spec.name}: {(Path(args.test) / 'test.json').read_text().strip()}")
             return loop.EXIT_DONE
         return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max, at_go=at_go)
-    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError) as e:
+    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError, ReportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT
     except CheckpointError as e:  # --export of a checkpoint that does not fit its job

@@ -43,6 +43,7 @@ from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.shares import apportion
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import optimizers
+from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
@@ -234,6 +235,7 @@ def train(
     balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
     announce: list[int] | None = None
     metrics = MetricsLog(run_dir, start, enabled=rank == 0)
+    reporting.attach(spec, metrics, generation)  # [report]: rank 0's rows to W&B too
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
     every = spec.checkpoint.every_steps
     auto = AutoInterval(start, target=overhead_target()) if every == "auto" and rank == 0 else None
@@ -244,9 +246,10 @@ def train(
     def evaluate(step: int) -> None:
         offset, share = split_shares(shares)[rank]
         mine = [i for i in range(task.val_count) if offset <= i % gb < offset + share]
+        t_eval = time.perf_counter()
         val_loss = held_out_loss(model, reps.stepper.batches(task.val_examples(mine)), group)
         row = {"kind": "eval", "step": step, "val_loss": val_loss}
-        metrics.append(metrics.metrics, row)
+        metrics.append(metrics.metrics, row, val_time=time.perf_counter() - t_eval)
         if rank == 0:
             log.info("eval.done", step=step, val_loss=round(val_loss, 4))
             if link:

@@ -23,6 +23,7 @@ from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import diloco, optimizers
+from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
@@ -186,6 +187,7 @@ def run(
     balancer = Balancer(shares) if spec.workers.balance and world > 1 and rank == 0 else None
     announce: list[int] | None = None
     metrics = MetricsLog(run_dir, start, enabled=rank == 0)
+    reporting.attach(spec, metrics, generation)  # [report]: rank 0's rows to W&B too
     writer = ckpt.CheckpointWriter(run_dir, spec.checkpoint.keep)
     every = spec.checkpoint.every_steps
     # "auto": rank 0 measures and decides, and its decision reaches every rank in the step's all_sum.
@@ -205,9 +207,10 @@ def run(
     def evaluate(step: int) -> None:
         # Held-out examples in chunks of a global batch; each rank scores its share of each chunk.
         mine = [i for i in range(task.val_count) if offset <= i % gb < offset + share]
+        t_eval = time.perf_counter()
         val_loss = stepper.eval_loss(task.val_examples(mine))
         row = {"kind": "eval", "step": step, "val_loss": val_loss}
-        metrics.append(metrics.metrics, row)
+        metrics.append(metrics.metrics, row, val_time=time.perf_counter() - t_eval)
         if rank == 0:
             log.info("eval.done", step=step, val_loss=round(val_loss, 4))
             if link:

@@ -10,10 +10,12 @@ import orjson
 
 
 class MetricsLog:
-    """Rank 0's metrics.jsonl and samples.jsonl; rows past the resume step are dropped on resume."""
+    """Rank 0's metrics.jsonl and samples.jsonl; rows past the resume step are dropped on resume.
+    `report` (trainer/report.py, set by `report.attach`) gets each metrics row as it is written."""
 
     def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
-        self.enabled = enabled
+        self.enabled, self.resume_step = enabled, resume_step
+        self.report: Any = None
         self.metrics, self.samples = run_dir / "metrics.jsonl", run_dir / "samples.jsonl"
         if enabled:
             for path in (self.metrics, self.samples):
@@ -35,7 +37,11 @@ class MetricsLog:
         tmp.write_bytes(b"".join(line + b"\n" for line in keep))
         os.replace(tmp, path)
 
-    def append(self, path: Path, row: dict[str, Any]) -> None:
+    def append(self, path: Path, row: dict[str, Any], **report: Any) -> None:
+        """Write `row`; a metrics row goes on to the report too, with `report`'s figures that the
+        row does not carry (an evaluation's `val_time`)."""
         if self.enabled:
             with open(path, "ab") as f:
                 f.write(orjson.dumps(row) + b"\n")
+            if self.report is not None and path == self.metrics:
+                self.report.row(row, **report)
