@@ -3,8 +3,15 @@ format, read back with prometheus_client's own parsers, as a scraper reads it.""
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
+import pytest
+from conftest import LocalPool, Processes, wait_for
+from dashboard_harness import get, start_dashboard
+from jobs import write_job
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
@@ -144,3 +151,53 @@ def test_a_scraper_that_asks_for_openmetrics_gets_it() -> None:
     assert families["dpool_job_restarts"].type == "counter"
     assert families["dpool_recovery_seconds"].type == "histogram"
     assert families["dpool_recovery_seconds"].unit == "seconds"
+
+
+# -- a scrape of a real pool ---------------------------------------------------------------------
+
+
+def scrape_url(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, headers, body = get(url)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, body[:500])
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(body) for s in f.samples}
+
+
+@pytest.mark.slow
+def test_a_scrape_of_a_pool_holds_its_nodes_and_job_and_counts_the_restart_after_a_kill(processes: Processes, tmp_path: Path) -> None:
+    """Two dpds, a job on both, `dpctl dashboard` as a user starts it; /metrics scraped as
+    Prometheus does, parsed by prometheus_client. A trainer killed with SIGKILL: the restart
+    counter goes from 0 to 1 (cause failure) and the recovery histogram holds its seconds."""
+    pool = LocalPool(processes, tmp_path)
+    pool.start(1, 1)
+    job = pool.submit(write_job(tmp_path, "scraped", workers={"min": 2, "max": 2}, train={"steps": 100_000}))
+    pool.wait_status(job, "the job running at step 5", lambda s: s.state == "running" and s.step >= 5, 120)
+    d = start_dashboard(processes, tmp_path, pool.addr, poll=0.2)
+    label = (("job", job),)
+    failure = (("cause", "failure"), ("job", job))
+
+    def running() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        got = scrape_url(d.url + "metrics")
+        return got if got.get(("dpool_job_world_size", label)) == 2 and ("dpool_job_loss", label) in got else None
+
+    before = wait_for("the running job in /metrics", running, 60)
+    assert before["dpool_nodes", (("state", "busy"),)] == 2
+    assert before["dpool_jobs", (("state", "running"),)] == 1
+    for node in ("n0", "n1"):
+        assert before["dpool_node_slots", (("node", node),)] == 1
+        assert before["dpool_node_busy_slots", (("node", node),)] == 1
+        assert before["dpool_node_memory_bytes", (("node", node),)] > 0
+        assert before["dpool_node_heartbeat_age_seconds", (("node", node),)] >= 0
+    assert before["dpool_job_step", label] >= 5 and before["dpool_job_tokens_per_second", label] > 0
+    assert before["dpool_job_restarts_total", failure] == 0
+    assert not any(name.startswith("dpool_recovery_seconds") and dict(labels).get("job") == job for name, labels in before)
+
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGKILL)
+    after = wait_for("the restart counted in /metrics", lambda: (got := scrape_url(d.url + "metrics")).get(("dpool_job_restarts_total", failure), 0) >= 1 and got, 120)
+    assert after["dpool_job_restarts_total", failure] == 1
+    assert after["dpool_job_restarts_total", (("cause", "membership"), ("job", job))] == 0
+    assert after["dpool_recovery_seconds_count", failure] == 1
+    assert after["dpool_recovery_seconds_sum", failure] > 0
+    assert after["dpool_recovery_seconds_bucket", (*failure, ("le", "+Inf"))] == 1
+    assert after["dpool_job_generation", label] == 2
+    pool.dpctl("cancel", job)
