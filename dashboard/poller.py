@@ -41,6 +41,8 @@ METRICS_LIST_S = 15.0  # while /metrics is scraped, the whole job list is read a
 METRICS_JOBS_MAX = 20_000  # PAGE_LIMIT jobs a request, up to this many): the counts of jobs by state
 OLD_PAGE_S = 10.0  # an older page of the job list, while shown, is read again this often
 LIST_PAGES_MAX = 64  # older pages of the job list kept
+VIEWS_MAX = 48  # views read in one round (the streamed ones first, then the newest asked): a bound on a round's requests
+PARTIAL_GAP = 0.25  # of a poll period: the least time between two rounds for pages nobody looked at before
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +93,12 @@ class Interest:
             self.wake.set()
 
     def views(self) -> list[str]:
-        """The views wanted now: streamed, or asked for in the last INTEREST_S seconds (newest first)."""
+        """The views wanted now: streamed, or asked for in the last INTEREST_S seconds (newest
+        first); at most VIEWS_MAX."""
         now = self.clock()
         with self._lock:
             asked = [v for v, t in sorted(self._asked.items(), key=lambda kv: -kv[1]) if now - t < INTEREST_S]
-            return list(dict.fromkeys([*self._streams, *asked]))
+            return list(dict.fromkeys([*self._streams, *asked]))[:VIEWS_MAX]
 
     def streams(self) -> int:
         with self._lock:
@@ -159,6 +162,7 @@ class Poller:
                         if new:
                             self.round(new, full=False)
                             done.update(new)
+                            self._stop.wait(self.poll_s * PARTIAL_GAP)
         finally:
             if self._client is not None:
                 self._client.close()
@@ -347,6 +351,7 @@ class Poller:
         (None: unchanged); a full round forgets the views no longer wanted."""
         for view in wanted:
             if view == "metrics":
+                self.publish(view, None)  # its snapshot is fresh (for_metrics)
                 continue
             made = self._render(view)
             if made is None:

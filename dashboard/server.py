@@ -129,9 +129,10 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
             token = auth[7:] if auth[:7].lower() == "bearer " else request.cookies.get(COOKIE, "")
             if not token or tokens.viewer(token) is None:
                 return _plain(401, UNAUTHORIZED, {"WWW-Authenticate": 'Bearer realm="dpool"'})
-        resp = await handler(request)
-        resp.headers.update({k: v for k, v in HEADERS.items() if k not in resp.headers})
-        return resp
+        answer = await handler(request)
+        if not answer.prepared:  # a stream sent its headers already (HEADERS among them)
+            answer.headers.update({k: v for k, v in HEADERS.items() if k not in answer.headers})
+        return answer
 
     async def first_load(view: str) -> views.Rendered | None:
         """The view's render, as of a poll at most a poll period old: a view nobody looked at
@@ -198,10 +199,7 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
         return resp
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        interest.ask("metrics")
-        if poller.conn.polled is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(hub.wait_checked("pool").wait(), poller.timeout_s * 2 + poller.poll_s + FIRST_WAIT_S)
+        await first_load("metrics")  # a snapshot at most a poll period old
         try:
             render = render_metrics()
         except ImportError as e:
@@ -244,12 +242,11 @@ def _plain(status: int, text: str, headers: dict[str, str] | None = None) -> web
 
 async def serve(application: web.Application, host: str, port: int, *, ready: Callable[[str], None] | None = None, stopping: asyncio.Event | None = None) -> None:
     """Serve until `stopping` is set (or forever)."""
-    runner = web.AppRunner(application, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(application, access_log=None, handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True)  # a stream whose browser left ends at once
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
-    bound = sockets[0].getsockname() if sockets else (host, port)
+    bound = runner.addresses[0] if runner.addresses else (host, port)
     if ready is not None:
         shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
         ready(f"http://{shown}:{bound[1]}/")

@@ -4,11 +4,9 @@ sub-path (what nginx or Caddy would do)."""
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import socket
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -98,55 +96,40 @@ def sse_events(host: str, port: int, path: str, *, headers: dict[str, str] | Non
 
 
 class SubPathProxy:
-    """A reverse proxy (aiohttp, on its own thread) serving `upstream` under `/PREFIX/`, as a
-    front server does: the prefix stripped on the way in, X-Forwarded-Prefix set, the body
-    streamed through (server-sent events included), and nothing rewritten on the way out."""
+    """A reverse proxy serving `upstream` under `/PREFIX/`, as a front server does: the prefix
+    stripped on the way in, X-Forwarded-Prefix set, the body streamed through (server-sent events
+    included), nothing rewritten on the way out. aiohttp, in a process of its own (`python
+    dashboard_harness.py proxy UPSTREAM PORT PREFIX`)."""
 
-    def __init__(self, upstream: str, prefix: str = "/pool") -> None:
-        self.upstream, self.prefix = upstream.rstrip("/"), prefix
+    def __init__(self, procs: Processes, root: Path, upstream: str, prefix: str = "/pool") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}{prefix}/"
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        if not self.ready.wait(10):
-            raise RuntimeError("the proxy did not start")
+        self.proc = procs.start([sys.executable, __file__, "proxy", upstream.rstrip("/"), str(self.port), prefix], root / f"proxy-{self.port}.log", label="proxy")
+        wait_for(f"the proxy on port {self.port}", lambda: _answers(self.port) or _exited(self.proc, root / f"proxy-{self.port}.log"), 30)
 
-    def _run(self) -> None:
-        from aiohttp import ClientSession, ClientTimeout, web
 
-        async def handle(request: web.Request) -> web.StreamResponse:
-            path = request.path_qs
-            if not path.startswith(self.prefix + "/"):
-                return web.Response(status=404, text="not under the prefix")
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-            headers["X-Forwarded-Prefix"] = self.prefix
-            async with ClientSession(timeout=ClientTimeout(total=None, sock_read=None)) as session, session.request(
-                request.method, self.upstream + path[len(self.prefix) :], headers=headers, allow_redirects=False,
-            ) as up:
-                out = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "content-encoding", "connection")})
-                await out.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
-                return out
+def proxy_main(upstream: str, port: int, prefix: str) -> None:
+    from aiohttp import ClientSession, ClientTimeout, web
 
-        async def main() -> None:
-            app = web.Application()
-            app.router.add_route("*", "/{tail:.*}", handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", self.port).start()
-            self.ready.set()
-            while True:
-                await asyncio.sleep(3600)
+    async def handle(request: web.Request) -> web.StreamResponse:
+        path = request.path_qs
+        if not path.startswith(prefix + "/"):
+            return web.Response(status=404, text="not under the prefix")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        headers["X-Forwarded-Prefix"] = prefix
+        async with ClientSession(timeout=ClientTimeout(total=None, sock_read=None)) as session, session.request(
+            request.method, upstream + path[len(prefix) :], headers=headers, allow_redirects=False,
+        ) as up:
+            out = web.StreamResponse(status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in ("transfer-encoding", "content-length", "content-encoding", "connection")})
+            await out.prepare(request)
+            async for chunk in up.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
 
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(main())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
 
 
 def hrefs(html: str) -> list[str]:
@@ -161,8 +144,57 @@ def wait_page(url: str, check: Sequence[str], timeout: float = 60, headers: dict
     deadline = time.monotonic() + timeout
     body = ""
     while time.monotonic() < deadline:
-        status, _, body = get(url, headers=headers)
+        try:
+            status, _, body = get(url, headers=headers)
+        except urllib.error.URLError:  # not listening yet
+            status = 0
         if status == 200 and all(c in body for c in check):
             return body
         time.sleep(0.3)
     raise AssertionError(f"{url} never showed {check}: {body[:1000]}")
+
+
+def cost_main(coordinator: str, job: str) -> None:
+    """Prints {"one": R1, "eight": R8}: the requests the poller sends the coordinator a round with
+    one stream of each page open (pool, jobs, the job's), then with eight of each. The poller and
+    its server run here, the server on a thread (so this is a process of its own)."""
+    import asyncio
+    import json
+    import threading
+
+    from dpool.dashboard import server
+    from dpool.dashboard.poller import Poller
+
+    poller = Poller(coordinator, None, lambda v, r: None, poll_s=0.2, timeout_s=5)
+    app = server.app(poller, None)
+    port = free_port()
+    stop = asyncio.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(app, "127.0.0.1", port, stopping=stop)), daemon=True)
+    thread.start()
+    wait_for("the server", lambda: _answers(port), 30)
+    pages = ["pool", "jobs", f"job:{job}"]
+
+    def per_round(streams: int) -> float:
+        readers = []
+        for view in pages:
+            for _ in range(streams):
+                gen = sse_events("127.0.0.1", port, f"/stream?view={view}")
+                next(gen)  # connected, its first update in hand
+                readers.append(gen)
+        wait_for("the streams counted", lambda: poller.interest.streams() == streams * len(pages), 10)
+        polls, requests = poller.polls, poller.requests
+        time.sleep(2.0)
+        count = (poller.requests - requests) / max(1, poller.polls - polls)
+        for gen in readers:
+            gen.close()
+        return count
+
+    print(json.dumps({"one": per_round(1), "eight": per_round(8)}))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "proxy":
+        proxy_main(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    elif sys.argv[1] == "cost":
+        cost_main(sys.argv[2], sys.argv[3])

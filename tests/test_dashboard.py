@@ -5,16 +5,14 @@ The browser's view of it is tests/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urljoin, urlsplit
 
 import orjson
 import psutil
@@ -224,26 +222,24 @@ def test_nothing_but_get_is_answered(plain: tuple[LocalPool, str, Path, Processe
 def test_under_a_sub_path_behind_a_proxy_every_link_and_the_live_stream_work(plain: tuple[LocalPool, str, Path, Processes]) -> None:
     pool, job, root, procs = plain
     d = start_dashboard(procs, root, pool.addr, name="dash-proxy")
-    proxy = SubPathProxy(d.url)
-    try:
-        from urllib.parse import urljoin
-
-        for page in (proxy.url, proxy.url + "jobs", proxy.url + f"jobs/{job}"):
-            status, _, body = get(page)
-            assert status == 200, page
-            links = [h.replace("&amp;", "&") for h in hrefs(body)]
-            assert links and all(not h.startswith(("/", "http")) for h in links), links  # relative only
-            for h in links:
-                target = urljoin(page, h)
-                assert target.startswith(proxy.url), (page, h)
-                if "stream?" not in h:
-                    assert get(target)[0] == 200, target
-        stream = urljoin(proxy.url + f"jobs/{job}", f"../stream?view=job:{job}")
-        events = sse_events("127.0.0.1", proxy.port, stream.split(str(proxy.port), 1)[1])
-        _kind, data = next(e for e in events if e[0] == "update")
-        assert f"<h1>{job}</h1>" in orjson.loads(data)["f"]["summary"]
-    finally:
-        proxy.close()
+    proxy = SubPathProxy(procs, root, d.url)
+    streams = []
+    for page in (proxy.url, proxy.url + "jobs", proxy.url + f"jobs/{job}"):
+        status, _, body = get(page)
+        assert status == 200, page
+        links = [h.replace("&amp;", "&") for h in hrefs(body)]
+        assert links and all(not h.startswith(("/", "http")) for h in links), links  # relative only
+        for h in links:
+            target = urljoin(page, h)
+            assert target.startswith(proxy.url), (page, h)
+            if "stream?" in h:
+                streams.append(target)
+            else:
+                assert get(target)[0] == 200, target
+    assert len(streams) == 3  # each page's own live stream, through the proxy too
+    events = sse_events("127.0.0.1", proxy.port, urlsplit(streams[-1]).path + "?" + urlsplit(streams[-1]).query)
+    _kind, data = next(e for e in events if e[0] == "update")
+    assert f"<h1>{job}</h1>" in orjson.loads(data)["f"]["summary"]
 
 
 def test_metrics_are_served_in_prometheus_text_format(plain: tuple[LocalPool, str, Path, Processes]) -> None:
@@ -260,43 +256,13 @@ def test_metrics_are_served_in_prometheus_text_format(plain: tuple[LocalPool, st
 
 
 def test_many_open_pages_cost_the_coordinator_what_one_does(plain: tuple[LocalPool, str, Path, Processes]) -> None:
-    """The poller in this process, its server on a thread: the requests it sends in a few rounds
-    are counted with one stream of each page open, then with eight of each."""
-    from dpool.dashboard import server
-    from dpool.dashboard.poller import Poller
-
+    """The poller and its server in a process of their own (dashboard_harness.py cost): the
+    requests a round sends with one stream of each page open, then with eight of each."""
     pool, job, _, _ = plain
-    poller = Poller(pool.addr, None, lambda v, r: None, poll_s=0.2, timeout_s=5)
-    app = server.app(poller, None)
-    port = free_port()
-    stop = asyncio.Event()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=lambda: loop.run_until_complete(server.serve(app, "127.0.0.1", port, stopping=stop)), daemon=True)
-    thread.start()
-    wait_for("the server", lambda: get(f"http://127.0.0.1:{port}/")[0] == 200, 30)
-    views_ = ["pool", "jobs", f"job:{job}"]
-
-    def per_round(streams: int) -> float:
-        readers = []
-        for view in views_:
-            for _ in range(streams):
-                gen = sse_events("127.0.0.1", port, f"/stream?view={view}")
-                next(gen)  # connected, first update in hand
-                readers.append(gen)
-        wait_for("the streams counted", lambda: poller.interest.streams() == streams * len(views_), 10)
-        polls, requests = poller.polls, poller.requests
-        time.sleep(2.0)
-        count = (poller.requests - requests) / max(1, poller.polls - polls)
-        for gen in readers:
-            gen.close()
-        return count
-
-    try:
-        one, eight = per_round(1), per_round(8)
-        assert one > 0 and eight == one, (one, eight)
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        thread.join(10)
+    r = subprocess.run([sys.executable, str(Path(__file__).parent / "dashboard_harness.py"), "cost", pool.addr, job], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = orjson.loads(r.stdout.strip().splitlines()[-1])
+    assert got["one"] > 0 and got["eight"] == got["one"], got
 
 
 # -- keys and tokens ------------------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""The dashboard in a real browser (headless Chromium, Debian's `chromium` and `chromium-driver`,
+driven by selenium through the system's chromedriver; nothing is downloaded), against a real pool
+of dpds training a small GPT job: the pool page lists the nodes; the job's page draws its loss
+curve; the step advances on screen without a reload; after a trainer is killed a restart marker
+appears (still without a reload); the pages ask nothing of any other host; /metrics counts the
+restart. The three pages are saved as screenshots under the test's folder (and copied to
+$DPOOL_SCREENSHOTS, when set, as the README's docs/dashboard-*.png are made)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import LocalPool, Processes, wait_for
+from dashboard_harness import get, start_dashboard
+from jobs import write_job
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+WINDOW = (1280, 900)
+
+
+@pytest.fixture
+def browser(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Its profile and log outside the pool's folder: the pool's clean-up ends every process that
+    names a path under that folder."""
+    tmp_path = tmp_path_factory.mktemp("chromium")
+    if CHROMIUM is None or DRIVER is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver; .ci/run installs them)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install -e '.[test]')")
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+                "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-default-apps",
+                f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(DRIVER, log_output=str(tmp_path / "chromedriver.log")), options=opts)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def shot(driver, path: Path, height: int) -> Path:  # type: ignore[no-untyped-def]
+    driver.set_window_size(WINDOW[0], height)
+    driver.save_screenshot(str(path))
+    driver.set_window_size(*WINDOW)
+    return path
+
+
+def test_a_browser_sees_the_pool_a_job_live_and_its_restart(browser, tmp_path: Path, processes: Processes) -> None:  # type: ignore[no-untyped-def]
+    def text(css: str) -> str:
+        """The text of the element `css` selects now ("" when none): read in the page, since a live
+        update replaces elements under a reference held here."""
+        return str(browser.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : '';", css))
+
+    def count(css: str) -> int:
+        return int(browser.execute_script("return document.querySelectorAll(arguments[0]).length;", css))
+
+    pool = LocalPool(processes, tmp_path)
+    pool.start(1, 1)
+    job = pool.submit(write_job(
+        tmp_path, "live", train={"steps": 600, "log_every_steps": 1}, checkpoint={"every_steps": 10}, eval={"every_steps": 40, "batches": 1, "sample_every_steps": 200, "sample_tokens": 40},
+    ))
+    pool.wait_status(job, "the job running on both nodes", lambda s: s.state == "running" and s.world_size == 2 and s.step >= 5, 120)
+    d = start_dashboard(processes, tmp_path, pool.addr, poll=0.5)
+    origin = d.url.rstrip("/")
+    shots: dict[str, Path] = {}
+
+    # the pool page lists the nodes
+    browser.get(d.url)
+    wait_for("both nodes on the pool page", lambda: browser.execute_script("return [...document.querySelectorAll('.node-name')].map(e => e.textContent).sort().join(',')") == "n0,n1", 30)
+    shots["pool"] = shot(browser, tmp_path / "dashboard-pool.png", 700)
+
+    # the job's page draws its loss curve, and its step advances without a reload
+    browser.get(d.url + f"jobs/{job}")
+    browser.execute_script("window.__stillHere = 'this page was not reloaded';")
+
+    def curve_points() -> int:
+        return int(browser.execute_script("const e = document.querySelector('svg.chart polyline.train-loss'); return e ? e.getAttribute('points').trim().split(/\\s+/).length : 0;"))
+
+    wait_for("the loss curve drawn", lambda: curve_points() >= 3, 30)
+    first = int(text("#step"))
+    later = wait_for("the step to advance on screen", lambda: (s := int(text("#step"))) > first and s, 60)
+    assert later > first and curve_points() >= 3
+    assert browser.execute_script("return window.__stillHere") == "this page was not reloaded"
+    assert count("svg.chart line.restart") == 0
+
+    # a trainer killed: the page marks the restart, still without a reload
+    pool.wait_status(job, "a checkpoint to resume from", lambda s: s.checkpoint_step is not None and s.checkpoint_step >= 10, 60)
+    (victim,) = pool.trainer_pids("n1", job)
+    os.kill(victim, signal.SIGKILL)
+    wait_for("a restart marker on the job's page", lambda: count("svg.chart line.restart") >= 1, 120)
+    assert browser.execute_script("return window.__stillHere") == "this page was not reloaded"
+    wait_for("the resumed job stepping", lambda: int(text("#step")) > later, 60)
+    wait_for("the restart's cost in the events", lambda: "recomputed" in text("#events"), 30)
+    shots["job"] = shot(browser, tmp_path / "dashboard-job.png", 1500)
+
+    browser.get(d.url + "jobs")
+    wait_for("the job in the list", lambda: job in text("#jobs"), 30)
+    shots["jobs"] = shot(browser, tmp_path / "dashboard-jobs.png", 500)
+
+    # nothing was asked of another host: the resource timings, and every request the browser sent
+    import json
+
+    resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    sent = [json.loads(e["message"])["message"] for e in browser.get_log("performance")]
+    requests = [m["params"] for m in sent if m.get("method") == "Network.requestWillBeSent"]
+    ours = [r["request"]["url"] for r in requests if r.get("documentURL", "").startswith(origin + "/")]
+    network = [r["request"]["url"] for r in requests if urlsplit(r["request"]["url"]).scheme in ("http", "https", "ws", "wss")]
+    assert ours and any("/stream?" in u for u in ours) and any(u.endswith("/static/dash.js") for u in ours), ours
+    elsewhere = [u for u in resources + ours + network if not u.startswith(origin + "/") and urlsplit(u).scheme != "data"]
+    assert not elsewhere, elsewhere  # the browser's own pages (chrome://) are not requests of the network
+
+    # /metrics counts the restart (a Prometheus scrape, parsed by prometheus_client)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def restarts() -> float:
+        status, _, body = get(d.url + "metrics")
+        assert status == 200
+        fam = {f.name: f for f in text_string_to_metric_families(body)}
+        return sum(s.value for s in fam["dpool_job_restarts"].samples if s.labels.get("job") == job and s.name.endswith("_total"))
+
+    wait_for("the restart counted in /metrics", lambda: restarts() >= 1, 30)
+
+    for name, path in shots.items():
+        assert path.stat().st_size > 10_000, (name, path.stat().st_size)
+    if os.environ.get("DPOOL_SCREENSHOTS"):
+        out = Path(os.environ["DPOOL_SCREENSHOTS"])
+        out.mkdir(parents=True, exist_ok=True)
+        for path in shots.values():
+            shutil.copyfile(path, out / path.name)
