@@ -53,9 +53,17 @@ from dpool.protocol.logs import Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, MsgType, ProtocolError
 from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, SampleRow, TestLossRow, TrainRow
-from dpool.protocol.security import REFUSAL_LOG_S, ROLE_SENDS, CurveServer, ServerKeys, user_parts
+from dpool.protocol.peerbudget import PeerBudget
+from dpool.protocol.security import (
+    HANDSHAKE_EVENTS,
+    REFUSAL_LOG_S,
+    ROLE_SENDS,
+    CurveServer,
+    ServerKeys,
+    user_parts,
+)
 from dpool.protocol.sharing import Queue, SetPriority
-from dpool.protocol.sockets import HWM, pending_with_users
+from dpool.protocol.sockets import HWM, pending_from
 from dpool.protocol.stage_messages import (
     Cache,
     CachePrune,
@@ -112,6 +120,7 @@ class Coordinator:
         self.node_of: dict[bytes, str] = {}
         self.sock: zmq.asyncio.Socket | None = None
         self.raw: zmq.Socket | None = None  # the same socket, for non-blocking recv/send
+        self.peers: PeerBudget | None = None  # what each connection may have queued, in bytes (protocol/peerbudget.py)
         self._outbox: list[list[bytes]] = []  # sent once the batch is committed
         self.endpoint: str | None = None
         self.ready = asyncio.Event()
@@ -132,9 +141,14 @@ class Coordinator:
         # drops what does not fit (a ROUTER never blocks); a flooding peer is throttled by TCP.
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.SNDHWM, HWM)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone or full peer says so: the budget counts what was queued
         if self.keys is not None:
             self.curve = CurveServer(self.ctx, self.keys, self.log)  # before bind: no plain handshake
-            self.curve.apply(sock)
+            self.curve.apply(sock, monitor=False)  # the socket's one monitor is the budget's, which hands it the handshakes
+        # And in bytes, each way: a peer that never reads, or never finishes a message, is dropped
+        # past PEER_BYTES. Before bind: its monitor sees every connection.
+        handshakes = {"events": HANDSHAKE_EVENTS, "on_event": self.curve.handshake_event} if self.curve is not None else {}
+        self.peers = PeerBudget(self.ctx, sock, self.log, curve=self.keys is not None, name_of=self.node_of.get, **handshakes)
         sock.bind(self.addr)
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -161,8 +175,11 @@ class Coordinator:
                     until = time.monotonic() + BATCH_S
                     if self.curve is not None:
                         self.curve.refresh()  # the allow-list as it is now judges this batch (a stat per folder)
-                    for frames, user in pending_with_users(raw, BATCH, frames=m.MAX_FRAMES + 1, users=self.curve is not None):
-                        self._handle_frames(frames, user)
+                    peers = self.peers
+                    assert peers is not None
+                    for frames, user, fd, wire in pending_from(raw, BATCH, frames=m.MAX_FRAMES + 1, users=self.curve is not None, curve=self.curve is not None):
+                        if peers.read(frames[0], fd, wire):  # else from a peer dropped past its budget
+                            self._handle_frames(frames, user)
                         if time.monotonic() > until:
                             break  # the rest waits for the next round, after the tick and the commit
                 now = self.clock()
@@ -173,6 +190,8 @@ class Coordinator:
                 self._commit_and_send()
         finally:
             self.store.close()
+            if self.peers is not None:
+                self.peers.close()
             sock.close(linger=0)
             if self.curve is not None:
                 await self.curve.stop()
@@ -193,11 +212,10 @@ class Coordinator:
         except Exception as e:  # a full disk: the pool runs on in memory; say so, rate-limited
             self._failed("commit", e)
         outbox, self._outbox = self._outbox, []
-        assert self.raw is not None
+        assert self.raw is not None and self.peers is not None
         for frames in outbox:
-            # A ROUTER drops what it cannot deliver (a full or vanished peer); heartbeats notice the rest.
-            with contextlib.suppress(zmq.ZMQError):
-                self.raw.send_multipart(frames, flags=zmq.NOBLOCK)
+            # What cannot be delivered (a full, vanished or dropped peer) is not sent; heartbeats notice the rest.
+            self.peers.send(self.raw, frames)
 
     def _unit(self, what: str, work: Callable[[], None]) -> Exception | None:
         """Do one unit of work whole or not at all: what it raised (after undoing it), or None.

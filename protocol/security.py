@@ -390,13 +390,17 @@ class CurveServer:
         role, name, key = user_parts(user_id)
         return self.allowed.holds(key.encode(), f"{role}:{name}")
 
-    def apply(self, sock: zmq.asyncio.Socket) -> None:
+    def apply(self, sock: zmq.asyncio.Socket, *, monitor: bool = True) -> None:
+        """`monitor` False: the caller owns the socket's monitor (libzmq keeps one per socket; the
+        coordinator's is protocol/peerbudget.py's) and hands its HANDSHAKE_EVENTS to `handshake_event`."""
         sock.curve_server = True
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.zap_domain = b"dpool"
-        self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
-        self.tasks = [asyncio.create_task(self._drain(self.zap, self._on_zap)), asyncio.create_task(self._drain(self.monitor, self._on_event))]
+        self.tasks = [asyncio.create_task(self._drain(self.zap, self._on_zap))]
+        if monitor:
+            self.monitor = sock.get_monitor_socket(HANDSHAKE_EVENTS)
+            self.tasks.append(asyncio.create_task(self._drain(self.monitor, self._on_event)))
 
     async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[zmq.Socket[Any], list[bytes]], None]) -> None:
         """Every message on `sock`, read until EAGAIN after each wake-up. The poll has a timeout
@@ -436,7 +440,10 @@ class CurveServer:
         return [version, request_id, b"200", b"OK", f"{who}:{key.decode()}".encode(), b""]
 
     def _on_event(self, _mon: zmq.Socket[Any], frames: list[bytes]) -> None:
-        event = parse_monitor_message(frames)
+        self.handshake_event(parse_monitor_message(frames))
+
+    def handshake_event(self, event: Any) -> None:
+        """A failed handshake, as the socket's monitor told it: logged with its reason."""
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
             return  # the ZAP handler logged it, with the key
         if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:

@@ -35,6 +35,8 @@ class FakeRank0(threading.Thread):
         self.stopping = threading.Event()
         self.job, self.generation, self.slot = "", 0, 0
         self.running = False  # listed in heartbeats once its worker started
+        self.stepping = False  # a step with every heartbeat (`keep_stepping`), so the job never stalls
+        self.step = 0
         self.start()
         reply = self.next(m.NodeRegistered)
         assert isinstance(reply, m.NodeRegistered), reply
@@ -51,6 +53,9 @@ class FakeRank0(threading.Thread):
                 if time.monotonic() >= next_beat:
                     workers = [AliveWorker(job=self.job, generation=self.generation, slot=self.slot)] if self.running else []
                     sock.send_multipart(m.NodeHeartbeat(workers=workers).to_frames())
+                    if self.stepping:
+                        self.step += 1
+                        sock.send_multipart(m.NodeProgress(job=self.job, generation=self.generation, rank=0, step=self.step, loss=2.0, tokens=64, seconds=BEAT_S).to_frames())
                     next_beat = time.monotonic() + BEAT_S
                 while True:
                     try:
@@ -96,7 +101,12 @@ class FakeRank0(threading.Thread):
         return start.generation
 
     def progress(self, step: int, *, tokens: int = 64, seconds: float = 0.01, loss: float = 2.0) -> None:
+        self.step = step
         self.send(m.NodeProgress(job=self.job, generation=self.generation, rank=0, step=step, loss=loss, tokens=tokens, seconds=seconds))
+
+    def keep_stepping(self) -> None:
+        """From now on a step with every heartbeat, from the step after the last one reported."""
+        self.stepping = True
 
     def report(self, msg: m.Message) -> None:
         """Any report of this node's rank 0 (a metric, a sample)."""
