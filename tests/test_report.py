@@ -214,7 +214,9 @@ def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(t
     r = subprocess.run(trainer(job, run_dir), capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _step(run_dir / "metrics.jsonl") == STEPS
-    assert '"report.abandoned"' in r.stdout + r.stderr or '"report.unavailable"' in r.stdout + r.stderr
+    assert '"report.unfinished"' in r.stdout + r.stderr  # the trainer says so, in its own output
+    said = (run_dir / "report.log").read_text()  # and the writer why, in its own file
+    assert '"report.abandoned"' in said or '"report.unavailable"' in said, said[-2000:]
     # and the writer is gone too, by itself
     wait_for("the W&B writer to exit", lambda: not [p for p in psutil.process_iter(["cmdline"]) if "dpool.trainer.wandb_writer" in " ".join(p.info["cmdline"] or ()) and _cwd(p) == str(run_dir)], 60)
 
@@ -244,6 +246,11 @@ def test_a_pool_job_killed_mid_run_leaves_one_wandb_run_written_by_rank_0_alone(
     pool.wait_status(job, "W&B holding 20 steps of the job, past step 60", lambda s: s.state == "running" and s.step >= 60 and held() >= 20, TIMEOUT, every=0.05)
     reporting = [pid for pid in pool.trainer_pids("n0", job) if _has_writer(pid)]
     assert len(reporting) == 1, "one rank reports"
+    # The writer and its wandb-core hold none of the trainer's output, which its dpd reads to the
+    # end before it takes the trainer's exit (else a killed trainer's exit would wait for them).
+    ours = {_fd(reporting[0], n) for n in (1, 2)}
+    helpers = psutil.Process(reporting[0]).children(recursive=True)
+    assert len(helpers) >= 2 and not any(_fd(h.pid, n) in ours for h in helpers for n in (1, 2)), [(h.name(), _fd(h.pid, 1)) for h in helpers]
     os.killpg(reporting[0], signal.SIGKILL)
     final = pool.wait_end(job, TIMEOUT)
     assert final.state == "succeeded" and final.generation == 2, final
@@ -252,6 +259,10 @@ def test_a_pool_job_killed_mid_run_leaves_one_wandb_run_written_by_rank_0_alone(
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in pool.dpctl_json("metrics", job)) + "\n")
     assert_one_run_every_step_once(runs, 2, metrics)
+
+
+def _fd(pid: int, n: int) -> str:
+    return os.readlink(f"/proc/{pid}/fd/{n}")
 
 
 def _has_writer(pid: int) -> bool:

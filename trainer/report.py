@@ -80,9 +80,13 @@ class Reporter:
             # metrics.jsonl as the resume left it: rows the W&B run may lack are logged from it
             "backlog_bytes": metrics_path.stat().st_size if metrics_path.exists() else 0,
         }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "dpool.trainer.wandb_writer"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, cwd=str(run_dir),
-        )
+        # Its output goes to a file of its own: the trainer's output is a pipe its dpd reads to the
+        # end before it takes the trainer's exit, which the writer (and its wandb-core) must not hold.
+        self.output = run_dir / "report.log"
+        with open(self.output, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "dpool.trainer.wandb_writer"], stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=str(run_dir),
+            )
         assert self.proc.stdin is not None
         self.fd = self.proc.stdin.fileno()
         self.dropped, self.gone = 0, False
@@ -108,7 +112,7 @@ class Reporter:
                 self.log.warning("report.dropped", to="wandb", why="the W&B writer is behind; rows are dropped, training goes on")
         except OSError as e:  # the writer is gone (it could not reach W&B, or it failed)
             self.gone = True
-            self.log.warning("report.stopped", to="wandb", error=str(e), why="the W&B writer exited; training goes on without it")
+            self.log.warning("report.stopped", to="wandb", error=str(e), why=f"the W&B writer exited (see {self.output}); training goes on without it")
 
     def close(self, code: int) -> None:
         """Tell the writer the trainer's exit and let it finish the run, within CLOSE_S; a failing
@@ -119,9 +123,12 @@ class Reporter:
             self.proc.stdin.close()  # type: ignore[union-attr]  # the writer reads to its end
         if code in CLOSE_S:
             try:
-                self.proc.wait(CLOSE_S[code])
+                done = self.proc.wait(CLOSE_S[code])
             except subprocess.TimeoutExpired:
-                self.log.warning("report.unfinished", to="wandb", after_s=CLOSE_S[code], why="the W&B writer finishes by itself; the trainer does not wait longer")
+                self.log.warning("report.unfinished", to="wandb", after_s=CLOSE_S[code], why=f"the W&B writer finishes by itself; the trainer does not wait longer (see {self.output})")
+                return
+            if done != 0 and not self.gone:
+                self.log.warning("report.unfinished", to="wandb", code=done, why=f"the W&B run was not written (W&B unreachable?): see {self.output}")
 
     def _write(self, data: bytes, wait: float) -> None:
         """Write all of `data`, waiting at most `wait` seconds for room; give up quietly after."""

@@ -1,5 +1,7 @@
 """The W&B writer of a job's rank 0: `python -m dpool.trainer.wandb_writer`, started by
-trainer/report.py, which writes to its stdin one JSON object a line: first the opening (`job`,
+trainer/report.py with its output in the run dir's report.log (not the trainer's output: its dpd
+reads that to its end before it takes the trainer's exit, and neither this process nor its
+wandb-core may hold it open), which writes to its stdin one JSON object a line: first the opening (`job`,
 `run_dir`, `generation`, `resume_step`, `backlog_bytes`: metrics.jsonl's size as the resume left
 it), then the metrics rows, then `{"end": CODE}` when the trainer ends or stops (none when it fails
 or is killed: the pipe just closes).
@@ -56,6 +58,7 @@ INIT_GRACE_S = 2.0  # the trainer has ended and the run is still not open (W&B u
 EXIT_CAP_S = 30.0  # the trainer has ended: the most this writer takes to log and finish
 FINISH_TIMEOUT_S = 10.0  # wandb's bound on uploading at finish (the rest stays on disk for `wandb sync`)
 RUN_ID_MAX = 64
+EXIT_UNREPORTED = 3  # the run could not be opened or written (the trainer says so; report.log says why)
 
 
 def run_id(spec: JobSpec, run_dir: Path) -> str:
@@ -318,10 +321,10 @@ def read_rows(rows: queue.Queue[dict[str, Any] | None], ended: dict[str, int], o
     # and an open one has EXIT_CAP_S to log and finish. Nothing waits on this process after that.
     if not opened.wait(INIT_GRACE_S):
         log.warning("report.abandoned", to="wandb", why=f"the W&B run was not open {INIT_GRACE_S:.0f} s after the trainer ended", dropped=dropped)
-        os._exit(0)
+        os._exit(EXIT_UNREPORTED)
     if not done.wait(EXIT_CAP_S):
         log.warning("report.abandoned", to="wandb", why=f"W&B took over {EXIT_CAP_S:.0f} s to finish the run", dropped=dropped)
-        os._exit(0)
+        os._exit(EXIT_UNREPORTED)
     if dropped:
         log.warning("report.dropped", to="wandb", rows=dropped, why="W&B was slower than the training")
 
@@ -339,7 +342,7 @@ def main() -> int:
         run = writer.open()
     except Exception as e:
         writer.log.warning("report.unavailable", to="wandb", error=str(e)[:500], why="training goes on without W&B")
-        return 0
+        return EXIT_UNREPORTED
     opened.set()
     try:
         for row in backlog(Path(opening["run_dir"]), int(opening.get("backlog_bytes", 0)), int(opening.get("resume_step", 0))):
@@ -352,6 +355,8 @@ def main() -> int:
         run.finish(exit_code=0 if code in (0, 75) else code)
     except Exception as e:
         writer.log.warning("report.failed", to="wandb", error=str(e)[:500], why="training goes on without W&B")
+        done.set()
+        return EXIT_UNREPORTED
     done.set()
     return 0
 
