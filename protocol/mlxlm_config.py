@@ -154,7 +154,8 @@ def job_document(config: dict[str, Any], source: str, name: str) -> Converted:
             source, "train", False,
             "dpool trains: a test-only config is `dpctl test JOB` on a trained job (or `mlx_lm lora --test` on its export)",
         )
-    _refuse_reporting(config, source)
+    if (report := _reporting(config, source)) is not None:
+        out.job["report"] = report  # rank 0 reports to W&B in mlx-lm's keys (trainer/report.py)
     if c["trust_remote_code"] not in (False, None):
         raise JobFileError(source, "trust_remote_code", c["trust_remote_code"], "dpool loads only models that run without remote code; leave it false")
 
@@ -216,12 +217,27 @@ def _per_step(iterations: int, g: int) -> int:
     return max(1, iterations // g)
 
 
-def _refuse_reporting(config: dict[str, Any], source: str) -> None:
-    for key in ("report_to", "wandb"):
-        if config.get(key) not in (None, "", False):
-            raise JobFileError(source, key, config[key], "reporting to W&B/SwanLab is not available yet: remove the key (dpctl metrics/plot show the run)")
-    if config.get("project_name") not in (None, ""):
-        raise JobFileError(source, "project_name", config["project_name"], "goes with report_to, which is not available yet: remove the key")
+def _reporting(config: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """mlx-lm's `report_to` (comma-separated, as its --report-to) and `project_name`, or its older
+    `wandb: PROJECT`, as the job's [report] (None: it reports nowhere). W&B only: SwanLab is refused."""
+    given, project, old = config.get("report_to"), config.get("project_name"), config.get("wandb")
+    to: list[str] = []
+    if given not in (None, "", False):
+        if not isinstance(given, str):
+            raise JobFileError(source, "report_to", given, "must be 'wandb' (mlx-lm's comma-separated --report-to)")
+        to = [w.strip().lower() for w in given.split(",") if w.strip()]
+        for w in to:
+            if w != "wandb":
+                raise JobFileError(source, "report_to", given, f"{w!r}: a pool reports to W&B only ([report] to = ['wandb']); remove {w!r}")
+    if old not in (None, "", False):
+        if not isinstance(old, str) or (project not in (None, "") and project != old):
+            raise JobFileError(source, "wandb", old, "must be the W&B project's name (the older form of report_to: wandb with project_name), and agree with project_name")
+        to, project = ["wandb"], old
+    if not to:
+        if project not in (None, ""):
+            raise JobFileError(source, "project_name", project, "names the project of report_to: wandb; add report_to or remove it")
+        return None
+    return {"to": ["wandb"], **({"project": project} if project not in (None, "") else {})}
 
 
 def _lora_parameters(given: Any, model: dict[str, Any], source: str) -> None:

@@ -200,7 +200,8 @@ def test_a_schedule_and_an_optimizer_config_carry_over(tmp_path: Path) -> None:
     ("text", "key", "says"),
     [
         ("model: m\nlearning_rat: 1e-5\n", "learning_rat", "not an mlx_lm lora option"),
-        ("model: m\nreport_to: wandb\n", "report_to", "not available yet"),
+        ("model: m\nreport_to: wandb,swanlab\n", "report_to", "W&B only"),
+        ("model: m\nproject_name: p\n", "project_name", "add report_to"),
         ("model: m\ntrain: false\ntest: true\n", "train", "dpctl test"),
         ("model: m\ntrust_remote_code: true\n", "trust_remote_code", "remote code"),
         ("model: m\nlora_parameters:\n  rank: 8\n  alpha: 16\n", "lora_parameters.alpha", "unknown"),

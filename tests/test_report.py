@@ -270,3 +270,14 @@ def _has_writer(pid: int) -> bool:
         return any("dpool.trainer.wandb_writer" in " ".join(c.cmdline()) for c in psutil.Process(pid).children())
     except psutil.Error:
         return False
+
+
+def test_an_mlx_lm_config_that_reports_to_wandb_is_a_job_that_does(tmp_path: Path) -> None:
+    from dpool.protocol.mlxlm_config import job_document, read_config
+
+    for text in ("report_to: wandb\nproject_name: sql\n", "wandb: sql\n"):  # mlx-lm's --report-to and its older --wandb
+        config = tmp_path / "lora.yaml"
+        config.write_text("model: m\ndata: d\n" + text)
+        made = job_document(read_config(str(config)), str(config), "sql")
+        spec = parse_job(made.job, source=str(config), base_dir=str(tmp_path))
+        assert (spec.report.to, spec.report.project) == (("wandb",), "sql"), text
