@@ -581,12 +581,15 @@ class Coordinator:
         if msg.before is not None:
             after = self._job(msg.before)
             before = (after.submitted_at, after.id)
-        memory = [dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in self.pool.jobs.values()]
+        limit, cursor = _page(msg.limit or 0), before or statuspage.FIRST
+        # the status of the jobs in memory that can be on this page, and no more (it is not free)
+        held = sorted((j for j in self.pool.jobs.values() if (j.submitted_at, j.id) < cursor), key=lambda j: (j.submitted_at, j.id), reverse=True)
+        memory = [dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in held[: limit + 1]]
 
         def stored(cursor: statuspage.Key, n: int, skip: set[str]) -> list[JobStatus]:
             return self.store.statuses(n, skip=skip, before=cursor)
 
-        jobs, more = statuspage.page(memory, stored, before, _page(msg.limit or 0))
+        jobs, more = statuspage.page(memory, stored, before, limit, skip=set(self.pool.jobs))
         return m.StatusReply(jobs=jobs, more=more, total=self.store.job_count())
 
     def _submit(self, msg: m.Submit, now: float) -> tuple[Message, list[Any]]:

@@ -22,12 +22,12 @@ def key(s: JobStatus) -> Key:
     return (s.submitted if s.submitted is not None else 0.0, s.id)
 
 
-def page(memory: Sequence[JobStatus], stored: Callable[[Key, int, set[str]], list[JobStatus]], before: Key | None, limit: int) -> tuple[list[JobStatus], bool]:
+def page(memory: Sequence[JobStatus], stored: Callable[[Key, int, set[str]], list[JobStatus]], before: Key | None, limit: int, *, skip: set[str] | None = None) -> tuple[list[JobStatus], bool]:
     """The `limit` newest jobs that come after `before` (None: the first page), and whether more
-    follow. `memory`: the coordinator's fresh status of the jobs it holds in memory;
+    follow. `memory`: the coordinator's fresh status of jobs it holds in memory (those of the page
+    at least); `skip`: the ids of every job it holds in memory (default: those of `memory`);
     `stored(before, n, skip)`: the `n` newest stored jobs after `before`, leaving out `skip`."""
     cursor = before or FIRST
     fresh = sorted((s for s in memory if key(s) < cursor), key=key, reverse=True)
-    skip = {s.id for s in memory}
-    merged = sorted(fresh[: limit + 1] + stored(cursor, limit + 1, skip), key=key, reverse=True)
+    merged = sorted(fresh[: limit + 1] + stored(cursor, limit + 1, skip if skip is not None else {s.id for s in memory}), key=key, reverse=True)
     return merged[:limit], len(merged) > limit

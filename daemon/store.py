@@ -67,6 +67,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events (job, seq);
 CREATE INDEX IF NOT EXISTS jobs_name ON jobs (name, submitted_at);
 CREATE INDEX IF NOT EXISTS jobs_submitted ON jobs (submitted_at, id);
+CREATE INDEX IF NOT EXISTS metrics_order ON metrics (job, step, kind DESC);
 CREATE TABLE IF NOT EXISTS logs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, job TEXT NOT NULL, t REAL NOT NULL, rank INTEGER NOT NULL,
     generation INTEGER NOT NULL, text TEXT NOT NULL

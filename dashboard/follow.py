@@ -47,6 +47,7 @@ class Thinned:
 
     def __init__(self, cap: int = SERIES_MAX) -> None:
         self.cap, self.stride = cap, 1
+        self.changes = 0  # counts changes: what is drawn from it is drawn again when it moved
         self.rows: list[Any] = []
         self.steps: list[int] = []
 
@@ -57,12 +58,14 @@ class Thinned:
             i = bisect.bisect_left(self.steps, step)
             if i < len(self.steps) and self.steps[i] == step:
                 self.rows[i] = row
+                self.changes += 1
                 return True
             return False  # thinned away already: the curve does not need it
         if step % self.stride:
             return False
         self.rows.append(row)
         self.steps.append(step)
+        self.changes += 1
         if len(self.rows) > self.cap:
             self.stride *= 2
             keep = [i for i, s in enumerate(self.steps) if s % self.stride == 0 or i == len(self.steps) - 1]
@@ -100,6 +103,8 @@ class JobFollow:
     samples: collections.deque[SampleRow] = field(default_factory=lambda: collections.deque(maxlen=SAMPLES_MAX))
     cursors: Cursors = field(default_factory=Cursors)
     version: int = 0  # counts changes: a page renders again when it moved
+    log_version: int = 0
+    memo: dict[str, tuple[Any, str]] = field(default_factory=dict)  # a page's sections by what they were drawn from
     missing: str | None = None  # the coordinator knows no such job (its message)
     settled: bool = False  # ended, and every row of it read: nothing will change
 
@@ -123,7 +128,7 @@ class JobFollow:
     def reset(self) -> None:
         fresh = JobFollow(self.ref)
         for name in JobFollow.__slots__:
-            if name not in ("ref", "version"):
+            if name not in ("ref", "version", "log_version"):
                 setattr(self, name, getattr(fresh, name))
         self.version += 1
 
@@ -163,6 +168,7 @@ class JobFollow:
             kept.append(line)
         self.cursors.logs = cursor
         self.version += bool(lines)
+        self.log_version += bool(lines)
 
     def saw_samples(self, rows: list[SampleRow], cursor: int) -> None:
         for r in rows:

@@ -42,7 +42,7 @@ METRICS_JOBS_MAX = 20_000  # PAGE_LIMIT jobs a request, up to this many): the co
 OLD_PAGE_S = 10.0  # an older page of the job list, while shown, is read again this often
 LIST_PAGES_MAX = 64  # older pages of the job list kept
 VIEWS_MAX = 48  # views read in one round (the streamed ones first, then the newest asked): a bound on a round's requests
-PARTIAL_GAP = 0.25  # of a poll period: the least time between two rounds for pages nobody looked at before
+EARLY_BURST, EARLY_PER_S = 8, 4.0  # rounds for pages nobody looked at before, between two polls: a bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +124,7 @@ class Poller:
         self.requests = 0  # sent to the coordinator, in all
         self._client: Client | None = None
         self._stop = threading.Event()
+        self._tokens, self._filled = float(EARLY_BURST), time.monotonic()
         self._rendered: dict[str, tuple[Any, views.Rendered]] = {}
         self._nodes_version = 0
         self._all_jobs: list[JobStatus] = []  # the whole job list, for /metrics
@@ -153,19 +154,30 @@ class Poller:
                 self.interest.wake.clear()
                 self.round(wanted)
                 done = set(wanted)
-                # Until the next round, a poll period after this one began: a page nobody looked
-                # at before is read at once, alone (what it needs and nothing more).
+                # A page nobody looked at before is read at once, alone (what it needs and no
+                # more), EARLY_BURST in a row and then EARLY_PER_S a second: someone clicking
+                # through pages waits for nothing, a crawler cannot drive the coordinator's load.
                 while not self._stop.is_set() and (left := self.poll_s - (time.monotonic() - started)) > 0:
                     if self.interest.wake.wait(left):
                         self.interest.wake.clear()
                         new = [v for v in self.interest.views() if v not in done]
                         if new:
+                            self._early_wait()
                             self.round(new, full=False)
                             done.update(new)
-                            self._stop.wait(self.poll_s * PARTIAL_GAP)
         finally:
             if self._client is not None:
                 self._client.close()
+
+    def _early_wait(self) -> None:
+        """Take a token of the early rounds' bucket, waiting for one if it is empty."""
+        now = time.monotonic()
+        self._tokens = min(EARLY_BURST, self._tokens + (now - self._filled) * EARLY_PER_S)
+        self._filled = now
+        if self._tokens < 1:
+            self._stop.wait((1 - self._tokens) / EARLY_PER_S)
+            self._tokens, self._filled = 1.0, time.monotonic()
+        self._tokens -= 1
 
     def round(self, wanted: list[str], *, full: bool = True) -> None:
         self.poll(wanted)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from html import escape
 from typing import TYPE_CHECKING, Any
@@ -219,9 +220,11 @@ def job_view(f: JobFollow, conn: Conn) -> Rendered:
         facts.insert(4, ("test loss", e(num(s.test_loss))))
     summary = f'<h1>{escape(s.id)}</h1><dl class="facts">' + "".join(f"<dt>{escape(k)}</dt><dd>{v}</dd>" for k, v in facts) + "</dl>"
 
-    train = [(r.step, r.loss, r.tokens_per_s) for r in f.train.rows if r.loss is not None]
-    evals = [(r.step, r.val_loss) for r in f.evals.rows if r.val_loss is not None]
-    figure = chart.svg(steps=s.steps, train=train, evals=evals, restarts=restarts)
+
+    def figure() -> str:
+        train = [(r.step, r.loss, r.tokens_per_s) for r in f.train.rows if r.loss is not None]
+        evals = [(r.step, r.val_loss) for r in f.evals.rows if r.val_loss is not None]
+        return "<h2>Loss and speed</h2>" + chart.svg(steps=s.steps, train=train, evals=evals, restarts=restarts)
 
     total = sum(w.share for w in s.workers) or 1
     workers = table(
@@ -233,13 +236,22 @@ def job_view(f: JobFollow, conn: Conn) -> Rendered:
     fragments = {
         "conn": conn_text(conn),
         "summary": summary,
-        "chart": "<h2>Loss and speed</h2>" + figure,
+        "chart": memo(f, "chart", (f.train.changes, f.evals.changes, len(f.resumed), s.steps), figure),
         "workers": "<h2>Workers and shares</h2>" + workers,
-        "events": "<h2>Events</h2>" + events_html(f),
-        "logs": "<h2>Newest output, by rank</h2>" + logs_html(f),
-        "samples": "<h2>Samples</h2>" + samples_html(f),
+        "events": memo(f, "events", (f.event_count, s.id), lambda: "<h2>Events</h2>" + events_html(f)),
+        "logs": memo(f, "logs", (f.log_version,), lambda: "<h2>Newest output, by rank</h2>" + logs_html(f)),
+        "samples": memo(f, "samples", (len(f.samples), f.samples[-1].step if f.samples else None), lambda: "<h2>Samples</h2>" + samples_html(f)),
     }
     return Rendered.of(f"Job {s.id}", fragments, root=root, nav="jobs")
+
+
+def memo(f: JobFollow, section: str, inputs: Any, draw: Callable[[], str]) -> str:
+    """A section drawn again only when what it is drawn from changed (a running job's page is
+    rendered every poll; its curve, events and output only when they moved)."""
+    kept = f.memo.get(section)
+    if kept is None or kept[0] != inputs:
+        kept = f.memo[section] = (inputs, draw())
+    return kept[1]
 
 
 def cost(ev: EventRow) -> str:
