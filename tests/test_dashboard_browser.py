@@ -138,3 +138,36 @@ def test_a_browser_sees_the_pool_a_job_live_and_its_restart(browser, tmp_path: P
         out.mkdir(parents=True, exist_ok=True)
         for path in shots.values():
             shutil.copyfile(path, out / path.name)
+
+
+def test_a_page_rides_out_a_restart_of_the_coordinator_and_of_the_dashboard(browser, tmp_path: Path, processes: Processes) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator's dpd killed and started again, then the dashboard stopped and started
+    again on its port: the open page says so each time and carries on by itself, never reloaded."""
+
+    def js(script: str) -> str:
+        return str(browser.execute_script(script))
+
+    pool = LocalPool(processes, tmp_path)
+    pool.start(1)
+    d = start_dashboard(processes, tmp_path, pool.addr, poll=0.5)
+    browser.get(d.url)
+    wait_for("the node listed", lambda: "n0" in js("return document.getElementById('nodes').textContent"), 30)
+    browser.execute_script("window.__stillHere = 'not reloaded';")
+
+    # the coordinator goes away and comes back (same state, same address)
+    n0 = pool.daemons["n0"]
+    os.kill(n0.pid, signal.SIGKILL)
+    n0.proc.wait()
+    wait_for("the page to say the coordinator is silent", lambda: "not answering" in js("return document.getElementById('conn').textContent"), 30)
+    pool.start_daemon("n0", serve=True)
+    wait_for("the page live again", lambda: js("return document.getElementById('conn').textContent").strip() == "live", 60)
+
+    # the dashboard goes away and comes back on its port
+    d.proc.terminate()
+    d.proc.wait(15)
+    wait_for("the page to notice its stream ended", lambda: js("return document.body.getAttribute('data-live') || ''") == "reconnecting", 30)
+    seen = js("return document.body.getAttribute('data-updated') || ''")  # the old dashboard's last word
+    start_dashboard(processes, tmp_path, pool.addr, listen=f"127.0.0.1:{d.port}", poll=0.5, name="dashboard-again")
+    wait_for("the page streaming again", lambda: js("return document.body.getAttribute('data-live') || ''") == "live", 60)
+    wait_for("an update from the new dashboard", lambda: js("return document.body.getAttribute('data-updated') || ''") != seen, 30)
+    assert js("return window.__stillHere") == "not reloaded"
