@@ -28,8 +28,10 @@ prints each figure next to its goal:
    state, on the same address, and the N nodes register again (after `not_registered`, as dpd
    does), which is timed too.
 Each N line says the machine's load average: on 2 cores other work shows in every figure.
-The coordinator heartbeats every 2 s with liveness 10 (a node is lost after 20 s of silence) by
-default: what this 2-core machine sustains at 2,000 nodes. `--coordinator-pythonpath DIR` runs
+Heartbeats are dpd's defaults unless flags say otherwise: 0.25 s and liveness 6, the period grown
+with the pool by the coordinator (1,000 heartbeats a second in all: 1 s at 1,000 nodes, 2 s at
+2,000; daemon/cadence.py), told to the simulated nodes, which adopt it as dpd does; before that
+change a coordinator heartbeats every node every 0.25 s. `--coordinator-pythonpath DIR` runs
 the coordinator from another checkout's package root (a `dpool/` folder linking its packages), to
 measure an older commit against the same simulator.
 """
@@ -246,6 +248,7 @@ def bench_trainer(root: Path, addr: str, steps: int, trials: int, daemon_pid: in
 # -- scale: one coordinator, N simulated nodes ---------------------------------------------------
 
 GOAL_N = 1000  # the size the latency goals are set at
+DPD_HEARTBEAT_S, DPD_LIVENESS = 0.25, 6  # what a dpd heartbeats at before a coordinator tells it otherwise
 REGISTER_GOAL_S = 0.5
 PROBE_GOAL_S = 0.100
 
@@ -413,7 +416,7 @@ def prefill(root: Path, a: argparse.Namespace) -> dict:
     """A coordinator state dir holding `--past-jobs` finished jobs, made once through the protocol
     by a coordinator without nodes (where a submit is cheapest); each size's second coordinator
     starts from a copy of it."""
-    coord = CoordinatorProcess(root, a.heartbeat_interval, a.liveness, pythonpath=a.coordinator_pythonpath, log_level="warning")
+    coord = CoordinatorProcess(root, a.heartbeat_interval, a.liveness, heartbeat_rate=a.heartbeat_rate, pythonpath=a.coordinator_pythonpath, log_level="warning")
     probe = Probe(coord.addr)
     try:
         return past_jobs(probe, a.past_jobs)
@@ -440,16 +443,18 @@ def scale_run(n: int, a: argparse.Namespace, past_state: Path | None) -> dict:
     out: dict[str, Any] = {"n": n, "load_avg_1m": os.getloadavg()[0]}
     root = Path(tempfile.mkdtemp(prefix=f"dpool-scale-{n}-"))
     coord = sim = probe = None
-    hb = a.heartbeat_interval
     addr = f"tcp://127.0.0.1:{free_port()}"
 
     def coordinator(where: str) -> CoordinatorProcess:
-        return CoordinatorProcess(root / where, hb, a.liveness, addr=addr, pythonpath=a.coordinator_pythonpath, log_level=a.log_level)
+        return CoordinatorProcess(
+            root / where, a.heartbeat_interval, a.liveness, heartbeat_rate=a.heartbeat_rate, addr=addr, pythonpath=a.coordinator_pythonpath, log_level=a.log_level
+        )
 
     try:
         coord = coordinator("a")
         out["coordinator"] = coord.pool_file
-        sim = SimProcess(addr, n, hb, a.liveness, a.step_s)
+        # The nodes start as dpd does (its defaults, or the flags it was given) and adopt what the coordinator tells them.
+        sim = SimProcess(addr, n, a.heartbeat_interval or DPD_HEARTBEAT_S, a.liveness or DPD_LIVENESS, a.step_s)
         sim.wait("ready", 60 + n / 20)
         probe = Probe(addr)
         # 1. registration
@@ -462,13 +467,17 @@ def scale_run(n: int, a: argparse.Namespace, past_state: Path | None) -> dict:
         else:
             out["register_s"] = None
             out["registered_in_time"] = sim.stats()["registered"]
-        # 3. convergence, once a heartbeat period (and the coordinator's CPU under heartbeats alone)
+        # 3. convergence, once a heartbeat period (and the coordinator's CPU under heartbeats alone):
+        # the longest period a node was told (a pool's period grows with it: daemon/cadence.py)
         cpu0, t0 = cpu_seconds(coord.pid), time.monotonic()
         alive = []
+        periods = sim.stats()["periods"]
+        hb = max(periods, default=DPD_HEARTBEAT_S)
         for _ in range(a.converge_periods):
             time.sleep(hb)
             alive.append(alive_nodes(probe))
-        out["converge"] = {"periods": a.converge_periods, "min_alive": min(alive), "samples": alive}
+        out["period_s"] = max(sim.stats()["periods"], default=hb)
+        out["converge"] = {"periods": a.converge_periods, "period_s": hb, "min_alive": min(alive), "samples": alive}
         out["heartbeat_cpu"] = (cpu_seconds(coord.pid) - cpu0) / (time.monotonic() - t0)
         out["nodes_0"] = nodes_latency(probe, a.nodes_requests)
         # 2. planning and cancel
@@ -531,7 +540,7 @@ def show_scale(r: dict, a: argparse.Namespace) -> None:
         conv = "yes" if cv.get("converged") else "NO"
         line(f"convergence: not lost in `nodes` over {cv['periods']} periods", f"{conv}: min {cv['min_alive']}/{n}, end {r.get('alive_at_end', '?')}/{n}", "goal: yes (2,000 must)")
         line("  registration timeouts / re-registrations / coord. lost", f"{cv.get('register_timeouts', '?')} / {cv.get('reregistrations', '?')} / {cv.get('coordinator_lost', '?')}")
-        line("  coordinator CPU under heartbeats alone", f"{100 * r['heartbeat_cpu']:.0f}% of a core")
+        line("  heartbeat period told (longest) / coordinator CPU under heartbeats alone", f"{r.get('period_s', 0):g} s / {100 * r['heartbeat_cpu']:.0f}% of a core")
     for phase, title in (("plan", "planning"), ("cancel", "cancel")):
         p = r.get(phase)
         if not p:
@@ -558,8 +567,9 @@ def show_scale(r: dict, a: argparse.Namespace) -> None:
 
 def bench_scale(a: argparse.Namespace) -> None:
     sizes = [int(x) for x in a.scale.split(",") if x.strip()]
-    print(f"control plane at scale: heartbeat {a.heartbeat_interval:g} s, liveness {a.liveness} (a node is lost after "
-          f"{a.heartbeat_interval * a.liveness:g} s of silence), fake trainer step {a.step_s:g} s, {os.cpu_count()} CPUs")
+    given = [f"{k} {getattr(a, k):g}" for k in ("heartbeat_interval", "liveness", "heartbeat_rate") if getattr(a, k) is not None]
+    print(f"control plane at scale: {', '.join(given) if given else 'dpd defaults'} (heartbeat period grown with the pool), "
+          f"fake trainer step {a.step_s:g} s, {os.cpu_count()} CPUs")
     runs: list[dict] = []
     filled: dict[str, Any] = {}
     root = Path(tempfile.mkdtemp(prefix="dpool-scale-"))
@@ -574,7 +584,7 @@ def bench_scale(a: argparse.Namespace) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if a.json:
-        config = {k: getattr(a, k) for k in ("scale", "heartbeat_interval", "liveness", "step_s", "past_jobs", "converge_periods", "coordinator_pythonpath")}
+        config = {k: getattr(a, k) for k in ("scale", "heartbeat_interval", "liveness", "heartbeat_rate", "step_s", "past_jobs", "converge_periods", "coordinator_pythonpath")}
         text = json.dumps({"config": config, "prefill": filled, "runs": runs}, indent=2)
         if a.json == "-":
             print(text)
@@ -604,11 +614,12 @@ def main() -> int:
     p.add_argument("--no-trainer", dest="trainer", action="store_false", help="leave out the trainer's tokens/s")
     s = p.add_argument_group("--scale: one coordinator and N simulated nodes (instead of the benches above)")
     s.add_argument("--scale", metavar="N,N,...", help="simulated pool sizes, e.g. 10,100,1000,2000")
-    s.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, default=2.0, help="the coordinator's (default 2)")
-    s.add_argument("--liveness", type=int, default=10, help="the coordinator's (default 10)")
+    s.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="the coordinator's and the nodes' (default: dpd's, 0.25)")
+    s.add_argument("--liveness", type=int, help="the coordinator's and the nodes' (default: dpd's, 6)")
+    s.add_argument("--heartbeat-rate", dest="heartbeat_rate", type=float, help="the coordinator's budget of heartbeats a second (default: dpd's, 1000)")
     s.add_argument("--step-s", dest="step_s", type=float, default=1.0, help="the fake trainer's step time: a node.progress per rank this often (default 1)")
     s.add_argument("--past-jobs", dest="past_jobs", type=int, default=3000, help="finished jobs in the restarted coordinator of the second `nodes` timing (default 3000; 0: skip)")
-    s.add_argument("--converge-periods", dest="converge_periods", type=int, default=5, help="heartbeat periods `nodes` is sampled for (default 5)")
+    s.add_argument("--converge-periods", dest="converge_periods", type=int, default=8, help="heartbeat periods `nodes` is sampled for (default 8: past a node's expiry, liveness 6 x its period)")
     s.add_argument("--nodes-requests", dest="nodes_requests", type=int, default=6, help="timed `nodes` round trips with no past jobs (half as many with them)")
     s.add_argument("--register-timeout", dest="register_timeout", type=float, default=120.0)
     s.add_argument("--plan-timeout", dest="plan_timeout", type=float, default=180.0, help="the most a start (a cancel) is waited for")

@@ -5,12 +5,17 @@ What each simulated node does, as `daemon/agent.py` does it:
 - `node.register` (one slot, a NodeInfo, its running workers), waiting max(1 s, heartbeat x
   liveness) for `node.registered`; without it, a new socket and another try after a jittered
   exponential wait (0.25 s x 2^attempt, at most 5 s). Counted: `register_timeouts`.
-- `node.heartbeat` with its workers every heartbeat interval once registered; a coordinator silent
-  for heartbeat x liveness is lost: a new socket and `node.register` again (`coordinator_lost`),
-  as after `error not_registered` (`not_registered`).
+- the heartbeat period and liveness `node.registered` carries, adopted; and a new period on
+  `coord.heartbeat`, adopted and acknowledged on a `node.heartbeat` sent at once, which from then
+  on carries the period (daemon/cadence.py). Counted: `periods_adopted`.
+- `node.heartbeat` with its workers every heartbeat period once registered, the first one at a
+  random point of the first period; a coordinator silent for heartbeat x liveness is lost: a new
+  socket and `node.register` again (`coordinator_lost`), as after `error not_registered`
+  (`not_registered`).
 - `group.prepare` → `node.prepared` (a made-up port per slot); `group.start` → per rank
   `node.worker_started`, `node.worker_hello` and a `node.progress` every `step_s` (a fake trainer
-  at step rate 1/step_s); `group.stop` → `node.worker_exited` (stopped) per worker.
+  at step rate 1/step_s); `group.stop` → `node.worker_exited` (stopped) per worker, and a
+  `group.stop now` is answered with a heartbeat at once, as dpd does.
 
 Bodies from the coordinator are unpacked without the schema checks (the simulator trusts it), so
 that decoding 2,000 `group.start` bodies does not make the simulator, rather than the coordinator,
@@ -64,7 +69,9 @@ import dpool.daemon.pool
 from dpool.daemon.coordinator import Coordinator
 from dpool.protocol.logs import configure_logging
 
-addr, state_dir, hb, liveness, level = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+addr, state_dir, level = sys.argv[1], sys.argv[2], sys.argv[3]
+# The coordinator's own defaults unless given ("heartbeat_s=2" ...): an older tree's keywords too.
+settings = {k: float(v) if k != "liveness" else int(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 if soft < hard:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -72,7 +79,7 @@ configure_logging(level, json=True)
 
 async def main():
     ctx = zmq.asyncio.Context()
-    coord = Coordinator(ctx, addr, state_dir, heartbeat_s=hb, liveness=liveness)
+    coord = Coordinator(ctx, addr, state_dir, **settings)
     endpoint = coord.bind()
     print(endpoint, dpool.daemon.pool.__file__, flush=True)
     stopping = asyncio.Event()
@@ -88,19 +95,24 @@ asyncio.run(main())
 class CoordinatorProcess:
     """`Coordinator` in a process of its own, its state in `root/state` and its log in
     `root/coordinator.log`, on `addr` (default: a random loopback port); `pythonpath` is put first
-    on its PYTHONPATH (another checkout's package root), `pool_file` says which tree it runs."""
+    on its PYTHONPATH (another checkout's package root), `pool_file` says which tree it runs.
+    `heartbeat_s`, `liveness`, `heartbeat_rate`: the coordinator's own defaults where None (as
+    `dpd run --serve` without flags)."""
 
     def __init__(
-        self, root: Path, heartbeat_s: float, liveness: int, *, addr: str = "tcp://127.0.0.1:*", pythonpath: str | None = None, log_level: str = "info"
+        self, root: Path, heartbeat_s: float | None = None, liveness: int | None = None, *, heartbeat_rate: float | None = None,
+        addr: str = "tcp://127.0.0.1:*", pythonpath: str | None = None, log_level: str = "info",
     ) -> None:
         root.mkdir(parents=True, exist_ok=True)
+        given = {"heartbeat_s": heartbeat_s, "liveness": liveness, "heartbeat_rate": heartbeat_rate}
+        settings = [f"{k}={v}" for k, v in given.items() if v is not None]
         env = dict(os.environ)
         if pythonpath:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
         self.log, self.state_dir = root / "coordinator.log", root / "state"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", COORDINATOR_SCRIPT, addr, str(self.state_dir), str(heartbeat_s), str(liveness), log_level],
+                [sys.executable, "-c", COORDINATOR_SCRIPT, addr, str(self.state_dir), log_level, *settings],
                 stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True, text=True,
             )
         assert self.proc.stdout is not None
@@ -130,9 +142,12 @@ class CoordinatorProcess:
 
 
 class Node:
-    __slots__ = ("attempt", "fd", "index", "last_heard", "name", "next_beat", "reg_deadline", "register_frames", "registered", "retry_at", "sock", "workers")
+    __slots__ = (
+        "attempt", "beat_s", "fd", "index", "last_heard", "liveness", "name", "next_beat", "reg_deadline", "register_frames", "registered",
+        "retry_at", "sock", "told", "workers",
+    )
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, heartbeat_s: float, liveness: int) -> None:
         self.index, self.name = index, f"sim-{index:05d}"
         self.sock: zmq.Socket[Any] | None = None
         self.fd = -1
@@ -143,16 +158,21 @@ class Node:
         self.last_heard = self.next_beat = 0.0
         self.workers: dict[int, list[Any]] = {}  # slot -> [job, generation, rank, step]
         self.register_frames: list[bytes] | None = None
+        self.beat_s, self.liveness = heartbeat_s, liveness  # as told by the coordinator
+        self.told = False  # the coordinator tells periods on coord.heartbeat: heartbeats carry ours
+
+    @property
+    def expiry_s(self) -> float:
+        return self.beat_s * self.liveness
 
 
 class Simulator:
     def __init__(self, conn: Any, addr: str, n: int, heartbeat_s: float, liveness: int, step_s: float) -> None:
         self.conn, self.addr, self.n = conn, addr, n
-        self.heartbeat_s, self.liveness, self.step_s = heartbeat_s, liveness, step_s
-        self.expiry_s = heartbeat_s * liveness
+        self.step_s = step_s
         self.ctx = zmq.Context()
         self.ctx.set(zmq.MAX_SOCKETS, 2 * n + 1024)  # closed sockets are reaped a little later
-        self.nodes = [Node(i) for i in range(n)]
+        self.nodes = [Node(i, heartbeat_s, liveness) for i in range(n)]
         self.counts: collections.Counter[str] = collections.Counter()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.done = asyncio.Event()
@@ -211,7 +231,7 @@ class Simulator:
                 self.counts["socket_errors"] += 1
                 node.retry_at = now + 1.0
                 return
-        node.reg_deadline = now + max(1.0, self.expiry_s)
+        node.reg_deadline = now + max(1.0, node.expiry_s)
         self.counts["registrations"] += 1
         if node.workers or node.register_frames is None:
             info = NodeInfo(slots=1, platform="linux", chip="sim", cpus=1, memory_bytes=1 << 30, backend="cpu", python="3.11", advertise="127.0.0.1", pid=os.getpid())
@@ -238,13 +258,19 @@ class Simulator:
         t = m.MsgType
         if msg_type is t.NODE_REGISTERED:
             if not node.registered:
-                node.registered, node.reg_deadline, node.attempt, node.next_beat = True, None, 0, now
+                node.registered, node.reg_deadline, node.attempt, node.told = True, None, 0, False
+                node.beat_s, node.liveness = float(body["heartbeat_s"]), int(body["liveness"])
+                node.next_beat = now + random.uniform(0, node.beat_s)
                 if node.index not in self.ever:
                     self.ever.add(node.index)
                     if len(self.ever) == self.n and self.reg_t0 is not None:
                         self.conn.send(("registered", self.reg_t0, now))
         elif msg_type is t.COORD_HEARTBEAT:
-            pass
+            if "heartbeat_s" in body and "liveness" in body and node.registered:
+                if body["heartbeat_s"] != node.beat_s:
+                    self.counts["periods_adopted"] += 1
+                node.beat_s, node.liveness, node.told = float(body["heartbeat_s"]), int(body["liveness"]), True
+                self.beat(node, now)
         elif msg_type is t.GROUP_PREPARE:
             ports = [PORT_BASE + (node.index * 1024 + s) % 40_000 for s in body["slots"]]
             self.send(node, m.NodePrepared(job=body["job"], generation=body["generation"], host="127.0.0.1", ports=ports).to_frames())
@@ -266,6 +292,8 @@ class Simulator:
                 if w[0] == job and (gen == 0 or w[1] == gen):
                     del node.workers[slot]
                     self.send(node, m.NodeWorkerExited(job=job, generation=w[1], rank=w[2], slot=slot, code=code, stopped=True).to_frames())
+            if body.get("mode", "now") == "now":
+                self.beat(node, now)
             self.mark("group.stop", time.monotonic())
         elif msg_type is t.ERROR:
             code = str(body.get("code"))
@@ -275,6 +303,11 @@ class Simulator:
                 self.register(node, now)
         else:
             self.counts[f"other.{msg_type}"] += 1
+
+    def beat(self, node: Node, now: float) -> None:
+        alive = [AliveWorker(job=w[0], generation=w[1], slot=s) for s, w in node.workers.items()]
+        self.send(node, m.NodeHeartbeat(workers=alive, heartbeat_s=node.beat_s if node.told else None).to_frames())
+        node.next_beat = now + node.beat_s
 
     def mark(self, kind: str, now: float) -> None:
         w = self.watch.setdefault(kind, [0, now, now])
@@ -290,14 +323,12 @@ class Simulator:
             self.next_step = now + self.step_s
         for node in self.nodes:
             if node.registered:
-                if now - node.last_heard > self.expiry_s:
+                if now - node.last_heard > node.expiry_s:
                     self.counts["coordinator_lost"] += 1
                     self.register(node, now)
                     continue
                 if now >= node.next_beat:
-                    alive = [AliveWorker(job=w[0], generation=w[1], slot=s) for s, w in node.workers.items()]
-                    self.send(node, m.NodeHeartbeat(workers=alive).to_frames())
-                    node.next_beat = now + self.heartbeat_s
+                    self.beat(node, now)
                 if step:
                     for w in node.workers.values():
                         w[3] += 1
@@ -332,7 +363,8 @@ class Simulator:
             elif cmd == "stats":
                 running = sum(len(n.workers) for n in self.nodes)
                 registered = sum(n.registered for n in self.nodes)
-                self.conn.send(("stats", dict(self.counts), registered, running))
+                periods = collections.Counter(n.beat_s for n in self.nodes if n.registered)
+                self.conn.send(("stats", dict(self.counts), registered, running, dict(periods)))
             elif cmd == "stop":
                 self.done.set()
 
@@ -403,8 +435,8 @@ class SimProcess:
 
     def stats(self) -> dict[str, Any]:
         self.send("stats")
-        _, counts, registered, running = self.wait("stats", 30)
-        return {"counts": counts, "registered": registered, "running": running}
+        _, counts, registered, running, periods = self.wait("stats", 30)
+        return {"counts": counts, "registered": registered, "running": running, "periods": periods}
 
     def stop(self) -> None:
         if self.proc.is_alive():

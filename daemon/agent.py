@@ -33,6 +33,7 @@ import collections
 import contextlib
 import functools
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -136,6 +137,7 @@ class Agent(WarmTrainers):
         self.state_dir = Path(state_dir)
         self.slots, self.advertise = slots, advertise
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
+        self.told = False  # this coordinator tells periods on coord.heartbeat: ours go on node.heartbeat (daemon/cadence.py)
         self.stop_grace_s, self.rejoin_round_s = stop_grace_s, rejoin_round_s
         self.incarnation = secrets.token_hex(8)
         self.log = get_logger(node=name)
@@ -272,7 +274,7 @@ class Agent(WarmTrainers):
                 await self._register_once()
 
     async def _register_once(self) -> None:
-        self.registered = False
+        self.registered, self.told = False, False
         if self.csock is not None:
             self.csock.close(linger=0)
         sock = self.ctx.socket(zmq.DEALER)
@@ -304,7 +306,7 @@ class Agent(WarmTrainers):
                 held, self.held = list(self.held), collections.deque(maxlen=HELD_MAX)
                 for h in held:
                     self._send(h)
-                self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers))
+                self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers), heartbeat_s=self.heartbeat_s)
                 self._send(self.staging.hello())  # where its data channel listens, and what it holds
                 if self.owner is not None:
                     self._send(NodeYield(reason=self.owner.yielding))  # a restarted coordinator learns it so
@@ -320,11 +322,13 @@ class Agent(WarmTrainers):
         sock = self.csock
         assert sock is not None
         expiry = time.monotonic() + self.heartbeat_s * self.liveness
-        next_beat = time.monotonic()
+        # The first heartbeat at a random point of the first period: a thousand dpds that registered
+        # together (after a coordinator restart) do not heartbeat together from then on.
+        next_beat = time.monotonic() + random.uniform(0, self.heartbeat_s)
         while not stopping.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._send(m.NodeHeartbeat(workers=[AliveWorker(job=w.job, generation=w.generation, slot=w.slot) for w in self.workers.values()]))
+                self._send(self._heartbeat())
                 next_beat = now + self.heartbeat_s
             wait = max(0.0, min(next_beat, expiry) - time.monotonic())
             if await sock.poll(int(wait * 1000) + 1):
@@ -338,6 +342,20 @@ class Agent(WarmTrainers):
             if time.monotonic() > expiry:
                 self.log.warning("coordinator.lost", address=self.join, silent_s=round(self.heartbeat_s * self.liveness, 2), workers=len(self.workers))
                 return
+
+    def _heartbeat(self) -> m.NodeHeartbeat:
+        """The workers alive here, and the period this node heartbeats at once the coordinator
+        tells periods (an older one would refuse the field)."""
+        alive = [AliveWorker(job=w.job, generation=w.generation, slot=w.slot) for w in self.workers.values()]
+        return m.NodeHeartbeat(workers=alive, heartbeat_s=self.heartbeat_s if self.told else None)
+
+    def _adopt_period(self, heartbeat_s: float, liveness: int) -> None:
+        """The pool's heartbeat period changed (or the coordinator checks that this dpd follows
+        it): adopted from the next heartbeat on, and acknowledged at once (daemon/cadence.py)."""
+        if not self.told or (heartbeat_s, liveness) != (self.heartbeat_s, self.liveness):
+            self.log.info("heartbeat.adopted", heartbeat_s=heartbeat_s, liveness=liveness, was=self.heartbeat_s)
+        self.heartbeat_s, self.liveness, self.told = heartbeat_s, liveness, True
+        self._send(self._heartbeat())
 
     def _recv(self) -> tuple[Message, int] | None:
         assert self.craw is not None
@@ -374,6 +392,8 @@ class Agent(WarmTrainers):
             self._refuse_job_id(msg, msg_id)
             return
         match msg:
+            case m.CoordHeartbeat(heartbeat_s=float() as period, liveness=int() as liveness):
+                self._adopt_period(period, liveness)
             case m.CoordHeartbeat() | m.NodeRegistered():
                 pass
             case m.GroupPrepare():
@@ -386,6 +406,8 @@ class Agent(WarmTrainers):
                 for w in list(self.workers.values()):
                     if w.job == job and (gen == 0 or w.generation == gen):
                         self._stop(w, mode, "group.stop")
+                if mode == "now":
+                    self._send(self._heartbeat())  # the answer a group stopped at once waits for (Pool.tick)
             case m.ExportPrepare() | m.ExportFetch():
                 task = asyncio.create_task(self._export(msg, msg_id))  # off the loop: heartbeats go on
                 self.export_tasks.add(task)

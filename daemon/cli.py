@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from dpool.daemon import cachecmd, netif
+from dpool.daemon.cadence import HEARTBEAT_RATE
 from dpool.daemon.childenv import UMASK, StartedZygote
 from dpool.daemon.conditions import Condition, parse_yield_when
 from dpool.daemon.fitness import TRAINING_RATE_BPS
@@ -59,6 +60,7 @@ CONFIG_KEYS = {
     "keys": str,
     "heartbeat_interval": float,
     "liveness": int,
+    "heartbeat_rate": float,
     "stop_grace": float,
     "cache_max": str,
     "stage_rate": str,
@@ -98,6 +100,7 @@ class Settings:
     stage_rate: float = TRAINING_RATE_BPS  # with --serve: bytes/s a fetch is paced to while its sources train (0: never)
     yield_when: tuple[Condition, ...] = ()  # what makes this node yield to its owner (daemon/conditions.py)
     dashboard: str | None = None  # with --serve: where the dashboard's child process listens (dashboard/child.py)
+    heartbeat_rate: float = HEARTBEAT_RATE  # with --serve: heartbeats a second from all nodes together (daemon/cadence.py)
     keys_dir: Path | None = None  # the key directory (the dashboard's keys come from there)
 
 
@@ -195,6 +198,9 @@ def settings(args: argparse.Namespace) -> Settings:
     hb, liveness = float(pick("heartbeat_interval", 0.25)), int(pick("liveness", 6))
     if hb <= 0 or liveness < 2:
         raise UsageError(f"--heartbeat-interval {hb} / --liveness {liveness}: must be > 0 and >= 2")
+    rate = float(pick("heartbeat_rate", HEARTBEAT_RATE))
+    if not 0 < rate < float("inf"):
+        raise UsageError(f"--heartbeat-rate {rate:g}: must be a number of heartbeats a second > 0 (default {HEARTBEAT_RATE:g})")
     name = pick("name", None) or socket.gethostname().split(".")[0].lower()
     if not name or len(name) > 63 or any(c.isspace() for c in name):
         raise UsageError(f"--name {name!r}: must be 1-63 characters without spaces")
@@ -233,6 +239,7 @@ def settings(args: argparse.Namespace) -> Settings:
         server_keys=coord_keys,
         cache_max=_cache_max(pick("cache_max", None)),
         stage_rate=_stage_rate(pick("stage_rate", None)),
+        heartbeat_rate=rate,
         yield_when=_yield_when(pick("yield_when", None)),
         dashboard=dashboard,
         keys_dir=kdir,
@@ -311,7 +318,8 @@ async def serve_and_run(s: Settings, zygote: StartedZygote | None = None) -> int
         if s.serve:
             serve = s.serve
             coord = CoordinatorThread(
-                lambda: Coordinator(ctx, serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys, stage_rate_bps=s.stage_rate)
+                lambda: Coordinator(ctx, serve, s.state_dir, heartbeat_s=s.heartbeat_interval, liveness=s.liveness, keys=s.server_keys, stage_rate_bps=s.stage_rate,
+                                    heartbeat_rate=s.heartbeat_rate)
             )
             coord.start()
             try:
@@ -422,6 +430,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--keys", help="CURVE key directory made by `dpctl keys init` (else $DPOOL_KEYS, else config); with it every control-plane socket uses CURVE")
     run.add_argument("--heartbeat-interval", dest="heartbeat_interval", type=float, help="seconds between heartbeats (default 0.25)")
     run.add_argument("--liveness", type=int, help="heartbeats missed before a peer is lost (default 6)")
+    run.add_argument("--heartbeat-rate", dest="heartbeat_rate", type=float, help=f"with --serve: the most heartbeats a second the coordinator takes from all nodes together; past it the period doubles as the pool grows (default {HEARTBEAT_RATE:g}: 0.25 s up to 250 nodes, 1 s at 1,000)")
     run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
     run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 10MB; 0: never paced)")
     run.add_argument("--dashboard", nargs="?", const="127.0.0.1:7341", metavar="ADDR", help="with --serve: also serve the read-only web dashboard at ADDR (default 127.0.0.1:7341; elsewhere needs viewer tokens or --insecure), a process of its own")

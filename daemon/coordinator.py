@@ -39,6 +39,7 @@ import zmq.asyncio
 from dpool.daemon import export_relay as xr
 from dpool.daemon import jobstate as js
 from dpool.daemon import statuspage
+from dpool.daemon.cadence import HEARTBEAT_RATE
 from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
@@ -80,6 +81,7 @@ BATCH_S = 0.02  # and for at most this long: a flood of registrations cannot hol
 BAD_FRAME_LOGS_PER_S = 5
 SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (rate-limited), with what it was
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
+HEARTBEAT = m.CoordHeartbeat().to_frames()
 STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
 
 
@@ -106,13 +108,15 @@ class Coordinator:
         clock: Callable[[], float] | None = None,
         keys: ServerKeys | None = None,
         stage_rate_bps: float = TRAINING_RATE_BPS,
+        heartbeat_rate: float = HEARTBEAT_RATE,
     ) -> None:
         self.ctx, self.addr, self.clock = ctx, addr, clock or steady_clock()
         self.keys = keys  # CURVE with an allow-list when given
         self.sender_key, self.sender_name = "", ""  # the key and name that sent the message being served
         self.curve: CurveServer | None = None
         self.heartbeat_s = heartbeat_s
-        self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps)
+        self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps, heartbeat_rate=heartbeat_rate)
+        self.period_said = heartbeat_s  # the pool's heartbeat period last logged (daemon/cadence.py)
         self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
         self.log = get_logger(component="coordinator")
@@ -154,6 +158,7 @@ class Coordinator:
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         now = self.clock()
         self.pool.remembered = self.store.held_nodes()
+        self.pool.known_nodes = len(self.store.node_names())
         for job, saved in self.store.load_jobs():
             if saved.state not in js.TERMINAL:
                 job.logged = self.store.logged_steps(job.id)  # where a new generation may resume (Job.resume_max)
@@ -200,10 +205,18 @@ class Coordinator:
     def _tick(self, now: float) -> None:
         self._run(self.pool.tick(now))
         self._relay(self.exports.tick(now, self._alive))
-        for name, peer in self.peer_of.items():
-            node = self.pool.nodes.get(name)
-            if node is not None and not node.lost:
-                self._send_to(peer, m.CoordHeartbeat())
+        cadence = self.pool.cadence
+        if cadence.period_s != self.period_said:
+            self.log.info("heartbeat.period", seconds=cadence.period_s, was=self.period_said, nodes=len(cadence.beats), rate=cadence.rate)
+            self.period_said = cadence.period_s
+        for name, tell in cadence.due(now):  # each registered node once per its period (a new period with it)
+            peer = self.peer_of.get(name)
+            if peer is None:
+                continue
+            if tell is None:
+                self._send_frames(peer, HEARTBEAT)  # packed once: most of what the coordinator sends
+            else:
+                self._send_to(peer, m.CoordHeartbeat(heartbeat_s=tell, liveness=cadence.liveness))
 
     def _commit_and_send(self) -> None:
         """The batch's writes to disk, then its messages out (in the order they were made)."""
@@ -644,7 +657,7 @@ class Coordinator:
         if restarted:
             self._relay(self.exports.node_restarted(now, msg.name))
         actions += [Send(msg.name, m.JobRemove(job=job)) for job in removed]  # after the welcome, as every action
-        return m.NodeRegistered(heartbeat_s=self.pool.heartbeat_s, liveness=self.pool.liveness), actions
+        return m.NodeRegistered(heartbeat_s=self.pool.cadence.period_s, liveness=self.pool.liveness), actions
 
 
 ROLE_RULE = "node keys send node.*, client keys dpctl's requests, viewer keys only status, nodes, metrics, events, samples and logs"

@@ -31,6 +31,7 @@ from typing import Any, TypeAlias
 
 from dpool.daemon import jobstate as js
 from dpool.daemon import scheduler as sched
+from dpool.daemon.cadence import HEARTBEAT_RATE, Cadence
 from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.links import Links
@@ -79,22 +80,20 @@ NodeMessage: TypeAlias = (
     | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged | NodeLink | NodeYield
 )
 
-ANSWER_HEARTBEATS = 2  # heartbeat intervals a node of a group stopped at once has to be heard from
-
 RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited, NodeLink)  # each names its rank
 
 
 class Pool:
     def __init__(
         self, *, heartbeat_s: float = 0.5, liveness: int = 6, prepare_timeout_s: float | None = None, stage_rate_bps: float = TRAINING_RATE_BPS,
-        policy: sched.Policy = sched.POLICY,
+        policy: sched.Policy = sched.POLICY, heartbeat_rate: float = HEARTBEAT_RATE,
     ) -> None:
         self.heartbeat_s, self.liveness = heartbeat_s, liveness
-        self.expiry_s = heartbeat_s * liveness
-        # A node of a group stopped at once (a failure, a cancel) is lost unless heard from within
-        # this: a live dpd heartbeats every interval and reports its worker's exit sooner still.
-        self.answer_s = min(self.expiry_s, ANSWER_HEARTBEATS * heartbeat_s)
-        self.prepare_timeout_s = prepare_timeout_s if prepare_timeout_s is not None else max(5.0, 2 * self.expiry_s)
+        # Each node's heartbeat period, which grows with the pool; when it is lost, and how soon a
+        # node of a group stopped at once must answer (daemon/cadence.py).
+        self.cadence = Cadence(heartbeat_s, liveness, heartbeat_rate)
+        self.known_nodes = 0  # nodes the store knows from before a restart (their periods bound reconcile_by)
+        self.prepare_timeout_s = prepare_timeout_s if prepare_timeout_s is not None else max(5.0, 2 * heartbeat_s * liveness)
         self.nodes: dict[str, Node] = {}
         self.jobs: dict[str, Job] = {}  # in memory: the live jobs and the RECENT_FINISHED newest finished, in submission order
         self.live: dict[str, Job] = {}  # the jobs not finished, in submission order
@@ -185,7 +184,7 @@ class Pool:
         restarted dpd, and it replaces the old process at once (a refusal would be a restart loop
         under systemd or launchd)."""
         name, old = msg.name, self.nodes.get(msg.name)
-        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.expiry_s and not bound:
+        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.cadence.expiry_s(name) and not bound:
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
@@ -224,6 +223,7 @@ class Pool:
         for w in msg.running:
             actions += self._adopt(now, node, w)
         kind = "node.rejoined" if rejoin else "node.joined"
+        self.cadence.registered(name, now)
         return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
 
     def _returned(self, now: float, node: Node) -> list[Action]:
@@ -387,6 +387,8 @@ class Pool:
         """Free slots whose job is no longer using them and whose worker the node no longer has."""
         if node.lost:
             return []
+        if msg.heartbeat_s is not None:
+            self.cadence.acknowledged(node.name, msg.heartbeat_s)
         alive = {(w.job, w.generation, w.slot) for w in msg.workers}
         freed = False
         for slot, (job_id, gen) in list(node.used.items()):
@@ -410,6 +412,7 @@ class Pool:
 
     def _node_gone(self, node: Node, now: float, reason: str) -> list[Action]:
         node.lost = True
+        self.cadence.forget(node.name)
         actions_: list[Action] = list(self.fitness.node_gone(node.name))
         if node.hold is None:
             node.reason = reason
@@ -713,9 +716,9 @@ class Pool:
     def tick(self, now: float) -> list[Action]:
         actions: list[Action] = []
         for node in self.nodes.values():
-            if not node.lost and now - node.last_seen > self.expiry_s:
+            if not node.lost and now - node.last_seen > self.cadence.expiry_s(node.name):
                 actions += self._node_gone(node, now, f"no heartbeat for {now - node.last_seen:.1f}s")
-            elif not node.lost and node.asked_at is not None and now - node.asked_at >= self.answer_s:
+            elif not node.lost and node.asked_at is not None and now - node.asked_at >= self.cadence.answer_s(node.name):
                 actions += self._node_gone(node, now, f"no answer for {now - node.asked_at:.1f}s to the stop of its failed group")
         for job in list(self.live.values()):
             if job.pending is not None and now >= job.pending.deadline:
@@ -768,6 +771,9 @@ class Pool:
         recomputed), and a stopped job whose target is 0 goes back to the queue with its checkpoint.
         """
         actions: list[Action] = self._ask_fitness(now)
+        if not self.live:  # nothing to admit or resize: a thousand registrations cost no pass over the nodes
+            self.decision = None
+            return actions
         usable = [n for n in self.nodes.values() if not n.lost and n.hold is None]
         names = [n.name for n in usable]
         held = collections.Counter(job for n in usable for job, _ in n.used.values())
@@ -993,7 +999,8 @@ class Pool:
         else:
             self.live[job.id] = job
             self.fitness.track(job.id, job.spec, job.doc)
-        reconcile_by = now + 2 * self.expiry_s + 2.0
+        # The daemons heartbeat at the period the previous coordinator told them.
+        reconcile_by = now + 2 * self.liveness * self.cadence.period_for(max(self.known_nodes, len(self.nodes))) + 2.0
         launched = job.plan is not None and job.plan.generation == saved.generation
         world = job.plan.world_size if launched and job.plan is not None else None
         job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by), now)  # acts on nothing

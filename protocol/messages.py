@@ -740,11 +740,14 @@ class NodeRegistered(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class NodeHeartbeat(Message):
-    """Sent when the daemon has sent nothing else for an interval. `workers`: the workers alive
-    now, so the coordinator frees slots whose workers are gone."""
+    """Sent every heartbeat period, and at once on a `group.stop now` (the answer the coordinator
+    waits for). `workers`: the workers alive now, so the coordinator frees slots whose workers are
+    gone. `heartbeat_s`: the period the daemon heartbeats at, sent only once a `coord.heartbeat`
+    has told it one (an older coordinator never does, so never gets the field)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_HEARTBEAT
     workers: Annotated[list[AliveWorker], Items(MAX_SLOTS)] = field(default_factory=list)
+    heartbeat_s: Annotated[float, Float(0.001, 3600.0)] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @message
@@ -923,7 +926,13 @@ class NodeWarmed(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class CoordHeartbeat(Message):
+    """The coordinator is alive. With `heartbeat_s` and `liveness` (left off otherwise): the
+    node's new heartbeat period, as the pool grew or shrank (daemon/cadence.py), which it adopts
+    and acknowledges on a `node.heartbeat` sent at once."""
+
     TYPE: ClassVar[MsgType] = MsgType.COORD_HEARTBEAT
+    heartbeat_s: Annotated[float, Float(0.001, 3600.0)] | None = field(default=None, metadata=OMIT_NONE)
+    liveness: Annotated[int, Int(1, 1000)] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @message
