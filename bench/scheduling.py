@@ -28,6 +28,13 @@ Policies, each simulated from the same trace:
   below its workers.max grows into the free slots (one growth a round, at most once a generation).
 - shared: `scheduler.plan` every round, its starts and resizes carried out as the pool does.
 
+`--live N` measures instead, on real dpds (three one-slot daemons on this machine, warm trainers
+on, a ~0.8M-parameter GPT as in bench/recovery.py), N times each: a priority-5 job submitted to an
+idle pool (the baseline: how long a new job takes to start at all), then the same job submitted
+while a 1-3 worker job of priority 0 holds all three slots: when it is given its slots, when its
+group is up, the running job's pause to shrink and its steps lost, and once the priority job ends,
+how soon the other grows back and its pause. Medians, with each trial's figure.
+
 Printed per seed and as the mean over seeds: average and p99 completion time (arrival to end),
 makespan (first arrival to last end), utilization while any job waits (the share of slot-time that
 computes: held slots that restart do not), resizes per job, and the wait of the priority-10 jobs
@@ -267,6 +274,84 @@ ROWS = (
 )
 
 
+# -- live: the same decisions on real dpds ---------------------------------------------------------
+
+
+def live(trials: int, root: Path) -> dict[str, list[float]]:
+    from dpool.client.localpool import LocalPool, wait_for
+    from dpool.protocol import messages as m
+    from dpool.protocol.jobspec import parse_job
+
+    def spec(name: str, lo: int, hi: int, steps: int, priority: int = 0) -> Any:
+        return parse_job({
+            "name": name, "priority": priority, "workers": {"min": lo, "max": hi},
+            "model": {"layers": 4, "dim": 128, "heads": 4, "context": 64},
+            "train": {"steps": steps, "global_batch": 12, "warmup_steps": 10, "log_every_steps": 1},
+            "eval": {"every_steps": 1_000_000, "batches": 1, "sample_every_steps": 1_000_000},
+        }, source="bench/scheduling.py")
+
+    def submit(pool: LocalPool, s: Any) -> str:
+        return pool.call(m.Submit(job=s.to_dict(), source="bench"), m.Submitted).job_id
+
+    def events(pool: LocalPool, job: str) -> list[Any]:
+        return pool.call(m.Events(job=job), m.EventsReply).events
+
+    def event(pool: LocalPool, job: str, kind: str, timeout: float = 120.0, where: Callable[[Any], bool] = lambda e: True) -> Any:
+        return wait_for(f"{job}: {kind}", lambda: next((e for e in events(pool, job) if e.kind == kind and where(e)), None), timeout, every=0.1)
+
+    def ended(pool: LocalPool, job: str) -> Any:
+        return wait_for(f"{job} to end", lambda: (st := pool.status(job)) is not None and st.state in ("succeeded", "failed", "cancelled") and st, 600.0, every=0.2)
+
+    out: dict[str, list[float]] = {}
+
+    def add(key: str, v: float) -> None:
+        out.setdefault(key, []).append(round(v, 3))
+
+    pool = LocalPool(root)
+    try:
+        pool.start(1, 1, 1)
+        for trial in range(trials):
+            alone = submit(pool, spec(f"alone-{trial}", 1, 2, 60, priority=5))
+            st = ended(pool, alone)
+            add("idle_slots_s", event(pool, alone, "group.starting").t - st.submitted)
+            add("idle_up_s", event(pool, alone, "group.started").t - st.submitted)
+            low = submit(pool, spec(f"low-{trial}", 1, 3, 1_000_000))
+            wait_for("low on 3 slots, 30 steps in", lambda job=low: (s := pool.status(job)) is not None and s.world_size == 3 and s.step >= 30 and s, 300.0, every=0.2)
+            high = submit(pool, spec(f"high-{trial}", 1, 2, 60, priority=5))
+            hs = ended(pool, high)
+            assert hs.state == "succeeded", hs
+            add("slots_s", event(pool, high, "group.starting").t - hs.submitted)
+            add("up_s", event(pool, high, "group.started").t - hs.submitted)
+            shrunk = event(pool, low, "job.shrunk")
+            add("shrink_pause_s", shrunk.fields["restart_s"])
+            add("shrink_steps_lost", shrunk.fields["steps_lost"])
+            grown = event(pool, low, "job.grown")
+            ask = next(e for e in events(pool, low) if e.kind == "group.stopped" and "growing" in str(e.fields.get("reason")))
+            add("grow_asked_s", ask.t - hs.finished)
+            add("grown_s", grown.t - hs.finished)
+            add("grow_pause_s", grown.fields["restart_s"])
+            add("grow_steps_lost", grown.fields["steps_lost"])
+            pool.call(m.Cancel(job=low), m.CancelReply)
+            ended(pool, low)
+    finally:
+        pool.stop()
+    return out
+
+
+LIVE_ROWS = (
+    ("idle pool: submitted -> given its slots", "idle_slots_s"),
+    ("idle pool: submitted -> its group up", "idle_up_s"),
+    ("full pool: submitted -> given its slots", "slots_s"),
+    ("full pool: submitted -> its group up", "up_s"),
+    ("running job's pause to shrink 3 -> 1", "shrink_pause_s"),
+    ("  steps lost", "shrink_steps_lost"),
+    ("priority job ended -> growth asked", "grow_asked_s"),
+    ("priority job ended -> running job back on 3", "grown_s"),
+    ("running job's pause to grow 1 -> 3", "grow_pause_s"),
+    ("  steps lost", "grow_steps_lost"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=200)
@@ -278,7 +363,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-s", type=float, default=0.5, help="from a resize's request to its group's exit (the next step boundary)")
     ap.add_argument("--interval", type=float, default=sched.RESIZE_INTERVAL_S, help="the scheduler's damping among equals")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--live", type=int, metavar="TRIALS", help="measure a preemption by shrinking on real dpds instead (module docstring)")
     a = ap.parse_args(argv)
+    if a.live:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="dpool-bench-sched-") as tmp:
+            got = live(a.live, Path(tmp))
+        width = max(len(r[0]) for r in LIVE_ROWS)
+        for label, key in LIVE_ROWS:
+            vals = got.get(key, [])
+            print(f"{label:{width}}   {statistics.median(vals) if vals else '-':>8}   ({', '.join(map(str, vals))})")
+        if a.json:
+            a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "live": got}, indent=2))
+        return 0
     seeds = [int(s) for s in a.seeds.split(",")]
     results: dict[str, list[dict[str, Any]]] = {"fifo": [], "shared": []}
     policies = {"fifo": fifo, "shared": shared(sched.Policy(resize_interval_s=a.interval))}

@@ -841,7 +841,8 @@ class Pool:
             warm = self._warm(job, set(new), now)
             if warm is not None:
                 return warm
-            actions.append(Record(job.id, "group.growing", now, {"generation": job.machine.generation, "world_size": plan.world_size, "to": r.to}))
+            fields = {"generation": job.machine.generation, "world_size": plan.world_size, "free_slots": len(new), "to": r.to}
+            actions.append(Record(job.id, "group.growing", now, fields))
             reason = f"growing from {plan.world_size} to {r.to} workers"
         elif r.how is sched.How.SHRINK:
             reason = f"shrinking from {plan.world_size} to {r.to} workers for {', '.join(r.by)}"
