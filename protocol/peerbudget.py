@@ -28,6 +28,13 @@ regardless. A fast sender adds at most one sample's worth before it is seen.
 
 Freed memory is then given back to the system (glibc keeps what is freed in its arenas:
 `malloc_trim`), so a dpd shrinks back once such a peer is gone.
+
+Limits, by construction: the counts are per file descriptor, and a descriptor's count starts when
+the monitor's accept event is seen, a few milliseconds after the accept; messages still queued from
+the connection a descriptor had before are counted to the next, so a peer can hold up to twice the
+budget, never more. Counts that cannot be right (more taken or read than sent or received: another
+kernel's layout) turn that direction's check off with a `peer_budget.off` line rather than drop
+every peer.
 """
 
 from __future__ import annotations
@@ -53,8 +60,9 @@ PEER_BYTES = 32 << 20  # queued per peer, each way: eight of the largest message
 TRIGGER = 8 << 20  # resident memory grown by this since the last look: look at every connection
 SAMPLE_S = 0.005  # how often the resident memory is read
 SCAN_S = 0.25  # every connection is looked at this often in any case
-TRIM_FOR_S = 3.0  # after a drop: memory is given back every TRIM_EVERY_S for this long (a dropped
+TRIM_FOR_S = 10.0  # after a drop: memory is given back every TRIM_EVERY_S for this long (a dropped
 TRIM_EVERY_S = 0.5  # connection's queues are freed when the loop next touches its socket, soon but not at once)
+SLACK = 1 << 20  # counts off by more than this (the wrong way) are not the kernel's as read: the check is off
 ROUTES_KEPT = 65536  # routing id -> connection, for the newest peers (a stale one costs nothing)
 EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 
@@ -166,6 +174,10 @@ class Conn:
     taken: int = 0  # bytes the peer had taken when the kernel was last asked (the loop's thread)
     inbound: int = 0  # in flight at the last look (the guard's thread)
     dropped: bool = False
+    # The routing ids read from it (one; two when the next connection on this descriptor was read
+    # before its accept was seen). Once it is dropped, only these are refused: a new connection
+    # that got the same descriptor is served before the monitor's events say so.
+    rids: set[bytes] = dataclasses.field(default_factory=set)
 
 
 class PeerBudget:
@@ -187,6 +199,7 @@ class PeerBudget:
         self.sent_bytes: dict[int, int] = collections.defaultdict(int)  # fd -> bytes of messages queued (the loop's thread)
         self.routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # routing id -> fd (the loop's thread)
         self.dropped = 0
+        self.off: set[str] = set()  # "inbound", "outbound": the kernel's counts proved unusable here
         self.freed = threading.Event()  # a drop, or a connection gone with much queued: give memory back
         self.rss = _rss_reader()
         address = f"inproc://dpool-peer-budget-{id(self):x}"
@@ -214,7 +227,12 @@ class PeerBudget:
             if len(self.routes) > ROUTES_KEPT:
                 self.routes.popitem(last=False)
         conn = self.conns.get(fd)
-        return conn is None or not conn.dropped
+        if conn is None:
+            return True
+        if conn.dropped:
+            return rid not in conn.rids
+        conn.rids.add(rid)
+        return True
 
     def send(self, raw: zmq.Socket[Any], frames: list[bytes]) -> bool:
         """Queue a message (routing id first) for its peer, unless the peer has more than the
@@ -222,14 +240,23 @@ class PeerBudget:
         or dropped: a ROUTER never blocks)."""
         fd = self.routes.get(frames[0])
         conn = self.conns.get(fd) if fd is not None else None
-        size = sum(wire_size(len(f), self.curve) for f in frames[1:])
-        if conn is not None:
+        if conn is not None and frames[0] not in conn.rids:
+            conn = None  # a new connection on a descriptor whose accept the monitor has not told yet
+        box = 33 if self.curve else 0  # wire_size, inline: this runs for every message sent
+        size = 0
+        for f in frames[1:]:
+            n = len(f) + box
+            size += n + (2 if n <= 255 else 9)
+        if conn is not None and "outbound" not in self.off:
             if conn.dropped:
                 return False
             queued = self.sent_bytes[conn.fd] - conn.sent0 + size - conn.taken
             if queued > self.budget and (counts := tcp_counts(conn.fd)) is not None:
                 conn.taken = counts[1]  # the kernel is asked once per `budget` bytes sent to a peer that reads
                 queued = self.sent_bytes[conn.fd] - conn.sent0 + size - conn.taken
+                if queued < -SLACK:  # it took more than was ever sent to it: counts this kernel does not keep as assumed
+                    self._off("outbound", f"a peer took {-queued} bytes more than were sent to it")
+                    queued = 0
             if queued > self.budget:
                 self._drop(conn, "outbound", queued, frames[0])
                 return False
@@ -301,13 +328,22 @@ class PeerBudget:
         dropped = False
         for conn in list(self.conns.values()):
             counts = tcp_counts(conn.fd)
-            if counts is None or conn.dropped:
+            if counts is None or conn.dropped or "inbound" in self.off:
                 continue
             conn.inbound = counts[0] - (self.read_bytes.get(conn.fd, 0) - conn.read0)
+            if conn.inbound < -2 * self.budget:  # more read than received (beyond what a reused descriptor explains)
+                self._off("inbound", f"{-conn.inbound} bytes more were read from a peer than the kernel says it received")
+                continue
             if conn.inbound > self.budget:
                 self._drop(conn, "inbound", conn.inbound, None)
                 dropped = True
         return dropped
+
+    def _off(self, direction: str, why: str) -> None:
+        """Stop checking one direction: the kernel's counts do not mean what this module reads
+        them as (another kernel's layout), and a wrong count must not drop every peer."""
+        self.off.add(direction)
+        self.log.error("peer_budget.off", direction=direction, reason=why, platform=sys.platform)
 
     def _drop(self, conn: Conn, direction: str, queued: int, rid: bytes | None) -> None:
         if not shut(conn.fd, conn.peer):

@@ -17,6 +17,7 @@ its resident memory sampled while the attack runs; meanwhile and afterwards ever
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,6 +54,31 @@ class Pool:
         """The `peer.dropped` lines of the dpd's log (JSON lines)."""
         lines = self.served.log.read_text(errors="replace").splitlines()
         return [json.loads(line) for line in lines if '"peer.dropped"' in line]
+
+
+class Others(threading.Thread):
+    """Another client asking `status` over and over while an attack runs: every answer is counted,
+    and any failure kept."""
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(daemon=True)
+        self.pool, self.answered = pool, 0
+        self.failures: list[str] = []
+        self.stopping = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.pool.status_readable()
+                self.answered += 1
+            except Exception as e:  # kept for the assertion in stop()
+                self.failures.append(repr(e))
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(30)
+        assert self.answered > 0 and not self.failures, (self.answered, self.failures[:3])
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +126,24 @@ def test_a_client_that_never_reads_is_dropped_and_its_memory_comes_back(pool: Po
     lazy.setsockopt(zmq.RCVBUF, 4096)  # it takes (almost) nothing off the wire
     lazy.setsockopt(zmq.LINGER, 0)
     lazy.connect(pool.served.addr)
+    others = Others(pool)  # answered while the attack runs
     try:
         for i in range(ATTACK):
             lazy.send_multipart(m.Samples(job=pool.job, limit=1).to_frames(i + 1))
         wait_for("the reader dropped", lambda: pool.dropped() or rss_mib(pid) - base > 200, 30, every=0.1)
-        pool.status_readable()  # while it is connected, others are answered
     finally:
         lazy.close(linger=0)
         ctx.term()
+        others.stop()
     grown = watch.stop()
     after = settle(pid) - base
     print(f"{ATTACK} unread 1 MiB replies: dpd peak RSS +{grown:.1f} MiB (from {base:.1f}), +{after:.1f} MiB once the reader left")
     pool.status_readable()
     (line,) = pool.dropped()
     assert line["direction"] == "outbound" and line["peer"].startswith("127.0.0.1:") and line["bytes"] > line["budget"], line
-    assert grown < 64, f"peak +{grown:.1f} MiB"  # 256+ MiB before
-    assert after < 16, f"+{after:.1f} MiB stayed"  # near 300 MiB before
+    # The budget (32 MiB), plus the replies of one batch of requests in the making: 274 MiB before.
+    assert grown < 80, f"peak +{grown:.1f} MiB"
+    assert after < 16, f"+{after:.1f} MiB stayed"  # 249 MiB stayed before
 
 
 def test_an_unfinished_multipart_message_is_refused(pool: Pool) -> None:
@@ -126,12 +154,13 @@ def test_an_unfinished_multipart_message_is_refused(pool: Pool) -> None:
     watch = PeakRss(pid)
     raw = RawPeer(host, int(port))
     me = "{}:{}".format(*raw.sock.getsockname())
+    others = Others(pool)  # answered while the attack runs
     try:
         sent = raw.send_parts(ATTACK, MIB)
-        pool.status_readable()  # while it is connected, others are answered
         closed = raw.closed_by_peer()
     finally:
         raw.close()
+        others.stop()
     grown = watch.stop()
     after = settle(pid) - base
     print(f"{sent / MIB:.0f} MiB of an unfinished message: dpd peak RSS +{grown:.1f} MiB (from {base:.1f}), +{after:.1f} MiB after")
@@ -139,8 +168,10 @@ def test_an_unfinished_multipart_message_is_refused(pool: Pool) -> None:
     assert closed, "the coordinator kept the connection"
     (line,) = pool.dropped()[before:]
     assert line["direction"] == "inbound" and line["peer"] == me, line  # names the peer by its address
-    assert grown < 64, f"peak +{grown:.1f} MiB"  # 256+ MiB before
-    assert after < 16, f"+{after:.1f} MiB stayed"
+    # The budget (32 MiB), plus what a fast sender adds before the coordinator's guard next looks
+    # (every 5 ms; longer on a loaded machine): 256 MiB before, and more with more parts.
+    assert sent < ATTACK * MIB / 2 and grown < 96, f"{sent / MIB:.0f} MiB sent, peak +{grown:.1f} MiB"
+    assert after < 16, f"+{after:.1f} MiB stayed"  # 252 MiB stayed before
 
 
 # -- the counts the budget is made of ----------------------------------------------------------------
