@@ -73,6 +73,7 @@ __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeSt
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
+HOLDER_WAIT_S = 60.0  # a restarting job waits this long for a free slot that holds its newest step
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
 
 NodeMessage: TypeAlias = (
@@ -791,7 +792,11 @@ class Pool:
         d = self.decision = sched.plan(now, sum(n.slots for n in usable), sum(len(n.free()) for n in usable), views, self.policy)
         for start in d.starts:
             job = self.live[start.job]
-            chosen = choose_slots(self._free_slots(job), job.spec.workers.min, start.slots)
+            free = self._free_slots(job)
+            if (held_by := self._holders_busy(job, free, usable, now)) is not None:
+                job.waiting = f"a free slot on a node holding its newest checkpoint ({held_by}), for at most {HOLDER_WAIT_S:g} s"
+                continue
+            chosen = choose_slots(free, job.spec.workers.min, start.slots)
             if chosen is not None:
                 actions += self._admit(job, chosen, now)
         for job_id, why in d.waits.items():
@@ -811,6 +816,22 @@ class Pool:
         for r in d.resizes:
             actions += self._resize(self.live[r.job], r, now, claimed)
         return actions
+
+    def _holders_busy(self, job: Job, free: list[FreeSlot], usable: list[Node], now: float) -> str | None:
+        """A job back from the queue (preempted, most often) resumes from its newest step only on a
+        slot of a node that holds it: while those nodes are busy, it waits (their names), for at
+        most HOLDER_WAIT_S, and then starts from the newest step a free slot holds."""
+        if job.state is not JobState.QUEUED or not job.machine.generation:
+            return None  # a first start, or a restart on the slots its group just left
+        newest = max((s for n in usable for (j, _), s in n.resumable.items() if j == job.id), default=None)
+        if newest is None or any(f.holds_step == newest for f in free):
+            job.holders_wait = None
+            return None
+        if job.holders_wait is None:
+            job.holders_wait = now + HOLDER_WAIT_S
+        if now >= job.holders_wait:
+            return None
+        return ", ".join(sorted(n.name for n in usable if any(j == job.id and s == newest for (j, _), s in n.resumable.items())))
 
     def _view(self, job: Job, waiting: bool, held: int, capacity: int) -> sched.JobView:
         jm, plan = job.machine, job.plan

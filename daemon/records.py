@@ -205,6 +205,7 @@ class Job:
     waiting: str | None = None  # waiting for slots: why (daemon/scheduler.py), for `dpctl queue` and status
     resize: Note | None = None  # a resize the scheduler asked of it, until it restarts (its event then says the cost)
     resized_at: float | None = None  # its last start or resize (the scheduler's damping)
+    holders_wait: float | None = None  # restarting: it waits until then for a free slot holding its newest step
     _doc: dict[str, Any] | None = None
 
     def resume_max(self) -> int:

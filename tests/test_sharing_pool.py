@@ -142,3 +142,31 @@ def test_a_priority_raised_moves_a_queued_job_ahead() -> None:
     assert [r.id for r in queue_rows(pool.live.values(), pool.decision)] == ["third", "first", "second"]
     # first (priority 0) is preempted for third: it runs at its minimum of 1.
     assert records(out, "group.stopped")[0]["reason"] == "preempted by third: back to the queue with its checkpoint"
+
+
+def test_a_requeued_job_waits_a_while_for_a_slot_that_holds_its_checkpoint() -> None:
+    pool = running_pool(("a", "b"), lo=2)
+    join(pool, "c", 1, now=1.5)
+    out = pool.submit(2.0, "h", prio_spec("h", 2, 2, priority=1))
+    pool.progress(2.1, "j", 1, 0, 8, 192, 0.05)
+    for r, n in enumerate(("a", "b")):
+        pool.checkpoint(2.15, n, "j", 1, r, 0, 8, 0.01)
+    out = exit_all(pool, "j", 2.2)
+    assert pool.jobs["j"].state is JobState.QUEUED
+    up(pool, "h", out, 2.3)
+    out = pool.submit(2.5, "k", prio_spec("k", 1, 1, priority=1))  # takes the slot h left free
+    up(pool, "k", out, 2.6)
+    busy = {s.node for job in ("h", "k") for s in pool.jobs[job].plan.ranks}  # type: ignore[union-attr]
+    assert busy == {"a", "b", "c"}
+    # Two slots free, on d and e: neither holds step 8, which a and b (busy) do.
+    join(pool, "d", 1, now=3.0)
+    out = join(pool, "e", 1, now=3.0)
+    assert sends(out, m.GroupPrepare) == []
+    assert pool.jobs["j"].waiting == "a free slot on a node holding its newest checkpoint (a, b), for at most 60 s"
+    for n in "abcde":
+        pool.seen(62.0, n)
+    assert sends(pool.tick(62.0), m.GroupPrepare) == []
+    for n in "abcde":
+        pool.seen(63.1, n)
+    out = pool.tick(63.1)  # a minute on: it starts where it can (from the newest step those slots hold)
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["d", "e"]
