@@ -4,14 +4,20 @@ planned restart: checkpoint at the next step, exit 75, restart from that step.""
 
 from __future__ import annotations
 
+import json
+from types import SimpleNamespace
 from typing import Any
 
+from jobs import write_job
 from test_pool_state import Driven, join, prepare_all, records, running_pool, sends, spec
 
+from dpool.client import cli
+from dpool.client import queue as client_queue
 from dpool.daemon.jobstate import JobState
 from dpool.daemon.sharing import queue_rows
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
+from dpool.protocol.sharing import PriorityReply, QueueReply, QueueRow, TakeRow
 
 
 def prio_spec(name: str, lo: int = 1, hi: int = 4, priority: int = 0) -> Any:
@@ -170,3 +176,40 @@ def test_a_requeued_job_waits_a_while_for_a_slot_that_holds_its_checkpoint() -> 
         pool.seen(63.1, n)
     out = pool.tick(63.1)  # a minute on: it starts where it can (from the newest step those slots hold)
     assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["d", "e"]
+
+
+# -- dpctl's side (cli.main in this process, no pool) -----------------------------------------
+
+
+def test_submit_priority_goes_into_the_job_and_a_bad_one_is_refused_by_name(tmp_path: Any, capsys: Any) -> None:
+    job = write_job(tmp_path, "p")
+    assert cli.main(["submit", str(job), "--priority", "7", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert "priority = 7" in out.out
+    assert cli.main(["submit", str(job), "--priority", "2000000000", "--dry-run"]) == 2
+    assert "--priority 2000000000: must be an integer from -1000000000 to 1000000000" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('priority = "high"\n' + job.read_text())
+    assert cli.main(["submit", str(bad), "--dry-run"]) == 2
+    assert f"{bad}: priority = 'high': must be an integer" in capsys.readouterr().err
+
+
+def test_the_queue_table_says_what_each_job_waits_for_and_takes(capsys: Any) -> None:
+    rows = [
+        QueueRow(position=1, id="high-1", name="high", priority=5, state="queued", workers=0, target=2, min=1, max=2, submitted=0.0,
+                 waiting="its 1-2 slot(s): low-1 (shrinking 3->1)", takes=[TakeRow(job="low-1", slots=2, how="shrink")]),
+        QueueRow(position=2, id="low-1", name="low", priority=0, state="running", workers=3, target=1, min=1, max=3, submitted=0.0),
+    ]
+
+    class Stub:
+        def call(self, msg: Any, expect: Any) -> Any:
+            return QueueReply(rows=rows) if expect is QueueReply else PriorityReply(job_id="low-1", priority=4, previous=0, state="running")
+
+    assert client_queue.cmd_queue(Stub(), SimpleNamespace(json=False)) == 0  # type: ignore[arg-type]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["#", "JOB", "PRIORITY", "STATE"] and "WAITS FOR" in lines[0] and "TAKES" in lines[0]
+    assert "its 1-2 slot(s): low-1 (shrinking 3->1)" in lines[1] and "2 from low-1 (shrinking it)" in lines[1]
+    assert client_queue.cmd_queue(Stub(), SimpleNamespace(json=True)) == 0  # type: ignore[arg-type]
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == ["high-1", "low-1"]
+    assert client_queue.cmd_priority(Stub(), SimpleNamespace(job="low", priority=4, json=False)) == 0  # type: ignore[arg-type]
+    assert capsys.readouterr().out.startswith("job low-1 (running): priority 0 -> 4")
