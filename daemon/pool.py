@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 from dpool.daemon import jobstate as js
 from dpool.daemon import scheduler as sched
 from dpool.daemon.cadence import HEARTBEAT_RATE, Cadence
-from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found
+from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found, needs_files
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.links import Links
 from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
@@ -775,9 +775,18 @@ class Pool:
         if not self.live:  # nothing to admit or resize: a thousand registrations cost no pass over the nodes
             self.decision = None
             return actions
-        usable = [n for n in self.nodes.values() if not n.lost and n.hold is None]
-        names = [n.name for n in usable]
-        held = collections.Counter(job for n in usable for job, _ in n.used.values())
+        usable: list[Node] = []
+        held: collections.Counter[str] = collections.Counter()  # job -> the usable slots it holds
+        total = busy = 0
+        for n in self.nodes.values():  # one pass: this runs after every batch of messages
+            if n.lost or n.hold is not None:
+                continue
+            usable.append(n)
+            total += n.info.slots
+            if n.used:
+                busy += min(len(n.used), n.info.slots)
+                held.update(job for job, _ in n.used.values())
+        names = [n.name for n in usable] if any(j.state is not JobState.RUNNING for j in self.live.values()) else []
         views = []
         for job in list(self.live.values()):
             waiting = job.state is JobState.QUEUED or (job.pending is None and job.machine.ready_to_restart(now))
@@ -787,9 +796,11 @@ class Pool:
             if waiting and job.machine.generation == 0 and self.fitness.checking(job.id, names, now):
                 job.waiting = "the nodes still checking its files"
                 continue  # its first group waits (briefly) for them
-            capacity = sum(n.slots for n in usable if self.fitness.eligible(job.id, job.spec, n.name))
+            # Only a job that names files, or that a node said it cannot serve, is bounded by the nodes that can.
+            fit = self.fitness.eligible
+            capacity = sum(n.slots for n in usable if fit(job.id, job.spec, n.name)) if needs_files(job.spec) or self.fitness.fits.get(job.id) else None
             views.append(self._view(job, waiting, held[job.id], capacity))
-        d = self.decision = sched.plan(now, sum(n.slots for n in usable), sum(len(n.free()) for n in usable), views, self.policy)
+        d = self.decision = sched.plan(now, total, total - busy, views, self.policy)
         for start in d.starts:
             job = self.live[start.job]
             free = self._free_slots(job)
@@ -833,7 +844,7 @@ class Pool:
             return None
         return ", ".join(sorted(n.name for n in usable if any(j == job.id and s == newest for (j, _), s in n.resumable.items())))
 
-    def _view(self, job: Job, waiting: bool, held: int, capacity: int) -> sched.JobView:
+    def _view(self, job: Job, waiting: bool, held: int, capacity: int | None) -> sched.JobView:
         jm, plan = job.machine, job.plan
         running = not waiting and job.state is JobState.RUNNING
         # Resizable: a step of this generation done (a group that cannot get going is not made to
