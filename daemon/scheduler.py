@@ -227,7 +227,7 @@ def plan(now: float, capacity: int, free: int, jobs: Iterable[JobView], policy: 
 
     # Starts and growths, in queue order, from the free slots each was given above.
     for j in order:
-        got = from_free.get(j.id)
+        given = from_free.get(j.id)
         if j.phase is Phase.WAITING:
             if target[j.id] == 0:
                 d.waits[j.id] = _why_not(j, order[: rank[j.id]], target, capacity)
@@ -235,17 +235,17 @@ def plan(now: float, capacity: int, free: int, jobs: Iterable[JobView], policy: 
             takes = d.takes.get(j.id, [])
             waits_for = [t for t in takes if t.job in coming]
             pending = sum(t.slots for t in takes)
-            uncovered = target[j.id] - (got or 0) - pending
+            uncovered = target[j.id] - (given or 0) - pending
             # Short of its target: it starts on what is free unless slots are on their way to it
             # (slots of exiting workers are not: such a worker may never be reported gone).
-            if got == target[j.id] or (got is not None and got >= j.min and not waits_for):
-                d.starts.append(Start(j.id, got))
+            if given == target[j.id] or (given is not None and given >= j.min and not waits_for):
+                d.starts.append(Start(j.id, given))
                 continue
             d.waits[j.id] = _why_waiting(j, takes, by_id, uncovered)
-        elif j.phase is Phase.RUNNING and got and j.resizable:
+        elif j.phase is Phase.RUNNING and given and j.resizable:
             if any(t.job in coming for t in d.takes.get(j.id, [])):
                 continue  # more is on its way: grow once, when it is here
-            d.resizes.append(Resize(j.id, j.held + got, How.GROW))
+            d.resizes.append(Resize(j.id, j.held + given, How.GROW))
     return d
 
 
