@@ -233,13 +233,19 @@ def part_jobs(root: Path, n: int) -> None:
             warm = [dash.get("jobs")[0] for _ in range(20)]
             deep, pages = [], 1
             while (older := re.search(r'class="older" href="([^"]+)"', body)) is not None:
+                time.sleep(0.5)  # someone reading page after page, quickly
                 took, body = dash.get(older.group(1).replace("&amp;", "&"))
                 deep.append(took)
                 pages += 1
             total = re.search(r"of (\d+), newest first", body) or re.search(r"–(\d+)</b>", body)
             fresh = Dashboard(root, pool.addr, 1.0)
             try:
-                cold = fresh.get("jobs")[0]  # a dashboard's very first page: it waits for its first poll
+                cold, body = fresh.get("jobs")  # a dashboard's very first page: it waits for its first poll
+                crawl, t = [], time.perf_counter()  # then page after page back to back, none seen before
+                while (older := re.search(r'class="older" href="([^"]+)"', body)) is not None and len(crawl) < 40:
+                    took, body = fresh.get(older.group(1).replace("&amp;", "&"))
+                    crawl.append(took)
+                crawled = time.perf_counter() - t
             finally:
                 fresh.stop()
         finally:
@@ -255,7 +261,8 @@ def part_jobs(root: Path, n: int) -> None:
     print(f"| until the page listed them all, after the last was made | {seen * 1e3:.0f} ms | poll period 1000 ms | {seen:.2f} |")
     print(f"| a new dashboard's first `GET /jobs` (waits for its first poll) | {cold * 1e3:.1f} ms | | |")
     print(f"| the coordinator's `status` of every job at once ({listed:,} rows) | {plain * 1e3:.1f} ms | | |")
-    print(f"pages walked: {pages} ({total.group(1) if total else '?'} jobs listed in all)")
+    print(f"| a crawler: {len(crawl)} new pages back to back (each a request to the coordinator) | {len(crawl) / crawled:.1f} pages/s, slowest {max(crawl) * 1e3:.0f} ms | | |")
+    print(f"pages walked: {pages} ({total.group(1) if total else '?'} jobs listed in all), one every 0.5 s")
 
 
 # -- 3. the dashboard's memory over a compressed hour -----------------------------------------------------

@@ -18,6 +18,7 @@ LOSS_TOP, LOSS_H = 28, 250
 TPS_TOP, TPS_H = LOSS_TOP + LOSS_H + 34, 110
 H = TPS_TOP + TPS_H + 34
 POINTS_MAX = 600
+RESTARTS_DRAWN = 100
 TRAIN, VAL, TPS, RESTART, REDO = "#2171b5", "#d94801", "#238b45", "#a50f15", "#fdae6b"
 
 
@@ -104,8 +105,9 @@ def svg(*, steps: int, train: Sequence[tuple[int, float, float]], evals: Sequenc
         parts.append(f'<line x1="{xx:.1f}" x2="{xx:.1f}" y1="{LOSS_TOP}" y2="{TPS_TOP + TPS_H}" stroke="#f3f3f3"/><text x="{xx:.1f}" y="{TPS_TOP + TPS_H + 16}" font-size="11" fill="#666" text-anchor="middle">{int(v)}</text>')
     parts.append(f'<text x="{W - RIGHT}" y="{H - 4}" font-size="11" fill="#666" text-anchor="end">step</text>')
 
-    # restarts: the recomputed span shaded, the restart a dotted line (as dpctl plot)
-    for rs in restarts:
+    # restarts: the recomputed span shaded, the restart a dotted line (as dpctl plot); the newest
+    # RESTARTS_DRAWN (a job that restarted thousands of times is a figure of its own)
+    for rs in restarts[-RESTARTS_DRAWN:]:
         at, redo = rs["from_step"], rs["steps_recomputed"]
         words = [f"generation {rs['generation']}", f"resumed from step {at}"]
         if rs.get("seconds") is not None:

@@ -33,9 +33,9 @@ from dpool.protocol.payloads import (
 SERIES_MAX = 2000
 EVENTS_MAX = 300
 RESTARTS_MAX = 1000
-LOG_RANKS_MAX = 64
-LOG_LINES_MAX = 40
-LOG_LINE_CHARS = 500
+LOG_RANKS_MAX = 16  # a page shows the output of the first 16 ranks (dpctl logs JOB --rank N: any rank)
+LOG_LINES_MAX = 20
+LOG_LINE_CHARS = 300
 SAMPLES_MAX = 5
 SAMPLE_CHARS = 4000
 TERMINAL = frozenset({"succeeded", "failed", "cancelled"})

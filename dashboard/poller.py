@@ -19,6 +19,7 @@ last showed and say since when the coordinator is silent.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ METRICS_JOBS_MAX = 20_000  # PAGE_LIMIT jobs a request, up to this many): the co
 OLD_PAGE_S = 10.0  # an older page of the job list, while shown, is read again this often
 LIST_PAGES_MAX = 64  # older pages of the job list kept
 VIEWS_MAX = 48  # views read in one round (the streamed ones first, then the newest asked): a bound on a round's requests
-EARLY_BURST, EARLY_PER_S = 8, 4.0  # rounds for pages nobody looked at before, between two polls: a bucket
+EARLY_BURST, EARLY_PER_S = 10, 10.0  # rounds for pages nobody looked at before, between two polls: a bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,7 @@ class Poller:
         self._client: Client | None = None
         self._stop = threading.Event()
         self._tokens, self._filled = float(EARLY_BURST), time.monotonic()
+        self._failed_said = -1e9
         self._rendered: dict[str, tuple[Any, views.Rendered]] = {}
         self._nodes_version = 0
         self._all_jobs: list[JobStatus] = []  # the whole job list, for /metrics
@@ -180,8 +182,21 @@ class Poller:
         self._tokens -= 1
 
     def round(self, wanted: list[str], *, full: bool = True) -> None:
-        self.poll(wanted)
-        self.render(wanted, full=full)
+        """Poll and render; a failure of either (a reply this version cannot use, a bug) is said on
+        stderr, at most once a minute, and the next round is tried: the dashboard never stops
+        showing the pool over one bad answer."""
+        try:
+            self.poll(wanted)
+            self.render(wanted, full=full)
+        except Exception as e:
+            now = time.monotonic()
+            if now - self._failed_said > 60:
+                print(f"dashboard: a round failed ({type(e).__name__}: {e}); trying again", file=sys.stderr, flush=True)
+                self._failed_said = now
+            self.conn = Conn(False, f"{type(e).__name__}: {e}"[:300], self.conn.since or time.time(), self.conn.polled)
+            if self._client is not None:
+                self._client.close()
+                self._client = None
 
     def call(self, request: m.Message, expect: type[Any]) -> Any:
         if self._client is None:

@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, quote, urlencode
 from dpool.client.jobtimes import JobTimes
 from dpool.client.tables import age, clock, duration, num, size, when
 from dpool.dashboard import chart
+from dpool.dashboard.follow import LOG_RANKS_MAX
 from dpool.protocol.payloads import EventRow, JobStatus, NodeRow
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 EVENTS_SHOWN = 100
+NODES_SHOWN = 500
 ACTIVE = ("queued", "starting", "running", "recovering")
 
 
@@ -138,7 +140,7 @@ def pool_view(nodes: list[NodeRow], jobs: list[JobStatus], conn: Conn) -> Render
         f"<span><b>{busy}</b>/{slots} slots busy</span><span><b>{len(active)}</b> active job{'s' if len(active) != 1 else ''}</span></p>"
     )
     rows = []
-    for n in sorted(nodes, key=lambda n: n.name):
+    for n in sorted(nodes, key=lambda n: n.name)[:NODES_SHOWN]:
         job = "-"
         if n.job:
             names = n.job.split(",")[:8]
@@ -148,6 +150,8 @@ def pool_view(nodes: list[NodeRow], jobs: list[JobStatus], conn: Conn) -> Render
             e(n.address), e(n.interface), job, e(age(n.heartbeat_age_s)), e(" ".join(x for x in (n.platform, n.chip) if x)), e(n.mlx_version), e(n.reason),
         ])
     nodes_html = table(["node", "state", "slots", "memory", "ring address", "interface", "job", "heartbeat", "machine", "mlx", "reason"], rows, "nodes") if rows else "<p>no nodes yet</p>"
+    if len(nodes) > NODES_SHOWN:
+        nodes_html += f'<p class="quiet">the first {NODES_SHOWN} of {len(nodes)} nodes, by name (`dpctl nodes` lists them all)</p>'
     active_html = jobs_table(root, active, time.time()) if active else '<p class="quiet">no job queued or running</p>'
     return Rendered.of(
         "Pool",
@@ -290,6 +294,8 @@ def logs_html(f: JobFollow) -> str:
     for rank in sorted(f.logs):
         lines = "\n".join(escape(line.text) for line in f.logs[rank])
         parts.append(f'<div class="log"><h3>rank {rank}</h3><pre>{lines}</pre></div>')
+    if f.status is not None and f.status.world_size > len(f.logs) >= LOG_RANKS_MAX:
+        parts.append(f'<p class="quiet">the first {LOG_RANKS_MAX} ranks\' output (`dpctl logs {escape(f.status.id)} --rank N`: any rank)</p>')
     return "".join(parts)
 
 

@@ -29,7 +29,7 @@ from dpool.dashboard.auth import Tokens
 from dpool.dashboard.follow import JobFollow, Thinned
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
-from dpool.protocol.payloads import EventRow, JobStatus, TrainRow
+from dpool.protocol.payloads import EventRow, JobStatus, LogLine, SampleRow, TrainRow
 from dpool.protocol.security import client_keys
 
 QUEUED = parse_job({"name": "waits", "workers": {"min": 64, "max": 64}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
@@ -138,6 +138,32 @@ def test_what_the_pool_says_is_escaped_on_the_page() -> None:
     f.saw_events([EventRow(t=1.0, kind="worker.failed", fields={"reason": "<img src=x onerror=alert(1)>"})], 1)
     page = views.page("job:j-1", views.job_view(f, _conn()))
     assert "<script>alert" not in page and "<img src=x" not in page and "&lt;script&gt;" in page
+
+
+def test_a_job_page_is_bounded_however_much_the_job_says() -> None:
+    f = JobFollow("j-1")
+    f.saw_status(JobStatus(id="j-1", name="j", state="running", step=10**6, steps=10**6, generation=9, world_size=1000, workers=[], checkpoint_step=None, loss=1.0, val_loss=None, error=None))
+    for step in range(1, 200_001):
+        f.saw_metrics([train(step)], step)
+    f.saw_events([EventRow(t=1.0 + i, kind="group.resumed", fields={"from_step": i, "generation": i, "steps_recomputed": 3, "seconds_since_failure": 1.5, "cause": "failure", "pad": "x" * 256}) for i in range(5000)], 5000)
+    f.saw_logs([LogLine(seq=i, t=1.0, rank=i % 1000, generation=1, text="y" * 8000) for i in range(20_000)], 20_000)
+    f.saw_samples([SampleRow(step=i, text="z" * 100_000) for i in range(50)], 50)
+    page = views.page("job:j-1", views.job_view(f, _conn()))
+    assert len(page) < 400_000, len(page)
+    assert len(f.train) <= 2001 and len(f.events) <= 300 and len(f.logs) <= 16
+
+
+def test_a_round_that_fails_says_so_and_the_next_one_is_tried() -> None:
+    from dpool.dashboard.poller import Poller
+
+    p = Poller("tcp://127.0.0.1:9", None, lambda v, r: None, poll_s=1.0, timeout_s=0.2)
+
+    def broken(request: object, expect: object) -> object:
+        raise ValueError("a reply this version cannot use")
+
+    p.call = broken  # type: ignore[method-assign]
+    p.round(["pool"])
+    assert not p.conn.ok and "cannot use" in (p.conn.error or "")
 
 
 def _conn() -> object:
