@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import zmq
 from conftest import Processes, wait_for
 from fakenode import FakeRank0
@@ -34,7 +35,7 @@ from dpool.client.keys import init_keys
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.payloads import SampleRow
-from dpool.protocol.peerbudget import tcp_counts
+from dpool.protocol.peerbudget import Conn, PeerBudget, tcp_counts
 from dpool.protocol.security import client_keys, server_keys
 
 MIB = 1 << 20
@@ -209,3 +210,30 @@ def test_bytes_in_flight_are_counted_exactly_with_and_without_curve(tmp_path: Pa
     finally:
         peer.close()
         coordinator.stop()
+
+
+def test_only_a_dropped_connections_own_routing_ids_are_refused() -> None:
+    """A dropped connection's descriptor can be given to the next connection before the socket's
+    monitor says so: that peer is served, and only the dropped one's messages are refused (another
+    client's `status` once timed out behind a dropped reader this way)."""
+    ctx: zmq.Context[bytes] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    budget = PeerBudget(ctx, router, structlog.get_logger(), curve=False)
+    try:
+        budget.conns[40] = Conn(40, "127.0.0.1:5555", read0=0, sent0=0, dropped=True, rids={b"old"})
+        assert not budget.read(b"old", 40, 100)  # the dropped peer's request: not served
+        assert budget.read(b"new", 40, 100)  # the next connection on descriptor 40: served
+        sent: list[list[bytes]] = []
+
+        class Raw:
+            def send_multipart(self, frames: list[bytes], flags: int = 0, copy: bool = True) -> None:
+                sent.append(frames)
+
+        assert not budget.send(Raw(), [b"old", b"h", b"b"])  # type: ignore[arg-type]
+        assert budget.send(Raw(), [b"new", b"h", b"b"])  # type: ignore[arg-type]
+        assert sent == [[b"new", b"h", b"b"]]
+    finally:
+        budget.close()
+        router.close(linger=0)
+        ctx.term()
