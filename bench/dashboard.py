@@ -125,7 +125,7 @@ class Browser(threading.Thread):
         try:
             self.conn.request("GET", f"/stream?view={self.view}")
             resp = self.conn.getresponse()
-            while line := resp.fp.readline():
+            while line := resp.readline():
                 self.bytes += len(line)
                 self.updates += line.startswith(b"event: update")
         except (OSError, ValueError, AttributeError):

@@ -129,6 +129,7 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
             token = auth[7:] if auth[:7].lower() == "bearer " else request.cookies.get(COOKIE, "")
             if not token or tokens.viewer(token) is None:
                 return _plain(401, UNAUTHORIZED, {"WWW-Authenticate": 'Bearer realm="dpool"'})
+            request["token"] = token  # a stream checks it again before each update: revoked, it ends
         answer = await handler(request)
         if not answer.prepared:  # a stream sent its headers already (HEADERS among them)
             answer.headers.update({k: v for k, v in HEADERS.items() if k not in answer.headers})
@@ -180,6 +181,8 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
         try:
             await resp.write(f"retry: {RETRY_MS}\n\n".encode())
             while True:
+                if tokens is not None and tokens.viewer(request.get("token", "")) is None:
+                    break  # the viewer was revoked while its page was open: the page's next try is refused
                 changed = hub.wait_changed(view)
                 rendered = hub.latest.get(view)
                 if rendered is not None:

@@ -79,7 +79,7 @@ def sse_events(host: str, port: int, path: str, *, headers: dict[str, str] | Non
     event, data = "message", []
     try:
         while True:
-            raw = resp.fp.readline()
+            raw = resp.readline()
             if not raw:
                 return
             line = raw.decode().rstrip("\n")

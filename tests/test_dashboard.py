@@ -338,8 +338,11 @@ def test_off_loopback_every_request_needs_a_viewer_token_and_a_revoked_one_is_re
     jar = {"Cookie": cookie.split(";", 1)[0]}
     assert get(d.url + "jobs", headers=jar)[0] == 200
     assert get(d.url + "?token=dpv1.alice.wrong")[0] == 401
-    # revoked: alice's key file removed from the allow-list
+    # revoked: alice's key file removed from the allow-list (while her page streams)
+    stream = sse_events("127.0.0.1", port, "/stream?view=pool", headers=jar)
+    assert next(stream)[0] == "update"
     (keys / "allowed" / "viewers" / "alice.key").unlink()
+    list(stream)  # it ends by itself, at its next update (30 s without an end fails the test: a socket timeout)
     assert get(d.url, headers={"Authorization": f"Bearer {alice}"})[0] == 401
     assert get(d.url, headers=jar)[0] == 401
     assert get(d.url, headers={"Authorization": f"Bearer {bob}"})[0] == 200
