@@ -78,8 +78,9 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
     status = pool.dpctl_json("status", job_id)
     assert set(status) - {"comm"} == {  # "comm": what comm_share was predicted from, once the group reported its probe
         "id", "name", "state", "step", "steps", "generation", "world_size", "workers", "checkpoint_step", "loss", "val_loss", "error",
-        "submitted", "started", "finished", "elapsed_s", "eta_s", "staging", "comm_share",
+        "submitted", "started", "finished", "elapsed_s", "eta_s", "staging", "comm_share", "test_loss",
     }
+    assert status["test_loss"] is None  # no [eval] test in this job
     assert status["comm_share"] is None  # a finished job has no running group to predict for
     assert status["submitted"] <= status["started"] <= status["finished"] and status["eta_s"] is None
     assert status["elapsed_s"] == round(status["finished"] - status["started"], 3)
