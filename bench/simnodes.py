@@ -2,8 +2,8 @@
 ZeroMQ DEALER speaking the real protocol to a coordinator in another process.
 
 What each simulated node does, as `daemon/agent.py` does it:
-- `node.register` (one slot, a NodeInfo, its running workers), waiting max(1 s, heartbeat x
-  liveness) for `node.registered`; without it, a new socket and another try after a jittered
+- `node.register` (one slot, a NodeInfo, its running workers), waiting max(5 s, heartbeat x
+  liveness) for `node.registered` (dpd's `REGISTER_WAIT_S`); without it, a new socket and another try after a jittered
   exponential wait (0.25 s x 2^attempt, at most 5 s). Counted: `register_timeouts`.
 - the heartbeat period and liveness `node.registered` carries, adopted; and a new period on
   `coord.heartbeat`, adopted and acknowledged on a `node.heartbeat` sent at once, which from then
@@ -45,6 +45,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from dpool.daemon.agent import REGISTER_WAIT_S
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import AliveWorker, NodeInfo, RunningWorker
 
@@ -231,7 +232,7 @@ class Simulator:
                 self.counts["socket_errors"] += 1
                 node.retry_at = now + 1.0
                 return
-        node.reg_deadline = now + max(1.0, node.expiry_s)
+        node.reg_deadline = now + max(REGISTER_WAIT_S, node.expiry_s)
         self.counts["registrations"] += 1
         if node.workers or node.register_frames is None:
             info = NodeInfo(slots=1, platform="linux", chip="sim", cpus=1, memory_bytes=1 << 30, backend="cpu", python="3.11", advertise="127.0.0.1", pid=os.getpid())

@@ -102,6 +102,13 @@ SPARE_LINES = 200  # output lines of a spare kept until it is used
 SWEEP_S = 5.0  # how often idle spares and forgotten state in memory are looked for
 
 
+# How long a registration is waited for, at least. A coordinator that 2,000 dpds register with at
+# once answers the last of them seconds later on a busy machine; asking again sooner, on a new
+# socket, only adds a registration to its queue. A coordinator not yet up gets the registration
+# when it is: ZeroMQ holds it until the connection is made.
+REGISTER_WAIT_S = 5.0
+
+
 class Refused(Exception):
     """The coordinator refused this node (a duplicate name, or info out of bounds): fatal, the daemon exits 1."""
 
@@ -294,7 +301,7 @@ class Agent(WarmTrainers):
             holdings=self._holdings(),
         )
         self.craw.send_multipart(register.to_frames(1), flags=zmq.NOBLOCK)
-        deadline = time.monotonic() + max(1.0, self.heartbeat_s * self.liveness)
+        deadline = time.monotonic() + max(REGISTER_WAIT_S, self.heartbeat_s * self.liveness)
         while (left := deadline - time.monotonic()) > 0:
             if not await sock.poll(int(left * 1000) + 1):
                 break

@@ -2,9 +2,10 @@
 
 The loop reads every waiting frame, decodes it (a bad one gets an `error` reply naming the field,
 and a rate-limited log line), hands it to the pool or answers a query from the store, carries out
-the pool's actions, and on a timer ticks the pool (heartbeat expiry, deadlines) and heartbeats every
-registered node. Then it lets the pool admit waiting jobs (once per batch, not per message), commits,
-and only then sends what the batch produced: a `group.start` never leaves before the generation it
+the pool's actions, and on a timer ticks the pool (heartbeat expiry, deadlines) and heartbeats each
+registered node once per its period (daemon/cadence.py). Then it lets the pool admit waiting jobs
+(once per batch, not per message, and at most every 50 ms), commits, and only then sends what the
+batch produced: a `group.start` never leaves before the generation it
 starts is on disk, so a restarted coordinator cannot start that generation number again.
 
 With CURVE keys every connection has a role, named by the ZAP handler (protocol/security.py): a
@@ -82,6 +83,8 @@ BAD_FRAME_LOGS_PER_S = 5
 SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (rate-limited), with what it was
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
 HEARTBEAT = m.CoordHeartbeat().to_frames()
+SCHEDULE_S = 0.05  # admission at most this often (a pass over 2,000 nodes costs ms, a batch of reports less), after what was read
+READ_LAG_S = 10.0  # a node's silence is judged at most this far behind the clock (Pool.tick's read_to)
 STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
 
 
@@ -117,6 +120,8 @@ class Coordinator:
         self.heartbeat_s = heartbeat_s
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps, heartbeat_rate=heartbeat_rate)
         self.period_said = heartbeat_s  # the pool's heartbeat period last logged (daemon/cadence.py)
+        self.read_to = self.clock()  # when the socket's input was last read to its end (Pool.tick)
+        self.scheduled_at, self.to_schedule = 0.0, True  # admission's last run; whether it is due
         self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
         self.log = get_logger(component="coordinator")
@@ -175,8 +180,10 @@ class Coordinator:
         next_tick = self.clock()
         try:
             while not stopping.is_set():
-                timeout_ms = max(0, int((next_tick - self.clock()) * 1000))
+                wake = min(next_tick, self.scheduled_at + SCHEDULE_S) if self.to_schedule else next_tick
+                timeout_ms = max(0, int((wake - self.clock()) * 1000))
                 if await sock.poll(timeout_ms):
+                    self.to_schedule = True  # what was read may admit or resize jobs
                     until = time.monotonic() + BATCH_S
                     if self.curve is not None:
                         self.curve.refresh()  # the allow-list as it is now judges this batch (a stat per folder)
@@ -187,11 +194,17 @@ class Coordinator:
                             self._handle_frames(frames, user)
                         if time.monotonic() > until:
                             break  # the rest waits for the next round, after the tick and the commit
+                    if not raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        self.read_to = self.clock()
+                else:
+                    self.read_to = self.clock()  # nothing came: every message sent before now was read
                 now = self.clock()
                 if now >= next_tick:
                     self._unit("tick", functools.partial(self._tick, now))
-                    next_tick = now + self.heartbeat_s
-                self._unit("schedule", lambda: self._run(self.pool.schedule(self.clock())))
+                    next_tick, self.to_schedule = now + self.heartbeat_s, True
+                if self.to_schedule and now >= self.scheduled_at + SCHEDULE_S:
+                    self.scheduled_at, self.to_schedule = now, False
+                    self._unit("schedule", lambda: self._run(self.pool.schedule(self.clock())))
                 self._commit_and_send()
         finally:
             self.store.close()
@@ -203,7 +216,9 @@ class Coordinator:
             self.log.info("coordinator.stopped")
 
     def _tick(self, now: float) -> None:
-        self._run(self.pool.tick(now))
+        # Silence is judged up to when the input was last read to its end, at most READ_LAG_S back
+        # (a coordinator that far behind, under a flood, judges by the clock).
+        self._run(self.pool.tick(now, read_to=max(self.read_to, now - READ_LAG_S)))
         self._relay(self.exports.tick(now, self._alive))
         cadence = self.pool.cadence
         if cadence.period_s != self.period_said:

@@ -714,13 +714,17 @@ class Pool:
 
     # -- time ----------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float, read_to: float | None = None) -> list[Action]:
+        """Timers. `read_to`: the coordinator has read everything that reached it before then (default
+        now): a node's silence is judged up to that moment, so that messages waiting in the
+        coordinator's own input (2,000 answers to a stop) are not taken for silence."""
         actions: list[Action] = []
+        heard = now if read_to is None else min(now, read_to)
         for node in self.nodes.values():
-            if not node.lost and now - node.last_seen > self.cadence.expiry_s(node.name):
-                actions += self._node_gone(node, now, f"no heartbeat for {now - node.last_seen:.1f}s")
-            elif not node.lost and node.asked_at is not None and now - node.asked_at >= self.cadence.answer_s(node.name):
-                actions += self._node_gone(node, now, f"no answer for {now - node.asked_at:.1f}s to the stop of its failed group")
+            if not node.lost and heard - node.last_seen > self.cadence.expiry_s(node.name):
+                actions += self._node_gone(node, now, f"no heartbeat for {heard - node.last_seen:.1f}s")
+            elif not node.lost and node.asked_at is not None and heard - node.asked_at >= self.cadence.answer_s(node.name):
+                actions += self._node_gone(node, now, f"no answer for {heard - node.asked_at:.1f}s to the stop of its failed group")
         for job in list(self.live.values()):
             if job.pending is not None and now >= job.pending.deadline:
                 missing = sorted(set(job.pending.nodes) - job.pending.answered)

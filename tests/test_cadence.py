@@ -146,3 +146,15 @@ def test_a_node_heartbeat_with_its_period_makes_it_prompt_and_a_stop_is_answered
     pool.nodes["b"].asked_at = 1.0  # as Pool._stop does for the nodes of a group stopped at once
     assert lost(pool.tick(1.4)) == []
     assert lost(pool.tick(1.5)) == ["b"]
+
+
+def test_silence_is_judged_up_to_what_the_coordinator_has_read_not_the_clock() -> None:
+    """2,000 answers to a stop wait in the coordinator's own input for a second: not silence."""
+    pool = Pool(heartbeat_s=BASE, liveness=6)
+    for n in "ab":
+        join(pool, n, 0.0)
+        pool.from_node(0.0, n, m.NodeHeartbeat(heartbeat_s=BASE))
+    pool.nodes["b"].asked_at = 1.0
+    assert lost(pool.tick(3.0, read_to=1.2)) == []  # "a" is 3 s behind the clock too, yet not lost
+    assert lost(pool.tick(3.0, read_to=1.5)) == ["b"]
+    assert lost(pool.tick(3.0, read_to=1.6)) == ["a"]  # 1.6 s after it was last heard: past 1.5 s

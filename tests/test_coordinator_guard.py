@@ -31,7 +31,7 @@ def coordinator(tmp_path: Path) -> Iterator[Running]:
 
 
 def test_a_tick_that_raises_is_logged_once_and_the_loop_goes_on(coordinator: Running) -> None:
-    def broken(now: float) -> list[Any]:
+    def broken(now: float, read_to: float | None = None) -> list[Any]:
         raise RuntimeError("a bug in the policy")
 
     coordinator.coord.pool.tick = broken  # type: ignore[method-assign]
