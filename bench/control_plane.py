@@ -540,7 +540,7 @@ def show_scale(r: dict, a: argparse.Namespace) -> None:
         conv = "yes" if cv.get("converged") else "NO"
         line(f"convergence: not lost in `nodes` over {cv['periods']} periods", f"{conv}: min {cv['min_alive']}/{n}, end {r.get('alive_at_end', '?')}/{n}", "goal: yes (2,000 must)")
         line("  registration timeouts / re-registrations / coord. lost", f"{cv.get('register_timeouts', '?')} / {cv.get('reregistrations', '?')} / {cv.get('coordinator_lost', '?')}")
-        line("  heartbeat period told (longest) / coordinator CPU under heartbeats alone", f"{r.get('period_s', 0):g} s / {100 * r['heartbeat_cpu']:.0f}% of a core")
+        line("  period told (longest) / coord. CPU, heartbeats alone", f"{r.get('period_s', 0):g} s / {100 * r['heartbeat_cpu']:.0f}% of a core")
     for phase, title in (("plan", "planning"), ("cancel", "cancel")):
         p = r.get(phase)
         if not p:
