@@ -3,8 +3,13 @@ time passed in, and the pool's expiry and answer windows that follow each node's
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
 from typing import Any
 
+import pytest
+
+from dpool.daemon import cli
 from dpool.daemon.cadence import HEARTBEAT_RATE, Cadence, pool_period
 from dpool.daemon.pool import Pool, Record
 from dpool.protocol import messages as m
@@ -158,3 +163,25 @@ def test_silence_is_judged_up_to_what_the_coordinator_has_read_not_the_clock() -
     assert lost(pool.tick(3.0, read_to=1.2)) == []  # "a" is 3 s behind the clock too, yet not lost
     assert lost(pool.tick(3.0, read_to=1.5)) == ["b"]
     assert lost(pool.tick(3.0, read_to=1.6)) == ["a"]  # 1.6 s after it was last heard: past 1.5 s
+
+
+# -- the flag -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf"])
+def test_a_heartbeat_rate_that_is_not_a_positive_rate_is_refused_naming_the_flag(value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("")
+    assert cli.main(["run", "--config", str(config), "--serve", "--state-dir", str(tmp_path / "s"), "--heartbeat-rate", value]) == 2
+    err = capsys.readouterr().err
+    assert "--heartbeat-rate" in err and "heartbeats a second" in err, err
+    assert not (tmp_path / "s").exists()  # refused before anything is made
+
+
+def test_the_heartbeat_rate_comes_from_the_flag_or_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("heartbeat_rate = 250.0\n")
+    args = argparse.Namespace(**(dict.fromkeys(cli.CONFIG_KEYS) | {"config": str(config), "serve": cli.DEFAULT_SERVE}))
+    assert cli.settings(args).heartbeat_rate == 250.0
+    config.write_text("")
+    assert cli.settings(args).heartbeat_rate == HEARTBEAT_RATE
