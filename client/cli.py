@@ -154,6 +154,8 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
     try:
         return parse_job(data, source=path, base_dir=base_dir)
     except JobFileError as e:
+        if mlxlm_config.is_mlx_lm_config(path):
+            e = mlxlm_config.explained(e)
         raise BadInput(f"{e} (from --set {given[e.key]})" if e.key in given else str(e)) from None
 
 

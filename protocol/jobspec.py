@@ -773,7 +773,10 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
     path = str(path)
     if mlxlm_config.is_mlx_lm_config(path):
         made = mlxlm_config.job_document(mlxlm_config.read_config(path), path, mlxlm_config.job_name(path))
-        return parse_job(made.job, source=path, base_dir=os.getcwd())
+        try:
+            return parse_job(made.job, source=path, base_dir=os.getcwd())
+        except JobFileError as e:
+            raise mlxlm_config.explained(e) from None
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

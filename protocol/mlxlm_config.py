@@ -212,6 +212,38 @@ def job_document(config: dict[str, Any], source: str, name: str) -> Converted:
     return out
 
 
+# The config key each job key comes from, to name it when the job refuses a value.
+FROM_CONFIG = {
+    "model.path": "model", "model.fine_tune": "fine_tune_type", "model.lora_layers": "num_layers",
+    "model.lora_rank": "lora_parameters.rank", "model.lora_scale": "lora_parameters.scale",
+    "model.lora_dropout": "lora_parameters.dropout", "model.lora_keys": "lora_parameters.keys",
+    "model.adapters": "resume_adapter_file", "model.context": "max_seq_length", "model.grad_checkpoint": "grad_checkpoint",
+    "data.source": "data", "data.hf_dataset": "hf_dataset", "data.mask_prompt": "mask_prompt",
+    **{f"data.{f}": f for f in FEATURES},
+    "train.steps": "iters", "train.global_batch": "batch_size x grad_accumulation_steps", "train.seed": "seed",
+    "train.optimizer": "optimizer", "train.optimizer_config": "optimizer_config", "train.lr_schedule": "lr_schedule",
+    "train.log_every_steps": "steps_per_report", "eval.every_steps": "steps_per_eval", "checkpoint.every_steps": "save_every",
+    "eval.batches": "val_batches", "eval.test": "test", "eval.test_batches": "test_batches",
+    "report.project": "project_name", "report.to": "report_to",
+}
+
+
+def config_key(job_key: str) -> str | None:
+    """The config's key behind a job key (`train.lr_schedule.arguments` -> `lr_schedule.arguments`)."""
+    for prefix, key in FROM_CONFIG.items():
+        if job_key == prefix or job_key.startswith(prefix + ".") or job_key.startswith(prefix + "["):
+            return key + job_key[len(prefix):]
+    return None
+
+
+def explained(e: JobFileError) -> JobFileError:
+    """The job's refusal, naming the config key it came from as well."""
+    key = config_key(e.key)
+    if key is None or e.source.endswith(".toml"):
+        return e
+    return JobFileError(e.source, e.key, e.given, f"{e.allowed} (from the config's {key})")
+
+
 def _per_step(iterations: int, g: int) -> int:
     """mlx-lm counts reports, evaluations and saves in iterations: in updates, at least one."""
     return max(1, iterations // g)

@@ -252,3 +252,15 @@ def test_dpctl_convert_writes_the_job_that_submit_would_send(tmp_path: Path) -> 
 def test_the_job_name_comes_from_the_file_name() -> None:
     assert mlxlm_config.job_name("/x/Lora_Config.v2.yaml") == "lora-config-v2"
     assert mlxlm_config.job_name("/x/___.yml") == "mlx-lm"
+
+
+def test_a_value_the_job_refuses_names_the_configs_key_too(tmp_path: Path) -> None:
+    """The job's checks run on what the config meant; the message says where it came from."""
+    (tmp_path / "c.yaml").write_text("model: m\nlora_parameters:\n  rank: 0\nlr_schedule:\n  name: cosine_decay\n  arguments: [1e-5, 100]\n")
+    r = dpctl("convert", "c.yaml", cwd=tmp_path)
+    assert r.returncode == 2 and "model.lora_rank" in r.stderr and "the config's lora_parameters.rank" in r.stderr, r.stderr
+    with pytest.raises(JobFileError, match=r"from the config's lora_parameters\.rank"):
+        load_job(tmp_path / "c.yaml")
+    assert mlxlm_config.config_key("train.lr_schedule.arguments") == "lr_schedule.arguments"
+    assert mlxlm_config.config_key("data.hf_dataset[1].path") == "hf_dataset[1].path"
+    assert mlxlm_config.config_key("workers.max") is None
