@@ -838,7 +838,8 @@ class Pool:
         most HOLDER_WAIT_S, and then starts from the newest step a free slot holds."""
         if job.state is not JobState.QUEUED or not job.machine.generation:
             return None  # a first start, or a restart on the slots its group just left
-        newest = max((s for n in usable for (j, _), s in n.resumable.items() if j == job.id), default=None)
+        holds = [(n.name, s) for n in usable for (j, _), s in n.resumable.items() if j == job.id]  # one pass over the slots
+        newest = max((s for _, s in holds), default=None)
         if newest is None or any(f.holds_step == newest for f in free):
             job.holders_wait = None
             return None
@@ -846,7 +847,7 @@ class Pool:
             job.holders_wait = now + HOLDER_WAIT_S
         if now >= job.holders_wait:
             return None
-        return ", ".join(sorted(n.name for n in usable if any(j == job.id and s == newest for (j, _), s in n.resumable.items())))
+        return ", ".join(sorted({name for name, s in holds if s == newest}))
 
     def _view(self, job: Job, waiting: bool, held: int, capacity: int | None) -> sched.JobView:
         jm, plan = job.machine, job.plan
