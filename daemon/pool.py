@@ -5,7 +5,8 @@
 saved when it joins, is lost or is held, not when its slots fill or empty, which is transient). The
 coordinator's asyncio loop (`daemon/coordinator.py`) feeds it decoded messages (`from_node`) and
 timer ticks and carries its actions out. Admission runs once per batch of messages (`schedule`), not
-once per message: a thousand registrations plan once.
+once per message: a thousand registrations plan once; what it reads from the nodes and jobs for the
+scheduler is `daemon/admission.py`.
 
 Work is proportional to what changed: the loops over jobs visit the live ones only (a finished job
 stays in memory for `RECENT_FINISHED` more, then only in the database), and a plan indexes its ranks
@@ -29,13 +30,14 @@ import collections
 import dataclasses
 from typing import Any, TypeAlias
 
+from dpool.daemon import admission
 from dpool.daemon import jobstate as js
 from dpool.daemon import scheduler as sched
 from dpool.daemon.cadence import HEARTBEAT_RATE, Cadence
 from dpool.daemon.fitness import TRAINING_RATE_BPS, Fitness, Found, needs_files
 from dpool.daemon.jobstate import JobMachine, JobState
 from dpool.daemon.links import Links
-from dpool.daemon.plan import FreeSlot, GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
+from dpool.daemon.plan import GroupPlan, Slot, choose_slots, ring_hostfile, speed_shares
 from dpool.daemon.records import (
     Action,
     Hold,
@@ -49,7 +51,6 @@ from dpool.daemon.records import (
     Record,
     Refused,
     Send,
-    Warming,
 )
 from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
@@ -73,7 +74,6 @@ __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeSt
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
-HOLDER_WAIT_S = 60.0  # a restarting job waits this long for a free slot that holds its newest step
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
 
 NodeMessage: TypeAlias = (
@@ -779,17 +779,8 @@ class Pool:
         if not self.live:  # nothing to admit or resize: a thousand registrations cost no pass over the nodes
             self.decision = None
             return actions
-        usable: list[Node] = []
-        held: collections.Counter[str] = collections.Counter()  # job -> the usable slots it holds
-        total = busy = 0
-        for n in self.nodes.values():  # one pass: this runs after every batch of messages
-            if n.lost or n.hold is not None:
-                continue
-            usable.append(n)
-            total += n.info.slots
-            if n.used:
-                busy += min(len(n.used), n.info.slots)
-                held.update(job for job, _ in n.used.values())
+        c = admission.census(self.nodes.values())
+        usable = c.usable
         names = [n.name for n in usable] if any(j.state is not JobState.RUNNING for j in self.live.values()) else []
         views = []
         for job in list(self.live.values()):
@@ -803,13 +794,13 @@ class Pool:
             # Only a job that names files, or that a node said it cannot serve, is bounded by the nodes that can.
             fit = self.fitness.eligible
             capacity = sum(n.slots for n in usable if fit(job.id, job.spec, n.name)) if needs_files(job.spec) or self.fitness.fits.get(job.id) else None
-            views.append(self._view(job, waiting, held[job.id], capacity))
-        d = self.decision = sched.plan(now, total, total - busy, views, self.policy)
+            views.append(admission.job_view(job, waiting, c.held[job.id], capacity))
+        d = self.decision = sched.plan(now, c.total, c.free, views, self.policy)
         for start in d.starts:
             job = self.live[start.job]
-            free = self._free_slots(job)
-            if (held_by := self._holders_busy(job, free, usable, now)) is not None:
-                job.waiting = f"a free slot on a node holding its newest checkpoint ({held_by}), for at most {HOLDER_WAIT_S:g} s"
+            free = admission.free_slots(job, self.nodes.values(), self.fitness.eligible)
+            if (held_by := admission.holders_busy(job, free, usable, now)) is not None:
+                job.waiting = f"a free slot on a node holding its newest checkpoint ({held_by}), for at most {admission.HOLDER_WAIT_S:g} s"
                 continue
             chosen = choose_slots(free, job.spec.workers.min, start.slots)
             if chosen is not None:
@@ -832,35 +823,6 @@ class Pool:
             actions += self._resize(self.live[r.job], r, now, claimed)
         return actions
 
-    def _holders_busy(self, job: Job, free: list[FreeSlot], usable: list[Node], now: float) -> str | None:
-        """A job back from the queue (preempted, most often) resumes from its newest step only on a
-        slot of a node that holds it: while those nodes are busy, it waits (their names), for at
-        most HOLDER_WAIT_S, and then starts from the newest step a free slot holds."""
-        if job.state is not JobState.QUEUED or not job.machine.generation:
-            return None  # a first start, or a restart on the slots its group just left
-        holds = [(n.name, s) for n in usable for (j, _), s in n.resumable.items() if j == job.id]  # one pass over the slots
-        newest = max((s for _, s in holds), default=None)
-        if newest is None or any(f.holds_step == newest for f in free):
-            job.holders_wait = None
-            return None
-        if job.holders_wait is None:
-            job.holders_wait = now + HOLDER_WAIT_S
-        if now >= job.holders_wait:
-            return None
-        return ", ".join(sorted({name for name, s in holds if s == newest}))
-
-    def _view(self, job: Job, waiting: bool, held: int, capacity: int | None) -> sched.JobView:
-        jm, plan = job.machine, job.plan
-        running = not waiting and job.state is JobState.RUNNING
-        # Resizable: a step of this generation done (a group that cannot get going is not made to
-        # start over) and not finishing (a rank that is done frees its slot by itself).
-        resizable = running and plan is not None and jm.from_step is not None and jm.interrupted_at is None and jm.from_step < job.step < job.spec.train.steps
-        phase = sched.Phase.WAITING if waiting else sched.Phase.RUNNING if running else sched.Phase.MOVING
-        return sched.JobView(
-            id=job.id, priority=job.spec.priority, min=job.spec.workers.min, max=job.spec.max_workers(), submitted_at=job.submitted_at,
-            phase=phase, held=0 if waiting else held, resizable=resizable, started_at=jm.started_at, resized_at=job.resized_at, capacity=capacity,
-        )
-
     def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]]) -> list[Action]:
         """Stop a running group at its next step to restart it on `r.to` slots (0: requeue it).
         A growth first warms trainers on the slots it adds (job.warm) while the group trains on."""
@@ -875,7 +837,7 @@ class Pool:
             if not new:
                 return []  # only this job's own slots are free (its ranks are exiting)
             claimed |= set(new)
-            warm = self._warm(job, set(new), now)
+            warm = admission.warm(job, set(new), now)
             if warm is not None:
                 return warm
             fields = {"generation": job.machine.generation, "world_size": plan.world_size, "free_slots": len(new), "to": r.to}
@@ -888,10 +850,6 @@ class Pool:
         job.resize, job.resized_at = sched.Note(r.how, plan.world_size, r.by, now), now
         return actions + self._reshape(job, now, reason)
 
-    def _free_slots(self, job: Job) -> list[FreeSlot]:
-        fit = self.fitness.eligible
-        return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in self.nodes.values() if fit(job.id, job.spec, n.name) for i in n.free()]
-
     def _ask_fitness(self, now: float) -> list[Action]:
         """job.stage to the usable nodes that have not said whether they can serve each live job
         that names files (daemon/fitness.py; only what is due is sent)."""
@@ -902,28 +860,6 @@ class Pool:
             if not job.machine.terminal:
                 actions += self.fitness.ask(now, job.id, job.spec, job.doc, usable)
         return actions
-
-    def _warm(self, job: Job, new: set[tuple[str, int]], now: float) -> list[Action] | None:
-        """Before a growth: warm trainers of the job on the slots it adds (job.warm), while the
-        group trains on. The actions to wait with, or None once they are ready (or the wait is
-        over: `recovery.start_timeout_s`, what a cold start would be allowed)."""
-        w = job.warming
-        ask = new - w.asked if w is not None else new
-        if w is None:
-            w = job.warming = Warming(asked=set(), waiting=set(), deadline=now + job.spec.recovery.start_timeout_s)
-        if not ask:
-            if w.waiting & new and now < w.deadline:
-                return []
-            job.warming = None
-            return None
-        w.asked |= ask
-        w.waiting |= ask
-        by_node: dict[str, list[int]] = {}
-        for name, i in sorted(ask):
-            by_node.setdefault(name, []).append(i)
-        actions: list[Action] = [Record(job.id, "group.warming", now, {"nodes": sorted(by_node), "slots": len(ask)})]
-        doc = job.doc
-        return actions + [Send(name, m.JobWarm(job=job.id, spec=doc, slots=slots)) for name, slots in by_node.items()]
 
     def _admit(self, job: Job, chosen: list[Slot], now: float) -> list[Action]:
         generation = job.machine.generation + 1

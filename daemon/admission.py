@@ -1,0 +1,115 @@
+"""What admission reads from the pool before and after the scheduler decides. Pure.
+
+`daemon/scheduler.py` decides from numbers (slots in all, slots free, each job's view); `Pool.schedule`
+carries the decision out. Between the two sits what this module computes from the pool's records:
+the usable nodes and what each job holds on them (`census`), a job as the scheduler sees it
+(`job_view`), the free slots a job may use (`free_slots`), whether a job back from the queue waits
+for a node holding its newest checkpoint (`holders_busy`), and the trainers a growth warms first
+(`warm`). Every function takes the records and `now`, changes at most the job it is given, and
+returns what the pool must send or record.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from dpool.daemon import scheduler as sched
+from dpool.daemon.jobstate import JobState
+from dpool.daemon.plan import FreeSlot
+from dpool.daemon.records import Action, Job, Node, Record, Send, Warming
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import JobSpec
+
+HOLDER_WAIT_S = 60.0  # a restarting job waits this long for a free slot that holds its newest step
+
+Eligible = Callable[[str, JobSpec, str], bool]  # (job id, spec, node name): may the node serve the job
+
+
+@dataclass(slots=True)
+class Census:
+    """The nodes that may take work (not lost, not held) and what is used of them."""
+
+    usable: list[Node] = field(default_factory=list)
+    held: collections.Counter[str] = field(default_factory=collections.Counter)  # job -> the usable slots it holds
+    total: int = 0
+    busy: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.busy
+
+
+def census(nodes: Iterable[Node]) -> Census:
+    """One pass over the nodes: this runs after every batch of messages."""
+    c = Census()
+    for n in nodes:
+        if n.lost or n.hold is not None:
+            continue
+        c.usable.append(n)
+        c.total += n.info.slots
+        if n.used:
+            c.busy += min(len(n.used), n.info.slots)
+            c.held.update(job for job, _ in n.used.values())
+    return c
+
+
+def job_view(job: Job, waiting: bool, held: int, capacity: int | None) -> sched.JobView:
+    """The job as the scheduler sees it. `capacity`: the slots of the nodes that can serve it
+    (None: any node can)."""
+    jm, plan = job.machine, job.plan
+    running = not waiting and job.state is JobState.RUNNING
+    # Resizable: a step of this generation done (a group that cannot get going is not made to
+    # start over) and not finishing (a rank that is done frees its slot by itself).
+    resizable = running and plan is not None and jm.from_step is not None and jm.interrupted_at is None and jm.from_step < job.step < job.spec.train.steps
+    phase = sched.Phase.WAITING if waiting else sched.Phase.RUNNING if running else sched.Phase.MOVING
+    return sched.JobView(
+        id=job.id, priority=job.spec.priority, min=job.spec.workers.min, max=job.spec.max_workers(), submitted_at=job.submitted_at,
+        phase=phase, held=0 if waiting else held, resizable=resizable, started_at=jm.started_at, resized_at=job.resized_at, capacity=capacity,
+    )
+
+
+def free_slots(job: Job, nodes: Iterable[Node], eligible: Eligible) -> list[FreeSlot]:
+    """The free slots of the nodes that may serve the job, each with the step it holds of it."""
+    return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in nodes if eligible(job.id, job.spec, n.name) for i in n.free()]
+
+
+def holders_busy(job: Job, free: list[FreeSlot], usable: list[Node], now: float) -> str | None:
+    """A job back from the queue (preempted, most often) resumes from its newest step only on a
+    slot of a node that holds it: while those nodes are busy, it waits (their names), for at
+    most HOLDER_WAIT_S, and then starts from the newest step a free slot holds."""
+    if job.state is not JobState.QUEUED or not job.machine.generation:
+        return None  # a first start, or a restart on the slots its group just left
+    holds = [(n.name, s) for n in usable for (j, _), s in n.resumable.items() if j == job.id]  # one pass over the slots
+    newest = max((s for _, s in holds), default=None)
+    if newest is None or any(f.holds_step == newest for f in free):
+        job.holders_wait = None
+        return None
+    if job.holders_wait is None:
+        job.holders_wait = now + HOLDER_WAIT_S
+    if now >= job.holders_wait:
+        return None
+    return ", ".join(sorted({name for name, s in holds if s == newest}))
+
+
+def warm(job: Job, new: set[tuple[str, int]], now: float) -> list[Action] | None:
+    """Before a growth: warm trainers of the job on the slots it adds (job.warm), while the
+    group trains on. The actions to wait with, or None once they are ready (or the wait is
+    over: `recovery.start_timeout_s`, what a cold start would be allowed)."""
+    w = job.warming
+    ask = new - w.asked if w is not None else new
+    if w is None:
+        w = job.warming = Warming(asked=set(), waiting=set(), deadline=now + job.spec.recovery.start_timeout_s)
+    if not ask:
+        if w.waiting & new and now < w.deadline:
+            return []
+        job.warming = None
+        return None
+    w.asked |= ask
+    w.waiting |= ask
+    by_node: dict[str, list[int]] = {}
+    for name, i in sorted(ask):
+        by_node.setdefault(name, []).append(i)
+    actions: list[Action] = [Record(job.id, "group.warming", now, {"nodes": sorted(by_node), "slots": len(ask)})]
+    return actions + [Send(name, m.JobWarm(job=job.id, spec=job.doc, slots=slots)) for name, slots in by_node.items()]
