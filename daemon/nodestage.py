@@ -86,6 +86,8 @@ class NodeStaging:
         self.jobs: dict[str, Staged] = {}
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.asked: dict[str, JobStage] = {}  # job -> the job.stage its running check answers
+        self.next_check: dict[str, tuple[JobStage, Callable[[Message], None]]] = {}  # a newer question, asked when that check ends
         self.sources_changed = asyncio.Event()  # set when job.stage names holders
         self.fetching: dict[str, set[str]] = {}  # job -> the digests it is fetching here
         self.rates: dict[str, float | None] = {}  # job -> the pace its fetches keep (None: unpaced)
@@ -155,6 +157,8 @@ class NodeStaging:
                 self.stager.cancel(digest)  # no live job here needs it now; its verified chunks stay
         self.cache.unpin(job)
         self.rates.pop(job, None)
+        self.next_check.pop(job, None)
+        self.asked.pop(job, None)
         task = self.tasks.pop(job, None)
         if task is not None:
             task.cancel()
@@ -175,8 +179,19 @@ class NodeStaging:
         self.rates[msg.job] = msg.rate_bps or None
         running = self.tasks.get(msg.job)
         if running is not None and not running.done():
+            if msg.spec != self.asked[msg.job].spec:
+                # The job changed while this node checked it (the pool named the content another
+                # node found): that check's answer is about the old job, so this one is checked next.
+                self.next_check[msg.job] = (msg, send)
             return
-        self.tasks[msg.job] = asyncio.create_task(self._stage(msg, send))
+        self.asked[msg.job] = msg
+        task = self.tasks[msg.job] = asyncio.create_task(self._stage(msg, send))
+        task.add_done_callback(lambda _t, job=msg.job: self._check_ended(job))
+
+    def _check_ended(self, job: str) -> None:
+        queued = self.next_check.pop(job, None)
+        if queued is not None and job in self.tasks:  # not if the job ended meanwhile
+            self.on_stage(*queued)
 
     async def _stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
         found: dict[str, str] = {}  # a job without [content]: what this node found at its paths
