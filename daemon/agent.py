@@ -107,7 +107,13 @@ SWEEP_S = 5.0  # how often idle spares and forgotten state in memory are looked 
 # socket, only adds a registration to its queue. A coordinator not yet up gets the registration
 # when it is: ZeroMQ holds it until the connection is made.
 REGISTER_WAIT_S = 5.0
+STOP_POLL_S = 0.25  # the longest the control loop waits on its socket: a stop is seen this soon, whatever the heartbeat period
 
+
+async def until_set(event: asyncio.Event, seconds: float) -> None:
+    """Sleep `seconds`, or less if `event` is set meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
 
 class Refused(Exception):
     """The coordinator refused this node (a duplicate name, or info out of bounds): fatal, the daemon exits 1."""
@@ -273,14 +279,15 @@ class Agent(WarmTrainers):
             wait=wait_random_exponential(multiplier=0.25, max=5.0),
             retry=retry_if_exception_type(NoAnswer),
             before_sleep=lambda rs: self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number),
+            sleep=lambda seconds: until_set(stopping, seconds),  # a stop ends the wait between attempts
         )
         async for attempt in retrying:
             with attempt:
                 if stopping.is_set():
                     return
-                await self._register_once()
+                await self._register_once(stopping)
 
-    async def _register_once(self) -> None:
+    async def _register_once(self, stopping: asyncio.Event) -> None:
         self.registered, self.told = False, False
         if self.csock is not None:
             self.csock.close(linger=0)
@@ -303,8 +310,10 @@ class Agent(WarmTrainers):
         self.craw.send_multipart(register.to_frames(1), flags=zmq.NOBLOCK)
         deadline = time.monotonic() + max(REGISTER_WAIT_S, self.heartbeat_s * self.liveness)
         while (left := deadline - time.monotonic()) > 0:
-            if not await sock.poll(int(left * 1000) + 1):
-                break
+            if stopping.is_set():
+                return  # not registered: the control loop ends
+            if not await sock.poll(int(min(left, STOP_POLL_S) * 1000) + 1):
+                continue
             got = self._recv()
             msg = got[0] if got else None
             if isinstance(msg, m.NodeRegistered):
@@ -337,7 +346,7 @@ class Agent(WarmTrainers):
             if now >= next_beat:
                 self._send(self._heartbeat())
                 next_beat = now + self.heartbeat_s
-            wait = max(0.0, min(next_beat, expiry) - time.monotonic())
+            wait = min(max(0.0, min(next_beat, expiry) - time.monotonic()), STOP_POLL_S)
             if await sock.poll(int(wait * 1000) + 1):
                 while (got := self._recv()) is not None:
                     msg, msg_id = got

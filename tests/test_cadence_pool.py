@@ -70,6 +70,12 @@ def test_a_killed_trainer_is_reported_by_its_dpd_and_the_group_resumes_within_a_
     assert resumed and resumed[0]["cause"] == "failure" and resumed[0]["seconds_since_failure"] < PERIOD_S, resumed
     assert not any(n.state == "lost" for n in pool.nodes()), pool.nodes()
     assert kinds(events, "job.failed") == []
+    # A dpd on a 16 s period stops when it is asked to, not at its next heartbeat.
+    n1 = pool.daemons["n1"].proc
+    asked = time.monotonic()
+    n1.send_signal(signal.SIGTERM)
+    assert n1.wait(timeout=2 * PERIOD_S) == 0
+    assert time.monotonic() - asked < PERIOD_S / 2, time.monotonic() - asked
 
 
 def test_a_killed_dpd_is_lost_on_its_unanswered_stop_not_after_its_heartbeats_expiry(processes: Processes, tmp_path: Path, reference: Any) -> None:
