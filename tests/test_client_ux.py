@@ -13,6 +13,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,18 @@ def dpctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
     return subprocess.run([sys.executable, "-m", "dpool.client.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
+def demo_env(tmp_path: Path) -> dict[str, str]:
+    """The demo's environment: TMPDIR puts its pool under tmp_path, so the fixture can clean it up if
+    a test fails. MLX's CPU backend keeps the kernels it compiles under TMPDIR too (TMPDIR/mlx), so
+    that folder is the machine's own: a fresh one cost each demo ~25 s of g++ before its first step."""
+    shared = Path(tempfile.gettempdir()) / "mlx"
+    shared.mkdir(exist_ok=True)
+    (tmp_path / "mlx").symlink_to(shared, target_is_directory=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("DPOOL_COORDINATOR", None)
+    return env
+
+
 def test_the_packaged_demo_job_is_examples_demo_toml() -> None:
     from dpool.client.demo import demo_job_text, demo_spec
 
@@ -57,9 +70,7 @@ def test_demo_refuses_bad_flags() -> None:
 
 @pytest.mark.slow
 def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Processes, tmp_path: Path) -> None:
-    # TMPDIR puts the demo's pool under tmp_path, so the fixture can clean it up if this test fails.
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop("DPOOL_COORDINATOR", None)
+    env = demo_env(tmp_path)
     log = tmp_path / "demo.out"
     demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2", "--steps", "30", "--kill-at", "12"], log, cwd=tmp_path, env=env)
     code = demo.wait(timeout=400)
@@ -101,8 +112,7 @@ def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Proce
 
 @pytest.mark.slow
 def test_demo_lm_fine_tunes_resumes_exports_and_generates(processes: Processes, tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop("DPOOL_COORDINATOR", None)
+    env = demo_env(tmp_path)
     log = tmp_path / "demo.out"
     cmd = [sys.executable, "-m", "dpool.client.cli", "demo", "--lm", "--workers", "2", "--steps", "20", "--kill-at", "8"]
     demo = processes.start(cmd, log, cwd=tmp_path, env=env)
@@ -152,8 +162,7 @@ def test_the_lm_demo_replaces_only_what_it_kept(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_pool(processes: Processes, tmp_path: Path) -> None:
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
-    env.pop("DPOOL_COORDINATOR", None)
+    env = demo_env(tmp_path)
     log = tmp_path / "demo.out"
     demo = processes.start([sys.executable, "-m", "dpool.client.cli", "demo", "--workers", "2"], log, cwd=tmp_path, env=env)
     wait_for("the demo's group to start", lambda: "group.started" in log.read_text(), 120, every=0.2)
