@@ -314,16 +314,18 @@ class SyncSpec:
     """How the workers combine their work (README: "Communication"). "sync": every step's gradients
     are all_summed (exact: the same curve on any number of workers). "diloco": `replicas` virtual
     replicas each take `inner_steps` AdamW steps on their slice of each global batch, then their
-    parameter changes are averaged (weighted by tokens) and applied with Nesterov momentum; one
-    all_sum per `inner_steps` steps instead of one per step."""
+    parameter changes are averaged (weighted by tokens) and applied by the outer step: by default
+    as they are (outer lr 1, no momentum: plain averaging; DiLoCo's lr 0.7 with Nesterov momentum
+    0.9 fell further behind synchronous training over tens of outer steps, BENCHMARKS.md
+    "Communication"); one all_sum per `inner_steps` steps instead of one per step."""
 
     mode: str = _spec(_choice("sync", "diloco"), "'sync' (all_sum every step) or 'diloco' (all_sum every inner_steps steps)", "sync")
     inner_steps: int = _spec(_int(1, 100000), "diloco: inner steps per outer step (H)", 50)
     replicas: int = _spec(
         _int(1, 1024), "diloco: virtual replicas (K), fixed by the job, not by the machines present; at most this many workers", 4
     )
-    outer_lr: float = _spec(_float(0.0, 10.0, lo_open=True), "diloco: the outer Nesterov step's learning rate", 0.7)
-    outer_momentum: float = _spec(_float(0.0, 0.999), "diloco: the outer Nesterov momentum", 0.9)
+    outer_lr: float = _spec(_float(0.0, 10.0, lo_open=True), "diloco: the outer step's learning rate (1: apply the replicas' average)", 1.0)
+    outer_momentum: float = _spec(_float(0.0, 0.999), "diloco: the outer step's Nesterov momentum (0: none, plain averaging)", 0.0)
     dtype: str = _spec(
         _choice("float32", "bfloat16"),
         "what is all_summed: 'float32' (exact) or 'bfloat16' (half the bytes; sums still divided by the pool's tokens)",

@@ -25,7 +25,7 @@ def diloco_job(folder: Path, name: str) -> Path:
     return write_job(
         folder, name, workers={"min": 1, "max": 3}, model={"layers": 2, "dim": 64},
         train={"steps": STEPS, "global_batch": 12}, checkpoint={"every_steps": H},
-        sync={"mode": "diloco", "replicas": K, "inner_steps": H},
+        sync={"mode": "diloco", "replicas": K, "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9},  # momentum: outer state to carry
     )
 
 
