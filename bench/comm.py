@@ -1,7 +1,7 @@
 """What communication costs a step, on shaped links: the ring model against measurement, dpool's
 all_sum against its old form and mlx-lm's, and DiLoCo against synchronous training (issue 19).
 
-    sudo python bench/comm.py [--steps 150] [--quick-steps 30] [--reps 3] [--inner-steps 20,50,50:bf16] [--out FILE] [--keep]
+    sudo python bench/comm.py [--steps 150] [--quick-steps 30] [--reps 3] [--inner-steps 20,50,50:bf16,20:paper] [--out FILE] [--keep]
 
 Three hosts (r0, r1, r2), a network namespace each on one bridge (bench/netns.py), every rank of a
 3-rank MLX ring in its own namespace (`ip netns exec`), as on three machines. The links, each in
@@ -54,7 +54,9 @@ Figures, each beside its baseline from the same run:
    15% of measured (|pred - meas| / meas).
 3. DiLoCo against synchronous training on the 300 Mbit/s link, the same job and tokens (`--steps`
    steps of 6 sequences; [sync] mode = "diloco", replicas 3, inner_steps H for each H of
-   `--inner-steps`, outer lr 0.7, momentum 0.9, and H = 50 with `dtype = "bfloat16"`): bytes sent per trained token, counted from the
+   `--inner-steps`, the outer step's defaults (SyncSpec: plain averaging, outer lr 1.0 without
+   momentum), H = 50 with `dtype = "bfloat16"`, and H = 20 with the DiLoCo paper's outer lr 0.7 and
+   Nesterov momentum 0.9 as the reference the defaults replaced): bytes sent per trained token, counted from the
    model (trainable bytes x all_sums per step x 2(n-1)/n, summed over the ranks) and measured:
    the bytes out of the three hosts' links between the rows of two steps, read as rank 0 writes
    them (`Tap`): sync from step 3 to its second-last, diloco from the end of its first outer step
@@ -105,6 +107,7 @@ finally:
     sys.path.remove(str(HERE.parent / "tests"))
 
 from dpool.protocol.commmodel import Link, ring_seconds  # noqa: E402
+from dpool.protocol.jobspec import SyncSpec  # noqa: E402
 from dpool.trainer.dist import BUCKET_BYTES  # noqa: E402
 
 HOSTS = ("r0", "r1", "r2")
@@ -117,6 +120,8 @@ TBF_QUEUE = "50ms"
 SKIP = 3  # steps of each run left out of medians: compilation
 FUSED_BYTES = 1 << 40  # "today's" all_sum: one bucket larger than any buffer, so one per dtype
 SHARE_GOAL, BYTES_GOAL, SPEED_GOAL, SPEED_WHERE, LOSS_GOAL = 0.15, 50.0, 3.0, 0.60, 0.03
+DEFAULT_OUTER = (SyncSpec().outer_lr, SyncSpec().outer_momentum)
+PAPER_OUTER = (0.7, 0.9)  # DiLoCo's (Douillard et al., 2023): `H:paper` runs with them
 METHODS = ("bucketed fp32", "bucketed bf16", "fused fp32 (before)", "mlx-lm average_gradients")
 
 
@@ -414,9 +419,10 @@ class Bench:
             self.doc["diloco"] = "not run: this trainer has no DiLoCo mode (dpool.trainer.diloco)"
             self.say(f"  diloco: {self.doc['diloco']}")
             return
-        for h, dtype in a.inner_steps:
-            sync = {"mode": "diloco", "inner_steps": h, "replicas": len(HOSTS), "outer_lr": 0.7, "outer_momentum": 0.9, "dtype": dtype}
-            r = self.train(f"diloco-h{h}{'-bf16' if dtype == 'bfloat16' else ''}-{SLOW.key}", SLOW, a.steps, sync)
+        for h, dtype, paper in a.inner_steps:
+            lr, momentum = PAPER_OUTER if paper else DEFAULT_OUTER
+            sync = {"mode": "diloco", "inner_steps": h, "replicas": len(HOSTS), "outer_lr": lr, "outer_momentum": momentum, "dtype": dtype}
+            r = self.train(f"diloco-h{h}{'-bf16' if dtype == 'bfloat16' else ''}{'-paper' if paper else ''}-{SLOW.key}", SLOW, a.steps, sync)
             self.say(f"  diloco {diloco_label(sync)}: {a.steps} steps, {1e3 * r['seconds_per_token'] * r['tokens_total'] / a.steps:.0f} ms a step on average,"
                      f" val loss {r['val_loss']:.4f}, {r['wall_s']:.0f} s")
 
@@ -604,17 +610,20 @@ def interrupted(signum: int, frame: object) -> None:
 
 
 def diloco_label(sync: dict[str, Any]) -> str:
-    return f"H={sync['inner_steps']}" + (" bf16" if sync.get("dtype") == "bfloat16" else "")
+    outer = (sync.get("outer_lr", DEFAULT_OUTER[0]), sync.get("outer_momentum", DEFAULT_OUTER[1]))
+    return (f"H={sync['inner_steps']}" + (" bf16" if sync.get("dtype") == "bfloat16" else "")
+            + ("" if outer == DEFAULT_OUTER else f" outer {outer[0]:g}/{outer[1]:g}"))
 
 
-def inner_steps_list(text: str) -> list[tuple[int, str]]:
-    """`20,50,50:bf16`: each diloco run's H, and what its all_sum carries (float32 unless `:bf16`)."""
+def inner_steps_list(text: str) -> list[tuple[int, str, bool]]:
+    """`20,50,50:bf16,20:paper`: each diloco run's H, what its all_sum carries (float32 unless
+    `:bf16`) and its outer step (the defaults, or with `:paper` DiLoCo's lr 0.7 and momentum 0.9)."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
-        h, _, kind = item.partition(":")
-        if not h.isdigit() or int(h) < 1 or kind not in ("", "bf16"):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected H (a positive integer) or H:bf16, e.g. 20,50,50:bf16")
-        out.append((int(h), "bfloat16" if kind else "float32"))
+        h, *kinds = item.split(":")
+        if not h.isdigit() or int(h) < 1 or not set(kinds) <= {"bf16", "paper"} or len(set(kinds)) != len(kinds):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected H (a positive integer), H:bf16, H:paper or H:bf16:paper, e.g. 20,50,50:bf16,20:paper")
+        out.append((int(h), "bfloat16" if "bf16" in kinds else "float32", "paper" in kinds))
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: expected at least one H")
     return out
@@ -625,8 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="steps of the runs on the 300 Mbit/s link (sync and each diloco)")
     ap.add_argument("--quick-steps", type=int, default=30, help="steps of the sync runs on the faster links (figure 2 only)")
     ap.add_argument("--reps", type=int, default=3, help="measured calls of each all_sum method per link")
-    ap.add_argument("--inner-steps", type=inner_steps_list, default=inner_steps_list("20,50,50:bf16"),
-                    help="the diloco runs' H, comma-separated; H:bf16 all_sums in bfloat16 (default 20,50,50:bf16)")
+    ap.add_argument("--inner-steps", type=inner_steps_list, default=inner_steps_list("20,50,50:bf16,20:paper"),
+                    help="the diloco runs' H, comma-separated; H:bf16 all_sums in bfloat16, H:paper takes DiLoCo's outer lr 0.7 and momentum 0.9 "
+                         "(default 20,50,50:bf16,20:paper)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--context", type=int, default=64)
