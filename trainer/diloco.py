@@ -6,8 +6,9 @@ outer step t = (s - 1) // H. Replica r trains on slice r of global batch s (the 
 r of a K-rank synchronous group would get), starting outer step t from the outer parameters θ_t,
 with its own inner optimizer state (the job's optimizer: trainer/optimizers.py), kept from one outer step to the next. At the end of outer step t, the
 replicas' changes θ_t - θ_r are averaged, each weighted by the tokens it trained (a replica never
-has more say than its tokens), and applied to θ_t with Nesterov momentum (`outer_lr`,
-`outer_momentum`), as DiLoCo (Douillard et al., 2023) does.
+has more say than its tokens), and applied to θ_t by the outer step: SGD with `outer_lr` and
+Nesterov `outer_momentum`, by default 1 and 0 (the average as it is: the best of those measured
+on short runs, BENCHMARKS.md "Communication"); DiLoCo (Douillard et al., 2023) uses 0.7 and 0.9.
 
 Replicas are virtual. The workers present run them: each a contiguous range, in proportion to its
 share of the global batch (the pool's and the balancer's measure of its speed), interleaved step by
