@@ -156,6 +156,7 @@ class Agent(WarmTrainers):
         self.log = get_logger(node=name)
         self.workers: dict[int, Worker] = {}  # slot -> worker
         self.exited: collections.deque[ExitedWorker] = collections.deque(maxlen=EXITS_KEPT)
+        self.gone: collections.OrderedDict[bytes, Worker] = collections.OrderedDict()  # link peer -> a worker that exited (EXITS_KEPT)
         self.reserved: dict[tuple[str, int], list[socket.socket]] = {}  # (job, generation) -> port holders
         self.csock: zmq.asyncio.Socket | None = None
         self.craw: zmq.Socket | None = None
@@ -659,6 +660,15 @@ class Agent(WarmTrainers):
             log("spare.exited", job=w.job, slot=w.slot, pid=w.pid, code=code, stopped=w.stopping, error=w.error, output=w.lines[-5:] if not w.stopping else None)
             return
         self._flush(w)
+        # What it said before it exited goes first: its last checkpoint reports (a planned stop's
+        # checkpoint above all) were sent before its exit, and the coordinator picks the step the
+        # next group resumes from by them. Anything its link delivers later is still its own.
+        if self.wraw is not None:
+            self._read_workers()
+        if w.peer is not None:
+            self.gone[w.peer] = w
+            while len(self.gone) > EXITS_KEPT:
+                self.gone.popitem(last=False)
         if self.workers.get(slot) is w:
             del self.workers[slot]
         self.awake.update(len(self.workers))  # the last trainer: it may sleep again
@@ -833,15 +843,21 @@ class Agent(WarmTrainers):
         assert raw is not None
         while True:
             await sock.poll(1000)
-            for frames in pending(raw, frames=m.MAX_FRAMES + 1):
-                if len(frames) < 2:
-                    continue
-                try:
-                    msg, _ = m.decode(frames[1:], m.FROM_WORKER)
-                except ProtocolError as e:
-                    self._rejected("worker", e)
-                    continue
-                self._on_worker(frames[0], msg)
+            self._read_workers()
+
+    def _read_workers(self) -> None:
+        """Every message the trainers' link holds now, in order."""
+        raw = self.wraw
+        assert raw is not None
+        for frames in pending(raw, frames=m.MAX_FRAMES + 1):
+            if len(frames) < 2:
+                continue
+            try:
+                msg, _ = m.decode(frames[1:], m.FROM_WORKER)
+            except ProtocolError as e:
+                self._rejected("worker", e)
+                continue
+            self._on_worker(frames[0], msg)
 
     def _on_worker(self, peer: bytes, msg: Message) -> None:
         if isinstance(msg, m.WorkerReady):
@@ -866,7 +882,7 @@ class Agent(WarmTrainers):
                 self._to_worker(peer, m.WorkerStop())
             self._send(m.NodeWorkerHello(job=w.job, generation=w.generation, rank=w.rank, pid=msg.pid, resume_step=msg.resume_step))
             return
-        w = next((w for w in self.workers.values() if w.peer == peer), None)
+        w = next((w for w in self.workers.values() if w.peer == peer), None) or self.gone.get(peer)
         if w is None:
             self.early.follow(peer, msg)  # kept if its trainer's hello is (not yet recorded); else one that has exited
             return
