@@ -17,7 +17,7 @@ from jobs import write_job
 
 pytestmark = pytest.mark.slow
 
-STEPS, H, K = 600, 4, 4  # long enough for a warm trainer to be ready (seconds) well before the end
+STEPS, H, K = 300, 4, 4  # long enough for a warm trainer to be ready (seconds) well before the end
 JOB_TIMEOUT = 300.0
 
 
