@@ -207,16 +207,19 @@ class Fitness:
         fits = self.fits.setdefault(msg.job, {})
         old = fits.get(node)
         state = FitState(msg.state)
-        stale = (msg.found_data is not None and spec.content.data not in (None, msg.found_data)) or (
+        older = msg.asked is not None and msg.asked != sorted(digests(spec))
+        stale = older or (msg.found_data is not None and spec.content.data not in (None, msg.found_data)) or (
             msg.found_model is not None and spec.content.model not in (None, msg.found_model)
         )
         if stale:
-            # The answer to a job.stage sent before the job named its content, with other files
-            # than those it names now. The node may have dropped the newer question while it
-            # checked the old one (a dpd runs one check per job): it is asked again now, and
-            # that answer counts.
-            fits[node] = Fit(FitState.ASKED, now)
-            actions.append(Send(node, self._stage_msg(msg.job, spec, doc, node)))
+            # An answer about the job before it named its content (another node found it
+            # meanwhile): "unfit" for lacking files it can now fetch, or other files than those
+            # the job names now. It does not count. A final one is answered with the question
+            # as it is now (the node may have dropped it while it checked the old one, an older
+            # dpd does), and that answer counts; progress of the old check is ignored.
+            if state in (FitState.READY, FitState.UNFIT):
+                fits[node] = Fit(FitState.ASKED, now)
+                actions.append(Send(node, self._stage_msg(msg.job, spec, doc, node)))
             return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)

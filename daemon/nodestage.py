@@ -58,6 +58,15 @@ ADAPTER_FACTOR = 1.2  # weights and a little for the adapters and activations
 MEMORY_SHARE = 0.9  # of the machine's memory a model may be estimated to take
 
 
+def asked_content(msg: JobStage) -> list[str]:
+    """The content digests a job.stage's spec names (sorted), echoed in every answer to it: the
+    coordinator tells an answer about the job as it was from one about the job as it is."""
+    content = msg.spec.get("content")
+    if not isinstance(content, dict):
+        return []
+    return sorted(v for k in ("data", "model", "adapters") if isinstance(v := content.get(k), str))[:3]
+
+
 class Unfit(Exception):
     """This node cannot serve the job; the message says why, for `dpctl nodes` and the events."""
 
@@ -195,12 +204,14 @@ class NodeStaging:
 
     async def _stage(self, msg: JobStage, send: Callable[[Message], None]) -> None:
         found: dict[str, str] = {}  # a job without [content]: what this node found at its paths
+        asked = asked_content(msg)
 
         def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
             final = state in ("ready", "unfit")  # the cache listing changes only with a fetch's end
             send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
                             holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final else None,
-                            found_data=found.get("data") if final else None, found_model=found.get("model") if final else None))
+                            found_data=found.get("data") if final else None, found_model=found.get("model") if final else None,
+                            asked=asked))
 
         say("checking")
         t0 = time.monotonic()

@@ -87,7 +87,8 @@ class JobStage(Message):
 class NodeStaged(Message):
     """Where this node stands with a job's files: "checking", "staging" (fetching: `done_bytes` of
     `total_bytes`, at `rate_bps`), "ready", or "unfit" (`reason`: it sits this job out). `holds`:
-    the content digests this node serves (complete); `endpoint`/`key`: its data channel."""
+    the content digests this node serves (complete); `endpoint`/`key`: its data channel. `asked`:
+    which version of the job the answer is about (the job names its content once a node found it)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_STAGED
     job: JobId
@@ -102,6 +103,7 @@ class NodeStaged(Message):
     cached: Annotated[list[CacheRow], Items(CACHE_ROWS_MAX)] | None = None  # what its cache holds (None: unchanged)
     found_data: Digest | None = None  # a job that names no content: the digest of the data it found at the job's path
     found_model: Digest | None = None  # ... and of the model
+    asked: Annotated[list[Digest], Items(3)] | None = None  # the content the answered job.stage's spec named, sorted (None: an older node)
 
 
 @message

@@ -1131,6 +1131,31 @@ def test_a_node_names_a_jobs_content_and_an_answer_about_other_files_given_befor
     assert pool.fitness.eligible("j", pool.jobs["j"].spec, "a") and not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")
 
 
+def test_unfit_about_the_job_before_it_named_its_content_does_not_count() -> None:
+    """b lacks the files and says so about the job as submitted; its answer arrives after a named
+    them (the node echoes what it was asked). It is asked again at once, not after the recheck,
+    and fetches."""
+    from dpool.protocol.stage_messages import JobStage
+
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())
+    staged(pool, 0.1, "a", "ready", found_data="a" * 64, asked=[])
+    out = staged(pool, 0.2, "b", "unfit", "data.source = '~/corpus/*.txt': no such files on this machine", asked=[])
+    assert records(out, "node.unfit") == []
+    (again,) = sends(out, JobStage)
+    assert again.node == "b" and again.msg.spec["content"]["data"] == "a" * 64
+    staged(pool, 0.25, "b", "checking", asked=[])  # progress of the old check: ignored
+    assert pool.fitness.fits["j"]["b"].state.value == "asked"
+    staged(pool, 0.3, "a", "ready", asked=["a" * 64], holds=["a" * 64], endpoint="tcp://a:1")
+    staged(pool, 0.35, "b", "staging", total_bytes=10, asked=["a" * 64])
+    assert pool.fitness.fits["j"]["b"].state.value == "staging"
+    out = staged(pool, 0.4, "b", "ready", total_bytes=10, done_bytes=10, holds=["a" * 64], asked=["a" * 64])
+    assert records(out, "node.staged") == [{"node": "b", "bytes": 10, "seconds": 0.05}]
+    assert pool.fitness.eligible("j", pool.jobs["j"].spec, "b")  # 0.3 s after it lacked the files, not 30
+
+
 def test_an_upload_goes_to_a_node_with_a_data_channel_and_another_when_that_one_could_not_take_it() -> None:
     from dpool.protocol.stage_messages import NodeStaged
 
