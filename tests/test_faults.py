@@ -54,6 +54,28 @@ def snap(step: int, value: float = 1.0, job_hash: str = HASH) -> ckpt.Snapshot:
     return ckpt.Snapshot(step=step, model={"w": (w, "F32")}, optimizer={"m": (w * 2, "F32")}, manifest={"job_hash": job_hash})
 
 
+SHARED_WRITER = """
+import sys
+from pathlib import Path
+import numpy as np
+from dpool.trainer import checkpoint as ckpt
+w = np.ones(4096, dtype=np.float32)
+for step in range(1, 41):
+    snap = ckpt.Snapshot(step=step, model={"w": (w * step, "F32")}, optimizer={"m": (w, "F32")}, manifest={"job_hash": "h"})
+    ckpt.write_checkpoint(Path(sys.argv[1]), snap, keep=3)
+"""
+
+
+def test_ranks_that_share_a_run_dir_write_the_same_steps_without_failing(tmp_path: Path) -> None:
+    """Two ranks on one machine with one --run-dir write each step's (identical) checkpoint at the
+    same moments: whichever renames its copy into place first stands; the other is not an error."""
+    procs = [subprocess.Popen([sys.executable, "-c", SHARED_WRITER, str(tmp_path)], stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert sorted(ckpt.listed_steps(tmp_path)) == [38, 39, 40]
+    assert json.loads((ckpt.step_dir(tmp_path, 40) / ckpt.MANIFEST).read_text())["step"] == 40
+
+
 def damage(run_dir: Path, step: int) -> None:
     (step_dir(run_dir, step) / "model.safetensors").write_bytes(b"cut short")
 

@@ -26,6 +26,7 @@ What a fault may not cost:
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
 import json
 import os
@@ -216,21 +217,47 @@ def _reuse_oldest(run_dir: Path, keep: int, step: int, tmp: Path) -> bool:
 
 def _move_into_place(tmp: Path, final: Path, durable: bool = True) -> None:
     """Rename `tmp` to `final`; an existing `final` (the same step saved again) is renamed aside
-    first and deleted only once the new one is in place, or put back when that rename fails."""
-    if not final.exists():
-        os.rename(tmp, final)
-        return
+    first and deleted only once the new one is in place, or put back when that rename fails.
+    Ranks that share a run dir (one machine, `--run-dir` without `{rank}`) write the same state: a
+    `final` that another one put in place between the check and the rename stands, and this copy
+    goes."""
     old = final.with_name(f".old-{final.name}-{os.getpid()}")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(final, old)
+    if not final.exists() or not _aside(final, old):  # (a sharing rank's prune may remove it meanwhile)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if not _stands(e, final):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     try:
         os.rename(tmp, final)
+    except OSError as e:
+        if not _stands(e, final):
+            os.rename(old, final)
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         os.rename(old, final)
         raise
     if durable:
         _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)  # the new copy is in place: what is left, clean_partial takes
+
+
+def _stands(e: OSError, final: Path) -> bool:
+    """A rename onto `final` failed because another writer's complete copy is there now."""
+    return e.errno in (errno.ENOTEMPTY, errno.EEXIST) and (final / MANIFEST).is_file()
+
+
+def _aside(final: Path, old: Path) -> bool:
+    """Rename an existing checkpoint folder aside; False if it is gone already."""
+    shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(final, old)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _remove(folder: Path) -> None:
