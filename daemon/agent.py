@@ -115,6 +115,7 @@ async def until_set(event: asyncio.Event, seconds: float) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(event.wait(), seconds)
 
+
 class Refused(Exception):
     """The coordinator refused this node (a duplicate name, or info out of bounds): fatal, the daemon exits 1."""
 
@@ -839,8 +840,6 @@ class Agent(WarmTrainers):
     # -- the workers' link ---------------------------------------------------------------------
 
     async def _worker_loop(self, sock: zmq.asyncio.Socket) -> None:
-        raw = self.wraw
-        assert raw is not None
         while True:
             await sock.poll(1000)
             self._read_workers()
