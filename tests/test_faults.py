@@ -519,6 +519,10 @@ def test_a_full_disk_fails_that_rank_and_the_job_resumes_once_space_returns(proc
         pool.wait_status(a, "job A running", lambda s: s.state == "running")
         # Job B on n1's other slot, its run dir on the usual disk: the other worker that must stay up.
         b = pool.submit(write_job(tmp_path, "other", workers={"min": 1, "max": 1}, train={"steps": 100_000}, checkpoint={"every_steps": 100_000}))
+        # Ahead of A in the queue: when A comes back below its minimum, it takes free slots only. (At
+        # equal priority the scheduler may rightly preempt B for A, the earlier job, if n0 misses a
+        # heartbeat on a loaded machine just then; this test is about B's worker outliving A's disk.)
+        assert pool.dpctl("priority", b, "1").returncode == 0
         pool.wait_status(b, "job B running", lambda s: s.state == "running" and s.step > 0)
         (b_pid,) = pool.trainer_pids("n1", b)
         pool.wait_status(a, "a checkpoint of job A", lambda s: (s.checkpoint_step or 0) >= 10)
@@ -561,7 +565,7 @@ def test_a_full_disk_fails_that_rank_and_the_job_resumes_once_space_returns(proc
         assert resumed[-1]["from_step"] >= max(held), (resumed, held)
         pool.wait_status(a, "job A training past its checkpoint on n1 again", lambda s: s.state == "running" and (s.checkpoint_step or 0) > max(held), timeout=60)
         assert max(listed_steps(run_dir)) > max(held)
-        assert pool.trainer_pids("n1", b) == [b_pid]  # B ran through all of it
+        assert pool.trainer_pids("n1", b) == [b_pid], (pool.nodes(), pool.dpctl_json("events", b))  # B ran through all of it
         for job_id in (a, b):
             assert pool.dpctl("cancel", job_id).returncode == 0
     finally:
