@@ -210,7 +210,9 @@ def _step(metrics: Path) -> int:
 
 def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(tmp_path: Path) -> None:
     job, run_dir = wandb_job(tmp_path, "unreachable"), tmp_path / "run"
-    env = {**os.environ, "WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40}
+    tmp = tmp_path / "tmp"  # the machine's temporary folder, as the trainer and its writer see it
+    tmp.mkdir()
+    env = {**os.environ, "WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40, "TMPDIR": str(tmp)}
     r = subprocess.run(trainer(job, run_dir), capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _step(run_dir / "metrics.jsonl") == STEPS
@@ -219,6 +221,9 @@ def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(t
     assert '"report.abandoned"' in said or '"report.unavailable"' in said, said[-2000:]
     # and the writer is gone too, by itself
     wait_for("the W&B writer to exit", lambda: not [p for p in psutil.process_iter(["cmdline"]) if "dpool.trainer.wandb_writer" in " ".join(p.info["cmdline"] or ()) and _cwd(p) == str(run_dir)], 60)
+    # A writer that gives up leaves nothing in the machine's temporary folder (wandb's own folders
+    # live in the run's, emptied by the next writer).
+    assert not [p.name for p in tmp.iterdir() if "wandb" in p.name], list(tmp.iterdir())
 
 
 def _cwd(p: psutil.Process) -> str:

@@ -40,9 +40,11 @@ import math
 import os
 import queue
 import secrets
+import shutil
 import socket
 import struct
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +158,18 @@ def wait_for_writers(wandb_dir: Path, rid: str, timeout: float) -> None:
         except (psutil.Error, KeyError, TypeError, ValueError):
             continue
     psutil.wait_procs(procs, timeout=timeout)
+
+
+def own_tmp(wandb_dir: Path, rid: str) -> None:
+    """Point this process's (and wandb-core's) temporary files at the run's own folder, emptied
+    first: wandb makes two temporary folders when imported and removes them only at a clean
+    interpreter exit, so a writer killed with its trainer, or one that gives up (os._exit), would
+    leave them in the machine's /tmp, two per generation. The writers of this run before this one
+    have exited (`wait_for_writers`): what is there is theirs."""
+    tmp = wandb_dir / f"tmp-{rid}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(tmp)
 
 
 def record_writers(wandb_dir: Path, rid: str) -> None:
@@ -272,11 +286,12 @@ class Writer:
         self.log = get_logger(job=spec.name, rank=0, generation=generation)
 
     def open(self) -> Any:
-        import wandb
-
         r = self.spec.report
         self.wandb_dir.mkdir(parents=True, exist_ok=True)
         wait_for_writers(self.wandb_dir, self.rid, WRITER_WAIT_S)
+        own_tmp(self.wandb_dir, self.rid)
+        import wandb
+
         run = wandb.init(
             project=r.project or os.environ.get("WANDB_PROJECT") or "dpool", entity=r.entity, name=r.run_name or self.spec.name,
             id=self.rid, resume="allow", dir=str(self.dir),
