@@ -56,7 +56,8 @@ Figures, each beside its baseline from the same run:
    steps of 6 sequences; [sync] mode = "diloco", replicas 3, inner_steps H for each H of
    `--inner-steps`, the outer step's defaults (SyncSpec: plain averaging, outer lr 1.0 without
    momentum), H = 50 with `dtype = "bfloat16"`, and H = 20 with the DiLoCo paper's outer lr 0.7 and
-   Nesterov momentum 0.9 as the reference the defaults replaced): bytes sent per trained token, counted from the
+   Nesterov momentum 0.9 as the reference the defaults replaced; `H:wN` adds N synchronous
+   warm-up steps, sync.warmup_steps): bytes sent per trained token, counted from the
    model (trainable bytes x all_sums per step x 2(n-1)/n, summed over the ranks) and measured:
    the bytes out of the three hosts' links between the rows of two steps, read as rank 0 writes
    them (`Tap`): sync from step 3 to its second-last, diloco from the end of its first outer step
@@ -419,10 +420,13 @@ class Bench:
             self.doc["diloco"] = "not run: this trainer has no DiLoCo mode (dpool.trainer.diloco)"
             self.say(f"  diloco: {self.doc['diloco']}")
             return
-        for h, dtype, paper in a.inner_steps:
+        for h, dtype, paper, warm in a.inner_steps:
             lr, momentum = PAPER_OUTER if paper else DEFAULT_OUTER
             sync = {"mode": "diloco", "inner_steps": h, "replicas": len(HOSTS), "outer_lr": lr, "outer_momentum": momentum, "dtype": dtype}
-            r = self.train(f"diloco-h{h}{'-bf16' if dtype == 'bfloat16' else ''}{'-paper' if paper else ''}-{SLOW.key}", SLOW, a.steps, sync)
+            if warm:
+                sync["warmup_steps"] = warm
+            key = f"diloco-h{h}{'-bf16' if dtype == 'bfloat16' else ''}{'-paper' if paper else ''}{f'-w{warm}' if warm else ''}-{SLOW.key}"
+            r = self.train(key, SLOW, a.steps, sync)
             self.say(f"  diloco {diloco_label(sync)}: {a.steps} steps, {1e3 * r['seconds_per_token'] * r['tokens_total'] / a.steps:.0f} ms a step on average,"
                      f" val loss {r['val_loss']:.4f}, {r['wall_s']:.0f} s")
 
@@ -530,9 +534,10 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
         for key, r in train.items():
             if not key.startswith("diloco-"):
                 continue
-            h = r["sync"]["inner_steps"]
+            h, warm = r["sync"]["inner_steps"], r["sync"].get("warmup_steps", 0)
             half = 2 if r["sync"].get("dtype") == "bfloat16" else 1
-            dl_steady = steady_bytes_per_token(r, h, r["steps"] - h)
+            dl_steady = steady_bytes_per_token(r, warm + h, r["steps"] - h)  # outer steps of H, past the warm-up
+            sums = min(warm, r["steps"]) + -(-max(0, r["steps"] - warm) // h)  # all_sums in the whole run
             whole = (sum(sync["sent_bytes"].values()) / sync["tokens_total"], sum(r["sent_bytes"].values()) / r["tokens_total"])
             speed = sync["seconds_per_token"] / r["seconds_per_token"]
             loss = r["val_loss"] / sync["val_loss"] - 1
@@ -540,7 +545,8 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
                 "bytes_per_token_model": {"sync": wire / per_step_tokens, "diloco": wire / h / half / per_step_tokens, "ratio": float(h * half)},
                 "bytes_per_token_measured": {"sync": sync_steady, "diloco": dl_steady,
                                              "ratio": sync_steady / dl_steady if sync_steady and dl_steady else None},
-                "bytes_per_token_whole_run": {"sync": whole[0], "diloco": whole[1], "ratio": whole[0] / whole[1]},
+                "bytes_per_token_whole_run": {"sync": whole[0], "diloco": whole[1], "ratio": whole[0] / whole[1],
+                                              "model_ratio": r["steps"] * half / sums},
                 "bytes_met": sync_steady / dl_steady >= BYTES_GOAL if sync_steady and dl_steady else None,
                 "seconds_per_token": {"sync": sync["seconds_per_token"], "diloco": r["seconds_per_token"], "speedup": speed},
                 "sync_share": share, "speed_goal_applies": share is not None and share >= SPEED_WHERE,
@@ -596,7 +602,7 @@ def table(doc: dict[str, Any], figs: dict[str, Any]) -> list[str]:
         fewer = f"{b['diloco']:.0f} against sync {b['sync']:.0f}: {b['ratio']:.1f}x fewer" if b["ratio"] else "n/a (too few outer steps)"
         lines.append(f"   {key}: bytes sent per token {fewer} (model {bm['diloco']:.0f} against {bm['sync']:.0f}: {bm['ratio']:.0f}x; "
                      f"goal >= {BYTES_GOAL:g}x: {met(d['bytes_met'])}); over the whole run, start and last checkpoint included, "
-                     f"{w['diloco']:.0f} against {w['sync']:.0f}: {w['ratio']:.1f}x")
+                     f"{w['diloco']:.0f} against {w['sync']:.0f}: {w['ratio']:.1f}x (all_sums: {w.get('model_ratio', bm['ratio']):.1f}x)")
         applies = "" if d["speed_goal_applies"] else f" (goal applies only where sync spends >= {SPEED_WHERE:.0%} in all_sum)"
         lines.append(f"   {'':{len(key)}}  wall per token {1e6 * s['diloco']:.0f} us against sync {1e6 * s['sync']:.0f} us: {s['speedup']:.2f}x faster "
                      f"(sync share {d['sync_share']:.0%}; goal >= {SPEED_GOAL:g}x: {met(d['speed_met'])}{applies})")
@@ -612,18 +618,24 @@ def interrupted(signum: int, frame: object) -> None:
 def diloco_label(sync: dict[str, Any]) -> str:
     outer = (sync.get("outer_lr", DEFAULT_OUTER[0]), sync.get("outer_momentum", DEFAULT_OUTER[1]))
     return (f"H={sync['inner_steps']}" + (" bf16" if sync.get("dtype") == "bfloat16" else "")
-            + ("" if outer == DEFAULT_OUTER else f" outer {outer[0]:g}/{outer[1]:g}"))
+            + ("" if outer == DEFAULT_OUTER else f" outer {outer[0]:g}/{outer[1]:g}")
+            + (f" warm-up {sync['warmup_steps']}" if sync.get("warmup_steps") else ""))
 
 
-def inner_steps_list(text: str) -> list[tuple[int, str, bool]]:
-    """`20,50,50:bf16,20:paper`: each diloco run's H, what its all_sum carries (float32 unless
-    `:bf16`) and its outer step (the defaults, or with `:paper` DiLoCo's lr 0.7 and momentum 0.9)."""
+def inner_steps_list(text: str) -> list[tuple[int, str, bool, int]]:
+    """`20,50,50:bf16,20:paper,20:w30`: each diloco run's H, what its all_sum carries (float32
+    unless `:bf16`), its outer step (the defaults, or with `:paper` DiLoCo's lr 0.7 and momentum
+    0.9) and its synchronous warm-up (`:wN`: sync.warmup_steps = N; none by default)."""
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         h, *kinds = item.split(":")
-        if not h.isdigit() or int(h) < 1 or not set(kinds) <= {"bf16", "paper"} or len(set(kinds)) != len(kinds):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected H (a positive integer), H:bf16, H:paper or H:bf16:paper, e.g. 20,50,50:bf16,20:paper")
-        out.append((int(h), "bfloat16" if "bf16" in kinds else "float32", "paper" in kinds))
+        warm = [k for k in kinds if k[:1] == "w" and k[1:].isdigit()]
+        flags = [k for k in kinds if k not in warm]
+        if not h.isdigit() or int(h) < 1 or not set(flags) <= {"bf16", "paper"} or len(set(kinds)) != len(kinds) or len(warm) > 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected H (a positive integer) with any of :bf16, :paper and :wN (N warm-up steps), e.g. 20,50,50:bf16,20:paper,20:w30"
+            )
+        out.append((int(h), "bfloat16" if "bf16" in flags else "float32", "paper" in flags, int(warm[0][1:]) if warm else 0))
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r}: expected at least one H")
     return out

@@ -317,7 +317,8 @@ class SyncSpec:
     parameter changes are averaged (weighted by tokens) and applied by the outer step: by default
     as they are (outer lr 1, no momentum: plain averaging; DiLoCo's lr 0.7 with Nesterov momentum
     0.9 fell further behind synchronous training over tens of outer steps, BENCHMARKS.md
-    "Communication"); one all_sum per `inner_steps` steps instead of one per step."""
+    "Communication"); one all_sum per `inner_steps` steps instead of one per step, after the first
+    `warmup_steps` (synchronous: an average every step)."""
 
     mode: str = _spec(_choice("sync", "diloco"), "'sync' (all_sum every step) or 'diloco' (all_sum every inner_steps steps)", "sync")
     inner_steps: int = _spec(_int(1, 100000), "diloco: inner steps per outer step (H)", 50)
@@ -326,6 +327,9 @@ class SyncSpec:
     )
     outer_lr: float = _spec(_float(0.0, 10.0, lo_open=True), "diloco: the outer step's learning rate (1: apply the replicas' average)", 1.0)
     outer_momentum: float = _spec(_float(0.0, 0.999), "diloco: the outer step's Nesterov momentum (0: none, plain averaging)", 0.0)
+    warmup_steps: int = _spec(
+        _int(0, 10**9), "diloco: synchronous steps (an average every step) before the first outer step of inner_steps; 0: none", 0
+    )
     dtype: str = _spec(
         _choice("float32", "bfloat16"),
         "what is all_summed: 'float32' (exact) or 'bfloat16' (half the bytes; sums still divided by the pool's tokens)",
@@ -336,10 +340,13 @@ class SyncSpec:
         """What of it shapes the curve (None: the default, exact synchronous mode, as before [sync] existed)."""
         if self.mode == "sync":
             return None if self.dtype == "float32" else {"dtype": self.dtype}
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.warmup_steps:
+            out.pop("warmup_steps")  # absent when unset: diloco jobs from before it keep their hash
+        return out
 
 
-SYNC_DILOCO_KEYS = ("inner_steps", "replicas", "outer_lr", "outer_momentum")
+SYNC_DILOCO_KEYS = ("inner_steps", "replicas", "outer_lr", "outer_momentum", "warmup_steps")
 
 REPORT_TO = ("wandb",)
 WANDB_RESERVED = "/\\#?%:"  # W&B refuses these in project and entity names
@@ -433,6 +440,8 @@ class JobSpec:
         if self.sync.mode == "sync":
             for key in SYNC_DILOCO_KEYS:
                 out["sync"].pop(key)
+        elif not self.sync.warmup_steps:
+            out["sync"].pop("warmup_steps")  # absent when unset: peers from before it read the job
         for key in self.train.unused():
             out["train"].pop(key)
         if self.report.to:

@@ -13,7 +13,7 @@ import pytest
 import ring
 from jobs import SMALL, write_job
 
-from dpool.trainer.diloco import assign, outer_rounds
+from dpool.trainer.diloco import Rounds, assign, outer_rounds
 
 STEPS, H, K = 12, 4, 4
 # The outer step with momentum (DiLoCo's 0.7 and Nesterov 0.9, not the defaults' plain averaging):
@@ -26,7 +26,7 @@ def diloco_job(folder: Path, name: str, steps: int = STEPS, inner: int = H, **se
     return write_job(
         folder, name, base=SMALL, train={"steps": steps, "micro_batch": 4, "lr": 1e-3},
         sync={"mode": "diloco", "replicas": K, "inner_steps": inner, **PAPER, **sections.pop("sync", {})},
-        checkpoint={"every_steps": inner}, eval={"every_steps": inner, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4},
+        checkpoint=sections.pop("checkpoint", {"every_steps": inner}), eval={"every_steps": inner, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4},
         **sections,
     )
 
@@ -65,6 +65,14 @@ def test_replicas_follow_the_shares_and_outer_steps_cover_every_step() -> None:
     assert assign([5], 4) == [range(0, 4)]
     assert outer_rounds(0, 10, 4) == [range(1, 5), range(5, 9), range(9, 11)]
     assert outer_rounds(8, 10, 4) == [range(9, 11)]
+    # Warm-up: the first 3 steps one each, then rounds of 4 from there; a resume may start at any boundary.
+    assert outer_rounds(0, 12, 4, 3) == [range(1, 2), range(2, 3), range(3, 4), range(4, 8), range(8, 12), range(12, 13)]
+    assert outer_rounds(2, 12, 4, 3) == [range(3, 4), range(4, 8), range(8, 12), range(12, 13)]
+    assert outer_rounds(7, 12, 4, 3) == [range(8, 12), range(12, 13)]
+    rounds = Rounds(4, 3)
+    assert [s for s in range(13) if rounds.boundary(s)] == [0, 1, 2, 3, 7, 11]
+    assert [rounds.index(s) for s in range(1, 13)] == [1, 2, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+    assert outer_rounds(0, 2, 4, 3) == [range(1, 2), range(2, 3)]  # a warm-up longer than the run
 
 
 def test_one_worker_and_three_unequal_workers_give_the_same_curve(work, env, reference) -> None:
@@ -162,3 +170,33 @@ def wait_for_line(g: ring.Group, rank: int, *needles: str, timeout: float = 120)
             raise AssertionError(f"rank {rank} ended before {needles}:\n{g.output(rank)[-3000:]}")
         time.sleep(0.01)
     raise AssertionError(f"rank {rank}: no {needles} in {timeout} s:\n{g.output(rank)[-3000:]}")
+
+
+def test_warmup_steps_are_synchronous_and_a_group_resumed_inside_them_on_fewer_workers_keeps_the_curve(work, env) -> None:
+    """`sync.warmup_steps = 3`: steps 1-3 are outer steps of one step each, their average applied
+    as it is whatever the outer lr and momentum (the curve of H = 1 with plain averaging), then
+    outer steps of H. Killed after a checkpoint inside the warm-up, the job resumes there on one
+    worker and ends on the uninterrupted curve."""
+    warm = {"sync": {"warmup_steps": 3}, "checkpoint": {"every_steps": 1}}
+    ring.run(diloco_job(work, "warm-ref", **warm), str(work / "warm-ref" / "r{rank}"), 1, work / "logs", env=env)
+    ref = losses(work / "warm-ref" / "r0")
+    h1 = diloco_job(work, "warm-h1", steps=3, inner=1, sync={"outer_lr": 1.0, "outer_momentum": 0.0})
+    ring.run(h1, str(work / "warm-h1" / "r{rank}"), 1, work / "logs", env=env)
+    assert_same_curve({s: ref[s] for s in (1, 2, 3)}, losses(work / "warm-h1" / "r0"), 1e-5)
+    outer = {r["step"]: r["outer_step"] for r in ring.metrics(work / "warm-ref" / "r0").values()}
+    assert [outer[s] for s in range(1, STEPS + 1)] == [1, 2, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+
+    run_dir = work / "warm-killed"
+    job = diloco_job(work, "warm-killed", **warm)
+    g = ring.start(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[12, 7, 5])
+    try:
+        wait_for_line(g, 0, '"event":"checkpoint.saved"', '"step":2')
+        os.killpg(g.procs[1].pid, signal.SIGKILL)
+        codes = g.wait(60)
+    finally:
+        g.kill()
+    assert codes[1] == -signal.SIGKILL, codes
+    resumed = ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
+    start = next(json.loads(line)["resume_step"] for line in resumed.output(0).splitlines() if '"trainer.started"' in line)
+    assert start in (2, 3, 7), start  # a warm step, or the first outer step of H where the kill came late
+    assert_same_curve(ref, losses(run_dir / "r0"))

@@ -211,7 +211,15 @@ def test_sync_section_is_checked_and_shapes_the_hash_only_where_it_changes_the_c
     assert diloco.training_hash() != plain.training_hash()
     assert diloco.max_workers() == 3 and plain.max_workers() == 8  # a worker runs whole replicas
     assert parse_job(diloco.to_dict()) == diloco and parse_job(plain.to_dict()) == plain
+    # warmup_steps: absent from the job and its hash at 0 (diloco jobs from before it keep their checkpoints)
+    unset = {"name": "j", "sync": {"mode": "diloco", "replicas": 3, "inner_steps": 20}}
+    zero = parse_job({**unset, "sync": {**unset["sync"], "warmup_steps": 0}})
+    warm = parse_job({**unset, "sync": {**unset["sync"], "warmup_steps": 30}})
+    assert "warmup_steps" not in zero.to_dict()["sync"] and zero.training_hash() == parse_job(unset).training_hash()
+    assert warm.training_hash() != zero.training_hash() and parse_job(warm.to_dict()) == warm and warm.sync.warmup_steps == 30
     for data, key in [
+        ({"sync": {"warmup_steps": 10}}, "sync.warmup_steps"),
+        ({"sync": {"mode": "diloco", "warmup_steps": -1}}, "sync.warmup_steps"),
         ({"sync": {"inner_steps": 5}}, "sync.inner_steps"),  # a diloco key in sync mode does nothing: refused
         ({"sync": {"mode": "local"}}, "sync.mode"),
         ({"sync": {"mode": "diloco", "replicas": 2}, "workers": {"min": 3}}, "workers.min"),

@@ -2,13 +2,16 @@
 and a loss curve that depends on the job file alone.
 
 The job names K = `sync.replicas` and H = `sync.inner_steps`. Global step s (1-based) belongs to
-outer step t = (s - 1) // H. Replica r trains on slice r of global batch s (the sequences that rank
+outer step t = (s - 1) // H (after the warm-up, below). Replica r trains on slice r of global batch s (the sequences that rank
 r of a K-rank synchronous group would get), starting outer step t from the outer parameters θ_t,
 with its own inner optimizer state (the job's optimizer: trainer/optimizers.py), kept from one outer step to the next. At the end of outer step t, the
 replicas' changes θ_t - θ_r are averaged, each weighted by the tokens it trained (a replica never
 has more say than its tokens), and applied to θ_t by the outer step: SGD with `outer_lr` and
 Nesterov `outer_momentum`, by default 1 and 0 (the average as it is: the best of those measured
 on short runs, BENCHMARKS.md "Communication"); DiLoCo (Douillard et al., 2023) uses 0.7 and 0.9.
+With `sync.warmup_steps = W`, the first W steps are outer steps of one step each, their average
+applied as it is (synchronous training: DiLoCo starts from a model trained synchronously, and
+replicas that drift apart early cost the most); outer steps of H follow (`Rounds`).
 
 Replicas are virtual. The workers present run them: each a contiguous range, in proportion to its
 share of the global batch (the pool's and the balancer's measure of its speed), interleaved step by
@@ -67,9 +70,37 @@ def assign(shares: list[int], replicas: int) -> list[range]:
     return out
 
 
-def outer_rounds(start: int, steps: int, inner: int) -> list[range]:
-    """The global steps of each outer step from `start` (a boundary) to the end; the last may be short."""
-    return [range(s, min(s + inner, steps + 1)) for s in range(start + 1, steps + 1, inner)]
+@dataclass(frozen=True, slots=True)
+class Rounds:
+    """Which global steps each outer step holds: the first `warmup` steps one each (an average
+    every step: synchronous training, as DiLoCo starts from a model trained so), then `inner` each.
+    A function of the job alone, so every group, of any size, cuts the run the same way."""
+
+    inner: int  # H
+    warmup: int = 0  # sync.warmup_steps
+
+    def boundary(self, step: int) -> bool:
+        """Whether an outer step ends at `step` (0: the start), so a checkpoint may resume there."""
+        return step <= self.warmup or (step - self.warmup) % self.inner == 0
+
+    def index(self, step: int) -> int:
+        """The (1-based) outer step that global step `step` belongs to."""
+        return step if step <= self.warmup else self.warmup + (step - self.warmup - 1) // self.inner + 1
+
+    def warm(self, step: int) -> bool:
+        """Whether `step` is one of the synchronous steps before the first outer step of H."""
+        return step <= self.warmup
+
+    def after(self, start: int, steps: int) -> list[range]:
+        """The global steps of each outer step from `start` (a boundary) to the end; the last may be short."""
+        out = [range(s, s + 1) for s in range(start + 1, min(self.warmup, steps) + 1)]
+        first = max(start, self.warmup) + 1
+        return out + [range(s, min(s + self.inner, steps + 1)) for s in range(first, steps + 1, self.inner)]
+
+
+def outer_rounds(start: int, steps: int, inner: int, warmup: int = 0) -> list[range]:
+    """`Rounds(inner, warmup).after(start, steps)`."""
+    return Rounds(inner, warmup).after(start, steps)
 
 
 class Alone:
@@ -219,8 +250,11 @@ def train(
     holder = reps.holder(outer)
     start, how = restore(spec, run_dir, group, model, holder, log, None, resume_max)
     reps.adopt(holder, outer)
-    if start % H and start < t.steps:
-        raise ckpt.CheckpointError(f"step {start} is not the end of an outer step (sync.inner_steps = {H}); cannot resume there")
+    rounds = Rounds(H, sync.warmup_steps)
+    if not rounds.boundary(start) and start < t.steps:
+        raise ckpt.CheckpointError(
+            f"step {start} is not the end of an outer step (sync.inner_steps = {H}, warmup_steps = {sync.warmup_steps}); cannot resume there"
+        )
     comm = mx.bfloat16 if sync.dtype == "bfloat16" else None
     ranges = assign(shares, K)
     log.info(
@@ -276,7 +310,7 @@ def train(
     if start == 0:
         evaluate(0)
     stopped = False
-    for steps in outer_rounds(start, t.steps, H):
+    for steps in rounds.after(start, t.steps):
         mine = ranges[rank]
         theta = model.trainable_parameters()
         reps.begin(theta, mine)
@@ -317,18 +351,21 @@ def train(
             weighted = [w.astype(comm) for w in weighted]  # rounded alike on every world size
         vec = control.build(rank, losses, tokens, compute, float(sum(rep_tokens.values())), announce, stop, due_auto)
         group.wait_for_colocated()
-        log.info("outer.summing", step=last, outer_step=(last - 1) // H + 1)
+        log.info("outer.summing", step=last, outer_step=rounds.index(last))
         t_sum = time.perf_counter()
         summed = group.all_sum_fused([*weighted, vec])
         got = control.read(summed[-1].tolist(), len(steps))
         sum_s = time.perf_counter() - t_sum
         total = float(sum(got["tokens"]))
-        model.update(theta)
-        delta = tree_unflatten([(n, (s.astype(mx.float32) / total).astype(start_flat[n].dtype)) for n, s in zip(names, summed[:-1], strict=True)])
-        outer.update(model, delta)
+        delta = [(n, (s.astype(mx.float32) / total).astype(start_flat[n].dtype)) for n, s in zip(names, summed[:-1], strict=True)]
+        if rounds.warm(last):
+            model.update(tree_unflatten([(n, start_flat[n] - d) for n, d in delta]))  # synchronous: the average as it is
+        else:
+            model.update(theta)
+            outer.update(model, tree_unflatten(delta))
         mx.eval(model.parameters(), outer.state)
         round_s = time.perf_counter() - t_round
-        log.info("outer.done", step=last, outer_step=(last - 1) // H + 1, seconds=round(round_s, 4), all_sum_s=round(sum_s, 4),
+        log.info("outer.done", step=last, outer_step=rounds.index(last), seconds=round(round_s, 4), all_sum_s=round(sum_s, 4),
                  compute_s=round(compute, 4), tokens=int(total))
         if auto:
             for _ in steps:
@@ -340,7 +377,7 @@ def train(
                         "kind": "train", "step": step, "loss": got["losses"][h] / max(got["tokens"][h], 1),
                         "lr": lr_of(step), "tokens": got["tokens"][h],
                         "tokens_per_s": total / round_s, "world_size": world, "generation": generation, "shares": shares,
-                        "outer_step": (last - 1) // H + 1, "all_sum_s": sum_s,
+                        "outer_step": rounds.index(last), "all_sum_s": sum_s,
                         "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(got["rank_tokens"], got["seconds"], strict=True)],
                     }
                     metrics.append(metrics.metrics, row)
