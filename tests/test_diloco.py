@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ring
@@ -112,13 +113,8 @@ def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curv
     run_dir = work / "killed-inner"
     job = diloco_job(work, "killed-inner")
     g = ring.start(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[8, 8, 8])
-    try:
-        wait_for_line(g, 0, '"event":"checkpoint.saved"', '"step":4')  # outer step 1 is saved
-        wait_for_line(g, 1, '"event":"inner.done"', '"step":6')
-        os.killpg(g.procs[1].pid, signal.SIGKILL)  # in the middle of outer step 2's inner steps
-        codes = g.wait(60)
-    finally:
-        g.kill()
+    # Once outer step 1 is saved, in the middle of outer step 2's inner steps:
+    codes = kill_rank_1(g, (0, '"event":"checkpoint.saved"', '"step":4'), (1, '"event":"inner.done"', '"step":6'))
     assert codes[1] == -signal.SIGKILL and codes[0] != 0 and codes[2] != 0, codes
     resumed = ring.run(job, str(run_dir / "r{rank}"), 2, work / "logs", env=env)
     # From the newest outer step saved: 4, or 8 where the machine was slow to deliver the kill.
@@ -131,12 +127,7 @@ def test_a_rank_killed_while_the_others_wait_in_the_outer_all_sum_resumes_on_the
     job = diloco_job(work, "killed-outer")
     # Rank 0 runs one replica, rank 1 three: rank 0 reaches each outer all_sum first and waits there.
     g = ring.start(job, str(run_dir / "r{rank}"), 2, work / "logs", env=env, shares=[6, 18])
-    try:
-        wait_for_line(g, 0, '"event":"outer.summing"', '"step":8')
-        os.killpg(g.procs[1].pid, signal.SIGKILL)
-        codes = g.wait(60)
-    finally:
-        g.kill()
+    codes = kill_rank_1(g, (0, '"event":"outer.summing"', '"step":8'))
     assert codes[1] == -signal.SIGKILL and codes[0] != 0, codes
     resumed = ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
     assert '"resume_step":4' in resumed.output(0) or '"resume_step":8' in resumed.output(0)
@@ -159,6 +150,18 @@ def test_unequal_replica_counts_and_moves_keep_the_curve(work, env, reference) -
     # changed hands, and the curve above held through it.
     events = [json.loads(line) for line in moved.output(0).splitlines() if line.startswith("{") and '"rebalanced"' in line]
     assert all(set(e["moved"]) <= set(range(K)) for e in events), events
+
+
+def kill_rank_1(g: ring.Group, *after: tuple[Any, ...]) -> list[int]:
+    """SIGKILL rank 1's process group once each (rank, needle, ...) of `after` has been logged, in
+    turn; the group's exit codes (the others fail on their own; whatever is left is ended)."""
+    try:
+        for rank, *needles in after:
+            wait_for_line(g, rank, *needles)
+        os.killpg(g.procs[1].pid, signal.SIGKILL)
+        return g.wait(60)
+    finally:
+        g.kill()
 
 
 def wait_for_line(g: ring.Group, rank: int, *needles: str, timeout: float = 120) -> None:
@@ -189,12 +192,7 @@ def test_warmup_steps_are_synchronous_and_a_group_resumed_inside_them_on_fewer_w
     run_dir = work / "warm-killed"
     job = diloco_job(work, "warm-killed", **warm)
     g = ring.start(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[12, 7, 5])
-    try:
-        wait_for_line(g, 0, '"event":"checkpoint.saved"', '"step":2')
-        os.killpg(g.procs[1].pid, signal.SIGKILL)
-        codes = g.wait(60)
-    finally:
-        g.kill()
+    codes = kill_rank_1(g, (0, '"event":"checkpoint.saved"', '"step":2'))
     assert codes[1] == -signal.SIGKILL, codes
     resumed = ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
     start = next(json.loads(line)["resume_step"] for line in resumed.output(0).splitlines() if '"trainer.started"' in line)
