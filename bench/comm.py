@@ -61,7 +61,7 @@ Figures, each beside its baseline from the same run:
    model (trainable bytes x all_sums per step x 2(n-1)/n, summed over the ranks) and measured:
    the bytes out of the three hosts' links between the rows of two steps, read as rank 0 writes
    them (`Tap`): sync from step 3 to its second-last, diloco from the end of its first outer step
-   to the end of its second-last, so start-up, evaluation and the last checkpoint (which gathers
+   of H to the end of its second-last, so start-up, evaluation and the last checkpoint (which gathers
    every replica's AdamW state) fall outside; the whole run's bytes beside them. Ratio sync /
    diloco (goal >= 50x). Wall time per token (the sum
    of the metrics rows' step times, over the tokens; for diloco a row's time is its outer round's
@@ -536,7 +536,10 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
                 continue
             h, warm = r["sync"]["inner_steps"], r["sync"].get("warmup_steps", 0)
             half = 2 if r["sync"].get("dtype") == "bfloat16" else 1
-            dl_steady = steady_bytes_per_token(r, warm + h, r["steps"] - h)  # outer steps of H, past the warm-up
+            # Outer steps of H past the warm-up, whole: a row first shows when its outer step ends
+            # (its all_sum sent), so the span runs from one outer step's end to another's.
+            ends = range(warm + h, r["steps"], h)
+            dl_steady = steady_bytes_per_token(r, ends[0], ends[-1]) if len(ends) >= 2 else None
             sums = min(warm, r["steps"]) + -(-max(0, r["steps"] - warm) // h)  # all_sums in the whole run
             whole = (sum(sync["sent_bytes"].values()) / sync["tokens_total"], sum(r["sent_bytes"].values()) / r["tokens_total"])
             speed = sync["seconds_per_token"] / r["seconds_per_token"]
