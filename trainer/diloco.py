@@ -2,9 +2,10 @@
 and a loss curve that depends on the job file alone.
 
 The job names K = `sync.replicas` and H = `sync.inner_steps`. Global step s (1-based) belongs to
-outer step t = (s - 1) // H (after the warm-up, below). Replica r trains on slice r of global batch s (the sequences that rank
-r of a K-rank synchronous group would get), starting outer step t from the outer parameters θ_t,
-with its own inner optimizer state (the job's optimizer: trainer/optimizers.py), kept from one outer step to the next. At the end of outer step t, the
+outer step t = (s - 1) // H (after the warm-up, below). Replica r trains on slice r of global
+batch s (the sequences that rank r of a K-rank synchronous group would get), starting outer step t
+from the outer parameters θ_t, with its own inner optimizer state (the job's optimizer:
+trainer/optimizers.py), kept from one outer step to the next. At the end of outer step t, the
 replicas' changes θ_t - θ_r are averaged, each weighted by the tokens it trained (a replica never
 has more say than its tokens), and applied to θ_t by the outer step: SGD with `outer_lr` and
 Nesterov `outer_momentum`, by default 1 and 0 (the average as it is: the best of those measured
