@@ -53,10 +53,13 @@ class Forecast:
     compute_s: float | None
     compute_from: str | None  # the job whose measured step gave compute_s
     share: float | None
+    warmup: int = 0  # diloco: synchronous steps first, one all_sum each (not in `seconds` or `share`)
 
     def lines(self) -> list[str]:
         """What --dry-run says (stderr)."""
         per = "each step" if self.every == 1 else f"every {self.every} steps (diloco)"
+        if self.warmup:
+            per += f", each of the first {self.warmup} steps (sync.warmup_steps; the figures below are for the steps after)"
         out = [f"communication: {per} all_sums {_mb(self.nbytes)} ({self.params:,} trainable parameters) over {self.ranks} ranks on {', '.join(self.nodes)}"]
         if self.ranks < 2:
             out.append("communication: one rank sums nothing: no time in all_sum")
@@ -113,7 +116,8 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
         share = comm_share(seconds, compute)
     if ranks < 2:
         seconds, share = 0.0, 0.0
-    return Forecast(params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share)
+    warmup = sync.warmup_steps if sync.mode == "diloco" else 0
+    return Forecast(params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share, warmup)
 
 
 def _compute(spec: JobSpec, nbytes: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:

@@ -226,6 +226,10 @@ def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_a
     d = parse_job({"name": "d", "workers": {"max": 3}, "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 10}}, source="test")
     fd = client_comm.forecast(d, nodes, [])
     assert fd is not None and fd.ranks == 2 and fd.every == 10 and any("every 10 steps" in line for line in fd.lines())
+    assert not any("warmup_steps" in line for line in fd.lines())
+    w = parse_job({"name": "d", "workers": {"max": 3}, "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 10, "warmup_steps": 40}}, source="test")
+    fw = client_comm.forecast(w, nodes, [])
+    assert fw is not None and fw.warmup == 40 and any("each of the first 40 steps" in line for line in fw.lines()), fw.lines()
 
 
 # -- the wire ------------------------------------------------------------------------------------
