@@ -22,9 +22,11 @@ How long to wait after step s was reported before calling the group stalled:
   the next all_sum. Their cost is measured the first time (the allowance then is the generous
   start-up deadline, `recovery.start_timeout_s`) and then allowed `factor` times over.
 - diloco (`[sync] mode = "diloco"`): ranks run their replicas' inner steps apart and meet only
-  at the outer all_sum after every `inner_steps` steps, so the watch follows the slowest rank
-  (the pool reports the lowest step of the live ranks), and the outer step (all_sum, and a
-  checkpoint's gather when one is due) is measured and allowed like an evaluation ("outer").
+  at the outer all_sum where an outer step of `inner_steps` ends (protocol/rounds.py: after the
+  warm-up's `warmup_steps`), so the watch follows the slowest rank (the pool reports the lowest
+  step of the live ranks), and the outer step (all_sum, and a checkpoint's gather when one is due)
+  is measured and allowed like an evaluation ("outer"). A warm-up step is an outer step of its
+  own, an all_sum after every step as in sync mode: its interval is a step's, all_sum included.
 - Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
   checkpoint restore and broadcast, compiling the first step), counted from the launch.
 - After the last step, or once the group was asked to checkpoint and stop, no further step comes:
@@ -38,6 +40,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.rounds import Rounds
 
 RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
@@ -57,7 +60,7 @@ class StepWatch:
     last_at: float = 0.0
     recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
     extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample" / "outer"
-    outer_every: int = 0  # diloco: an outer all_sum after every this many steps (0: none)
+    rounds: Rounds | None = None  # diloco: where its outer steps of inner_steps end (None: sync)
     stopping: bool = False  # asked to checkpoint and stop
 
     @classmethod
@@ -73,7 +76,7 @@ class StepWatch:
             factor=rec.step_timeout_factor,
             start_s=rec.start_timeout_s,
             started_at=now,
-            outer_every=spec.sync.inner_steps if spec.sync.mode == "diloco" else 0,
+            rounds=Rounds(spec.sync.inner_steps, spec.sync.warmup_steps) if spec.sync.mode == "diloco" else None,
         )
         if previous is not None:
             watch.recent.extend(previous.recent)
@@ -87,7 +90,7 @@ class StepWatch:
             kinds.append("eval")
         if step % self.sample_every == 0:
             kinds.append("sample")
-        if self.outer_every and step % self.outer_every == 0:
+        if self.rounds is not None and self.rounds.boundary(step) and not self.rounds.warm(step):
             kinds.append("outer")
         return kinds
 

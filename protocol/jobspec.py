@@ -318,7 +318,7 @@ class SyncSpec:
     as they are (outer lr 1, no momentum: plain averaging; DiLoCo's lr 0.7 with Nesterov momentum
     0.9 fell further behind synchronous training over tens of outer steps, BENCHMARKS.md
     "Communication"); one all_sum per `inner_steps` steps instead of one per step, after the first
-    `warmup_steps` (synchronous: an average every step)."""
+    `warmup_steps` (an average every step: H = 1, close to synchronous training)."""
 
     mode: str = _spec(_choice("sync", "diloco"), "'sync' (all_sum every step) or 'diloco' (all_sum every inner_steps steps)", "sync")
     inner_steps: int = _spec(_int(1, 100000), "diloco: inner steps per outer step (H)", 50)
@@ -328,7 +328,7 @@ class SyncSpec:
     outer_lr: float = _spec(_float(0.0, 10.0, lo_open=True), "diloco: the outer step's learning rate (1: apply the replicas' average)", 1.0)
     outer_momentum: float = _spec(_float(0.0, 0.999), "diloco: the outer step's Nesterov momentum (0: none, plain averaging)", 0.0)
     warmup_steps: int = _spec(
-        _int(0, 10**9), "diloco: synchronous steps (an average every step) before the first outer step of inner_steps; 0: none", 0
+        _int(0, 10**9), "diloco: steps averaged every step (as H = 1, close to sync) before the outer steps of inner_steps; 0: none", 0
     )
     dtype: str = _spec(
         _choice("float32", "bfloat16"),

@@ -175,26 +175,27 @@ def wait_for_line(g: ring.Group, rank: int, *needles: str, timeout: float = 120)
     raise AssertionError(f"rank {rank}: no {needles} in {timeout} s:\n{g.output(rank)[-3000:]}")
 
 
-def test_warmup_steps_are_synchronous_and_a_group_resumed_inside_them_on_fewer_workers_keeps_the_curve(work, env) -> None:
-    """`sync.warmup_steps = 3`: steps 1-3 are outer steps of one step each, their average applied
+def test_warm_up_steps_average_every_step_and_a_group_resumed_inside_them_on_fewer_workers_keeps_the_curve(work, env) -> None:
+    """`sync.warmup_steps = 5`: steps 1-5 are outer steps of one step each, their average applied
     as it is whatever the outer lr and momentum (the curve of H = 1 with plain averaging), then
-    outer steps of H. Killed after a checkpoint inside the warm-up, the job resumes there on one
-    worker and ends on the uninterrupted curve."""
-    warm = {"sync": {"warmup_steps": 3}, "checkpoint": {"every_steps": 1}}
+    outer steps of H. Killed after the first step's checkpoint, the job resumes inside the warm-up
+    (or, on a slow machine, at its end) on one worker and ends on the uninterrupted curve."""
+    warm = {"sync": {"warmup_steps": 5}, "checkpoint": {"every_steps": 1}}
     ring.run(diloco_job(work, "warm-ref", **warm), str(work / "warm-ref" / "r{rank}"), 1, work / "logs", env=env)
     ref = losses(work / "warm-ref" / "r0")
-    h1 = diloco_job(work, "warm-h1", steps=3, inner=1, sync={"outer_lr": 1.0, "outer_momentum": 0.0})
+    h1 = diloco_job(work, "warm-h1", inner=1, sync={"outer_lr": 1.0, "outer_momentum": 0.0})  # the same schedule of lr
     ring.run(h1, str(work / "warm-h1" / "r{rank}"), 1, work / "logs", env=env)
-    assert_same_curve({s: ref[s] for s in (1, 2, 3)}, losses(work / "warm-h1" / "r0"), 1e-5)
+    h1_losses = losses(work / "warm-h1" / "r0")
+    assert_same_curve({s: ref[s] for s in range(1, 6)}, {s: h1_losses[s] for s in range(1, 6)}, 1e-5)
     outer = {r["step"]: r["outer_step"] for r in ring.metrics(work / "warm-ref" / "r0").values()}
-    assert [outer[s] for s in range(1, STEPS + 1)] == [1, 2, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+    assert [outer[s] for s in range(1, STEPS + 1)] == [1, 2, 3, 4, 5, 6, 6, 6, 6, 7, 7, 7]
 
     run_dir = work / "warm-killed"
     job = diloco_job(work, "warm-killed", **warm)
     g = ring.start(job, str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[12, 7, 5])
-    codes = kill_rank_1(g, (0, '"event":"checkpoint.saved"', '"step":2'))
+    codes = kill_rank_1(g, (0, '"event":"checkpoint.saved"', '"step":1'))
     assert codes[1] == -signal.SIGKILL, codes
     resumed = ring.run(job, str(run_dir / "r{rank}"), 1, work / "logs", env=env)
     start = next(json.loads(line)["resume_step"] for line in resumed.output(0).splitlines() if '"trainer.started"' in line)
-    assert start in (2, 3, 7), start  # a warm step, or the first outer step of H where the kill came late
+    assert start in (1, 2, 3, 4, 5, 9), start  # a warm step (most often 1 or 2), or later where the kill came late
     assert_same_curve(ref, losses(run_dir / "r0"))

@@ -622,6 +622,28 @@ def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
     assert w.allowance() == 4.0 + 8 * 2.0 + 3.0
 
 
+def test_the_progress_deadline_expects_diloco_outer_steps_where_they_end_after_the_warm_up() -> None:
+    """[sync] warmup_steps = 30, inner_steps = 20: outer all_sums after every step to 30 (each a
+    step of its own, all_sum included), then after 50, 70, 90. A 6 s outer all_sum after 0.5 s inner
+    steps must not read as a stall there, and steps 40 and 60 are plain inner steps."""
+    from dpool.daemon.watch import StepWatch
+    from dpool.protocol.jobspec import parse_job
+
+    spec = parse_job({"name": "d", "train": {"steps": 200}, "eval": {"every_steps": 1000, "sample_every_steps": 1000},
+                      "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 20, "warmup_steps": 30}}, source="test")
+    w = StepWatch.start(spec, 0.0)
+    assert [w.after(s) for s in (29, 30, 40, 50, 60, 70)] == [[], [], [], ["outer"], [], ["outer"]]
+    t = 1.0
+    for step in range(1, 101):
+        w.observe(step, t, 0.5)
+        if step in (50, 70):
+            first = step == 50
+            assert w.allowance() >= (w.start_s if first else 6.5), (step, w.allowance())  # not a stall
+        t += 1.5 if step < 30 else 6.5 if step in (50, 70, 90) else 0.5  # warm steps: 0.5 s and a 1 s all_sum
+    assert abs(w.extra["outer"] - 6.0) < 1e-6
+    assert w.after(100) == [] and w.allowance() == 8 * 0.5  # inner steps: the median no longer holds warm-up steps
+
+
 def test_a_joining_node_grows_the_job_at_a_checkpoint_without_using_a_restart() -> None:
     pool = running_pool(("a", "b"), hi=3)
     out = join(pool, "c", 1, now=2.0)
