@@ -109,6 +109,7 @@ finally:
 
 from dpool.protocol.commmodel import Link, ring_seconds  # noqa: E402
 from dpool.protocol.jobspec import SyncSpec  # noqa: E402
+from dpool.protocol.rounds import Rounds  # noqa: E402
 from dpool.trainer.dist import BUCKET_BYTES  # noqa: E402
 
 HOSTS = ("r0", "r1", "r2")
@@ -538,9 +539,10 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
             half = 2 if r["sync"].get("dtype") == "bfloat16" else 1
             # Outer steps of H past the warm-up, whole: a row first shows when its outer step ends
             # (its all_sum sent), so the span runs from one outer step's end to another's.
-            ends = range(warm + h, r["steps"], h)
+            rounds = Rounds(h, warm).after(0, r["steps"])  # the trainer's cut of the run
+            ends = [o[-1] for o in rounds if o[-1] > warm and o[-1] < r["steps"]]
             dl_steady = steady_bytes_per_token(r, ends[0], ends[-1]) if len(ends) >= 2 else None
-            sums = min(warm, r["steps"]) + -(-max(0, r["steps"] - warm) // h)  # all_sums in the whole run
+            sums = len(rounds)  # all_sums in the whole run
             whole = (sum(sync["sent_bytes"].values()) / sync["tokens_total"], sum(r["sent_bytes"].values()) / r["tokens_total"])
             speed = sync["seconds_per_token"] / r["seconds_per_token"]
             loss = r["val_loss"] / sync["val_loss"] - 1

@@ -53,7 +53,7 @@ class Forecast:
     compute_s: float | None
     compute_from: str | None  # the job whose measured step gave compute_s
     share: float | None
-    warmup: int = 0  # diloco: synchronous steps first, one all_sum each (not in `seconds` or `share`)
+    warmup: int = 0  # diloco: warm-up steps first, one all_sum each (not in `seconds` or `share`; 0 in sync mode)
 
     def lines(self) -> list[str]:
         """What --dry-run says (stderr)."""
@@ -116,8 +116,7 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
         share = comm_share(seconds, compute)
     if ranks < 2:
         seconds, share = 0.0, 0.0
-    warmup = sync.warmup_steps if sync.mode == "diloco" else 0
-    return Forecast(params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share, warmup)
+    return Forecast(params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share, sync.warmup_steps)
 
 
 def _compute(spec: JobSpec, nbytes: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:
