@@ -54,6 +54,7 @@ class Forecast:
     compute_from: str | None  # the job whose measured step gave compute_s
     share: float | None
     warmup: int = 0  # diloco: warm-up steps first, one all_sum each (not in `seconds` or `share`; 0 in sync mode)
+    warmup_share: float | None = None  # of each warm-up step, in all_sum (None: no warm-up, or not known)
 
     def lines(self) -> list[str]:
         """What --dry-run says (stderr)."""
@@ -76,6 +77,8 @@ class Forecast:
             out.append("communication: the share of a step needs a measured step (none of a job of this name and size yet)")
         else:
             out.append(f"communication: about {self.share:.0%} of each step (compute {_secs(self.compute_s or 0.0)} per step, as {self.compute_from} measured it)")
+        if self.warmup_share is not None:
+            out.append(f"communication: about {self.warmup_share:.0%} of each of the first {self.warmup} steps (the warm-up's all_sum every step)")
         return out
 
     def warning(self) -> str | None:
@@ -111,12 +114,16 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     comm = step_comm(params, ranks, link or Link(1.0, 0.0), dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
     seconds = comm.seconds if link is not None else None
     compute, source = _compute(spec, comm.nbytes, ranks, jobs)
-    share = None
+    share = warm = None
     if seconds is not None and compute is not None:
         share = comm_share(seconds, compute)
+        if sync.warmup_steps:
+            warm = comm_share(step_comm(params, ranks, link or Link(1.0, 0.0), dtype=sync.dtype).seconds, compute)
     if ranks < 2:
-        seconds, share = 0.0, 0.0
-    return Forecast(params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share, sync.warmup_steps)
+        seconds, share, warm = 0.0, 0.0, None
+    return Forecast(
+        params, comm.nbytes, comm.every, ranks, chosen, link, pace, len(figures), pairs, seconds, compute, source, share, sync.warmup_steps, warm,
+    )
 
 
 def _compute(spec: JobSpec, nbytes: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:

@@ -15,8 +15,10 @@ until the next group starts, and every group start measures again.
 The prediction (protocol/commmodel.py): the ring model on the running group's own probe (its
 slowest link), the job's bytes per all_sum (parameters x the `[sync] dtype`'s bytes), one all_sum
 per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step measured
-as the median of rank 0's recent step times (in sync mode less the predicted all_sum, which each of
-those steps includes). A share above COMM_BOUND gets one `job.comm_bound` event per job.
+as the median of rank 0's recent step times (less the predicted all_sum where the step had one of its
+own: every step in sync mode, a diloco job's `warmup_steps`). While a diloco job is in its warm-up
+its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
+job, for a share above COMM_BOUND) reads the steps after it, which the job is about.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dpool.protocol.commmodel import (
 )
 from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.payloads import LINKS_MAX, MAX_SECONDS, CommRow, LinkRow
+from dpool.protocol.rounds import Rounds
 from dpool.protocol.schema import MAX_INT
 
 STEPS_KEPT = 32  # rank 0's recent step times kept per job (the median of them is its step)
@@ -59,7 +62,8 @@ class JobLink:
     ring: tuple[str, ...]  # the node of each rank
     link: Link | None  # its probe (None: a group of one, or no probe)
     params: int
-    steps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
+    # (seconds, summed): each recent step of rank 0, and whether it had an all_sum of its own
+    steps: collections.deque[tuple[float, bool]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
     seen: int = 0  # steps reported in this generation
 
 
@@ -72,6 +76,7 @@ class Prediction:
     pace: tuple[str, str]  # the link named as the ring's pace
     ranks: int
     global_batch: int
+    warm: bool = False  # of a diloco warm-up step: the job's choice for a while, not warned about
 
     def row(self) -> CommRow:
         """Within the reply's bounds, whatever a node reported (a 1 bit/s ring, 2^53 parameters):
@@ -83,7 +88,7 @@ class Prediction:
         )
 
     def warning(self) -> str | None:
-        if self.share is None:
+        if self.share is None or self.warm:
             return None
         return bound_warning(self.share, "the ring's slowest link, " + describe_link(*self.pace, self.link))
 
@@ -115,17 +120,18 @@ class Links:
         }
         return [Record(job.id, "group.link", now, fields)]
 
-    def step(self, now: float, job: Job, generation: int, seconds: float) -> list[Record]:
-        """Rank 0 finished a step of `seconds`; at CHECK_AT steps into a generation, a job whose
-        predicted share is above COMM_BOUND gets its one `job.comm_bound` event."""
+    def step(self, now: float, job: Job, generation: int, step: int, seconds: float) -> list[Record]:
+        """Rank 0 finished global step `step` in `seconds`; at CHECK_AT steps into a generation, a
+        job whose predicted share after any warm-up is above COMM_BOUND gets its one
+        `job.comm_bound` event."""
         known = self.jobs.get(job.id)
         if known is None or known.generation != generation or seconds <= 0:
             return []
-        known.steps.append(seconds)
+        known.steps.append((seconds, _summed(job, step)))
         known.seen += 1
         if known.seen not in CHECK_AT or job.id in self.warned:
             return []
-        p = self.predict(job)
+        p = self.predict(job, steady=True)
         if p is None or p.share is None or p.warning() is None:
             return []
         self.warned.add(job.id)
@@ -143,8 +149,9 @@ class Links:
 
     # -- what is asked -------------------------------------------------------------------------
 
-    def predict(self, job: Job) -> Prediction | None:
-        """The prediction for the job's newest reported group (the running one, while it runs);
+    def predict(self, job: Job, steady: bool = False) -> Prediction | None:
+        """The prediction for the job's newest reported group (the running one, while it runs), for
+        the step it takes next (`steady`: for the steps after a diloco warm-up, wherever it is);
         None when the pool does not know enough (no report of the running generation, or a ring
         with no measured link)."""
         known = self.jobs.get(job.id)
@@ -159,10 +166,15 @@ class Links:
                 return None
             link = min(figures, key=lambda x: x.bandwidth_bps)
         sync = job.spec.sync
-        comm = step_comm(known.params, len(known.ring), link, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
-        compute = measured_compute(statistics.median(known.steps), comm) if len(known.steps) >= MIN_STEPS else None
+        each = step_comm(known.params, len(known.ring), link, dtype=sync.dtype)  # an all_sum every step
+        after = step_comm(known.params, len(known.ring), link, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
+        warm = not steady and after.every > 1 and _summed(job, job.step + 1)
+        comm = each if warm else after
+        compute = None
+        if len(known.steps) >= MIN_STEPS:
+            compute = statistics.median(measured_compute(s, each if summed else after) for s, summed in known.steps)
         share = None if compute is None else min(1.0, max(0.0, comm_share(comm.seconds, compute)))
-        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch)
+        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch, warm)
 
     def share(self, job: Job) -> tuple[float | None, CommRow | None]:
         """`status JOB --json`'s comm_share (for a running job; 0.0 for a group of one, which sums
@@ -195,6 +207,14 @@ class Links:
                     age_s=round(max(0.0, now - got.at), 3),
                 ))
         return out[:LINKS_MAX]
+
+
+def _summed(job: Job, step: int) -> bool:
+    """Whether global step `step` of the job has an all_sum of its own: every step in sync mode; in
+    diloco mode a warm-up step (an outer step of one step). A diloco step that ends an outer step of
+    H also has one; the median of recent steps leaves those out."""
+    sync = job.spec.sync
+    return sync.mode != "diloco" or Rounds(sync.inner_steps, sync.warmup_steps).warm(step)
 
 
 def _seconds(s: float) -> float:

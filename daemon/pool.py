@@ -629,7 +629,7 @@ class Pool:
             job.watch.observe(seen, now, seconds)
         actions: list[Action] = []
         if msg.rank == 0:
-            actions += self.links.step(now, job, msg.generation, seconds)  # rank 0's step: the group's
+            actions += self.links.step(now, job, msg.generation, step, seconds)  # rank 0's step: the group's
         if job.machine.forming:
             # A step done means the rank is up, even if its hello was lost.
             actions += self._feed(job, js.RankUp(msg.generation, msg.rank), now)

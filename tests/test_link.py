@@ -157,9 +157,11 @@ def test_only_rank_0_of_the_current_generation_reports_the_ring() -> None:
 
 
 def share_of(links: Links, j: Job, steps: list[float], gen: int = 1) -> list[Record]:
+    """Rank 0's next steps took `steps` seconds each (j.step moves as the pool moves it)."""
     events: list[Record] = []
     for s in steps:
-        events += links.step(100.0, j, gen, s)
+        j.step += 1
+        events += links.step(100.0, j, gen, j.step, s)
     return events
 
 
@@ -202,6 +204,27 @@ def test_a_comm_bound_job_gets_one_event_naming_the_slow_link() -> None:
     d = job_on(("a", "b", "c"), name="d", sync={"mode": "diloco", "inner_steps": 100, "replicas": 3})
     links.observe(1.0, d, NodeLink(job=d.id, generation=1, rank=0, ring=probe(10, 5.0), params=5_000_000))
     assert share_of(links, d, [comm_s * 0.2] * 40) == []
+
+
+def test_a_diloco_warm_up_shows_its_own_share_and_is_not_what_the_comm_bound_check_reads() -> None:
+    """The first warmup_steps of a diloco job all_sum every step: while it runs them its share is
+    theirs, their all_sum is not taken for compute, and the comm_bound check is about the steps
+    after (an all_sum per inner_steps), which is what the job chose."""
+    links = Links()
+    d = job_on(("a", "b", "c"), name="w", sync={"mode": "diloco", "inner_steps": 100, "replicas": 3, "warmup_steps": 30})
+    links.observe(1.0, d, NodeLink(job=d.id, generation=1, rank=0, ring=probe(10, 5.0), params=5_000_000))
+    each = step_comm(5_000_000, 3, Link(10e6, 5e-3)).seconds
+    compute = each * 0.2  # a warm-up step is five sixths all_sum
+    assert share_of(links, d, [compute + each] * 10) == []  # the check at step 8 reads the steps after the warm-up
+    share, comm = links.share(d)
+    assert comm is not None and comm.every == 1 and comm.compute_s == pytest.approx(compute, rel=1e-3)
+    assert share == pytest.approx(each / (each + compute), rel=1e-3) and comm.warning is None  # comm-bound, by the job's choice
+    share_of(links, d, [compute + each] * 20 + [compute] * 5)  # step 30 ends the warm-up
+    share, comm = links.share(d)
+    assert comm is not None and comm.every == 100 and comm.compute_s == pytest.approx(compute, rel=1e-3)
+    assert share == pytest.approx(each / 100 / (each / 100 + compute), rel=1e-3) and comm.warning is None
+    # The same job without the warm-up's all_sums subtracted would have read 6x the compute.
+    assert links.jobs[d.id].steps[0] == (pytest.approx(compute + each), True) and links.jobs[d.id].steps[-1][1] is False
 
 
 def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_and_a_measured_step() -> None:
@@ -438,3 +461,9 @@ def test_submit_warns_on_a_slow_link_once_a_job_of_the_same_name_and_size_measur
     assert f.share is not None and f.share > 0.5
     text = f.warning()
     assert text is not None and "a <-> b (10 Mbit/s, 2 ms)" in text and "diloco" in text
+    # A diloco job with a warm-up: the share of the steps after it, and the warm-up's own.
+    w = parse_job({"name": "wifi", "workers": {"max": 2}, "train": {"global_batch": 32}, "model": {"layers": 4, "dim": 256, "heads": 4},
+                   "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 50, "warmup_steps": 20}}, source="test")
+    fw = client_comm.forecast(w, nodes, [earlier])
+    assert fw is not None and fw.share is not None and fw.warmup_share == pytest.approx(f.share) and fw.seconds == pytest.approx(f.seconds / 50)
+    assert any(f"about {f.share:.0%} of each of the first 20 steps" in line for line in fw.lines()), fw.lines()
