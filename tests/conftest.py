@@ -20,6 +20,18 @@ from dpool.protocol.payloads import JobStatus
 
 __all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "wait_for"]
 TERMINAL = ("succeeded", "failed", "cancelled")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile the project's bytecode once. The tests start thousands of Python processes (dpds,
+    trainers, dpctl), each importing the project from source; where PYTHONDONTWRITEBYTECODE is set
+    (as in many CI images) none of them writes its bytecode, so each compiled every module again:
+    about 0.3 s of CPU a process here, ~4% of the suite's time. Existing bytecode is still read."""
+    import compileall
+
+    for folder in ("dpool_pkg", "protocol", "daemon", "client", "trainer", "staging", "dashboard", "tests"):
+        compileall.compile_dir(str(ROOT / folder), quiet=2, force=False)
 
 
 def alive(pid: int) -> bool:
