@@ -111,14 +111,15 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     pairs = len(chosen) * (len(chosen) - 1) // 2
     pace = min(figures, key=lambda p: figures[p].bandwidth_bps) if figures else None
     link = figures[pace] if pace else None
-    comm = step_comm(params, ranks, link or Link(1.0, 0.0), dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
+    ring = link or Link(1.0, 0.0)  # the bytes only, when no link is measured
+    comm = step_comm(params, ranks, ring, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
     seconds = comm.seconds if link is not None else None
     compute, source = _compute(spec, comm.nbytes, ranks, jobs)
     share = warm = None
     if seconds is not None and compute is not None:
         share = comm_share(seconds, compute)
         if sync.warmup_steps:
-            warm = comm_share(step_comm(params, ranks, link or Link(1.0, 0.0), dtype=sync.dtype).seconds, compute)
+            warm = comm_share(step_comm(params, ranks, ring, dtype=sync.dtype).seconds, compute)
     if ranks < 2:
         seconds, share, warm = 0.0, 0.0, None
     return Forecast(
