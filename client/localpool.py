@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Self, TypeVar
@@ -126,6 +126,7 @@ class Processes:
         self.marker = f"{Path(root).absolute()}{os.sep}"
         self.started: list[subprocess.Popen[bytes]] = []
         self.labels: dict[int, str] = {}
+        self.logs: dict[int, Path] = {}
 
     def start(self, cmd: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None, cwd: Path | None = None, label: str = "") -> subprocess.Popen[bytes]:
         """Start `cmd` with stdin closed and stdout and stderr written to `log`; `label` names it
@@ -134,7 +135,20 @@ class Processes:
             p = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         self.started.append(p)
         self.labels[p.pid] = label or Path(cmd[0]).name
+        self.logs[p.pid] = Path(log)
         return p
+
+    def log_tails(self, lines: int) -> Iterator[str]:
+        """The last `lines` lines of each started process's log, each under a heading naming the
+        process, its pid and how it ended."""
+        for p in self.started:
+            log = self.logs[p.pid]
+            try:
+                text = log.read_text(errors="replace").splitlines()
+            except OSError as e:
+                text = [f"(unreadable: {e})"]
+            yield f"----- {self.labels[p.pid]} (pid {p.pid}, exit {p.returncode}): last {min(lines, len(text))} of {len(text)} lines of {log}"
+            yield from text[-lines:]
 
     def stop_all(self, timeout: float = STOP_TIMEOUT_S, report: Callable[[str], None] | None = None) -> list[subprocess.Popen[bytes]]:
         """End every process started here and every leftover under `root`; the ones that had to be

@@ -41,6 +41,9 @@ class Client:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        # a send waits for the connection's queue at most this long: libzmq drops the queue when
+        # the coordinator refuses the CURVE handshake, and a send would otherwise wait forever
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
         if keys is not None:
             curve_client(self._sock, keys)
         self._sock.connect(addr)
@@ -75,7 +78,10 @@ class Client:
 
     def _send(self, request: Message) -> int:
         msg_id = next(self._ids)
-        self._sock.send_multipart(request.to_frames(msg_id))
+        try:
+            self._sock.send_multipart(request.to_frames(msg_id))
+        except zmq.Again:
+            raise self._unreachable(self.timeout_s) from None
         return msg_id
 
     def _reply(self, msg_id: int, expect: type[T], waiting: dict[int, Message | None], timeout_s: float) -> T:

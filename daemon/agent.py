@@ -309,7 +309,12 @@ class Agent(WarmTrainers):
             exited=list(self.exited),
             holdings=self._holdings(),
         )
-        self.craw.send_multipart(register.to_frames(1), flags=zmq.NOBLOCK)
+        try:
+            self.craw.send_multipart(register.to_frames(1), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # libzmq drops a connection's queue when the coordinator refuses its CURVE handshake; on
+            # a loaded machine that can happen between connect() and this send
+            raise NoAnswer(f"{self.join} closed the connection before this dpd could register (its handshake refused: is this node's key in the pool's allow-list?)") from None
         deadline = time.monotonic() + max(REGISTER_WAIT_S, self.heartbeat_s * self.liveness)
         while (left := deadline - time.monotonic()) > 0:
             if stopping.is_set():

@@ -1367,6 +1367,7 @@ class _Upload:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_DATA_BYTES)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))  # a refused handshake drops the queue
         if source.server_key is not None and keys is not None:
             self.sock.curve_publickey, self.sock.curve_secretkey = keys.public, keys.secret
             self.sock.curve_serverkey = source.server_key
@@ -1451,7 +1452,10 @@ class _Upload:
 
     def _send(self, msg: Message, data: bytes) -> int:
         msg_id, self.next_id = self.next_id, self.next_id + 1
-        self.sock.send_multipart([*msg.frames(msg_id), data], copy=False)
+        try:
+            self.sock.send_multipart([*msg.frames(msg_id), data], copy=False)
+        except zmq.Again:
+            raise UploadError(f"{self.source}: could not send within {self.timeout_s:g} s (its handshake refused, or it stopped reading)", Code.REFUSED) from None
         return msg_id
 
     def _recv(self) -> tuple[int, Message, memoryview | None]:

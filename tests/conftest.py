@@ -44,13 +44,33 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """The phase a test failed in kept on its item (`item.stash[FAILED]`), for fixtures that show
+    more when it failed."""
+    report = yield
+    if report.failed:
+        item.stash[FAILED] = report.when
+    return report
+
+
+FAILED = pytest.StashKey[str]()
+LOG_TAIL = 60  # lines of each process's log shown when a test fails
+
+
 @pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
+def processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Processes]:
+    """Processes the test starts, all ended after it. When the test fails, the last lines of each
+    one's log are printed (pytest shows them under the failure), so a failure in CI, where the
+    files are gone, can be read."""
     procs = Processes(str(tmp_path))
     try:
         yield procs
     finally:
         procs.stop_all()
+        if request.node.stash.get(FAILED, None) is not None:
+            for line in procs.log_tails(LOG_TAIL):
+                print(line)
 
 
 class LocalPool(localpool.LocalPool):

@@ -9,20 +9,24 @@ process (`peers.Running`) with peers that hold a node's or a client's bundle, th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zmq.asyncio
 import zmq.auth
 from conftest import LocalPool, Processes, wait_for
 from jobs import write_job
 from peers import Peer, Running
 
 from dpool.client.rpc import Client, RemoteError
+from dpool.daemon.agent import Agent
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.security import AllowList, client_keys, server_keys
@@ -136,6 +140,61 @@ def test_a_removed_key_is_refused_on_its_next_message_and_its_node_is_lost(tmp_p
         assert isinstance(reply, m.Error) and reply.code == "not_registered", reply
         assert isinstance(a.register("a", slots=1, advertise="127.0.0.1"), m.NodeRegistered)
         assert node_rows(coord)["a"].state != "lost"
+
+
+class AgainOnce(zmq.Socket):  # type: ignore[type-arg]
+    """A DEALER whose first `node.register` is refused by libzmq (EAGAIN), as it is when the
+    coordinator refuses the CURVE handshake between a dpd's connect() and its send: libzmq drops
+    the connection's queue until it connects again (a window of milliseconds, which a loaded
+    machine hits)."""
+
+    refused = 0
+
+    def send_multipart(self, frames: Any, flags: int = 0, **kw: Any) -> Any:
+        if flags & zmq.NOBLOCK and AgainOnce.refused == 0 and m.decode_header(frames[0])[0] is m.MsgType.NODE_REGISTER:
+            AgainOnce.refused += 1
+            raise zmq.Again()
+        return super().send_multipart(frames, flags, **kw)
+
+
+def test_a_dpd_whose_register_is_refused_by_a_closed_connection_tries_again(tmp_path: Path, keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It crashed with zmq.Again before (seen in CI: the key put back, the dpd was gone)."""
+    shadow = zmq.Socket.__dict__["shadow"].__func__  # the classmethod's function: called with a class
+
+    def dealer_again_once(address: Any) -> zmq.Socket[Any]:
+        sock = shadow(zmq.Socket, address)
+        return shadow(AgainOnce, address) if sock.type == zmq.DEALER else sock
+
+    coord = Running(tmp_path, keys=server_keys(keys), client=client_keys(keys, "client"))
+    try:
+        monkeypatch.setattr(zmq.Socket, "shadow", staticmethod(dealer_again_once))
+
+        async def main() -> None:
+            ctx = zmq.asyncio.Context()
+            node_keys = client_keys(keys / "bundles" / "a", "node", "a")
+            agent = Agent(ctx, name="a", join=coord.addr, state_dir=tmp_path / "state-a", slots=1, advertise="127.0.0.1", keys=node_keys)
+            stopping = asyncio.Event()
+            run = asyncio.create_task(agent.run(stopping))
+            try:
+                for _ in range(200):
+                    if agent.registered or run.done():
+                        break
+                    await asyncio.sleep(0.05)
+                assert not run.done(), run.result()  # a crash shows its exception here
+                assert agent.registered
+                assert (await asyncio.to_thread(node_rows, coord))["a"].state == "idle"
+            finally:
+                stopping.set()
+                await asyncio.wait_for(run, 15)
+                ctx.destroy(linger=0)
+
+        asyncio.run(main())
+        assert AgainOnce.refused == 1
+        retries = [e for e in coord.logs if e["event"] == "coordinator.retry"]
+        assert len(retries) == 1 and retries[0]["attempt"] == 1, retries
+    finally:
+        monkeypatch.undo()
+        coord.stop()
 
 
 def test_roles_lists_every_key_allowed_now(keys: Path) -> None:
