@@ -392,13 +392,16 @@ class JobMachine:
             return self._stop_group(now, StopMode.CHECKPOINT, Cause.MEMBERSHIP, f"rank {e.rank} on {e.node} stopped at a checkpoint", settle=False)
         said = {"error": e.error} if e.error else {}
         failed = Emit("worker.failed", {"rank": e.rank, "node": e.node, "reason": "exit", "code": e.code, **said, **({"stopped": True} if e.stopped else {})})
-        if e.code == 2 and not e.stopped:
+        if e.code == 2 and (not e.stopped or e.error):
             # The trainer refused its input there (a path missing on that machine, files that
             # differ, a model it cannot load): no restart on that node can help, and another node
             # may serve the job. So that node sits the job out and the group restarts without it,
             # as a membership change (no restart used); the pool fails the job at once when no
             # node is left that can serve it. Also while stopping: its peers' "connection lost"
             # exits often arrive first and start a restart, which is then not counted either.
+            # A stop on its way changes nothing when the trainer said why it refused (exit 2 is
+            # only ever a refusal): its ranks refuse together (trainer/loop.py _build_together),
+            # and the stop the first one caused often reaches the others as they exit.
             why = f"rank {e.rank}: {e.error}" if e.error else f"rank {e.rank} refused the job file"
             unfit: list[Action] = [failed, Unfit(e.node, why)]
             if self.phase in (Phase.STOPPING, Phase.CHECKPOINTING):

@@ -219,6 +219,9 @@ def test_input_every_node_refuses_fails_the_job_at_once_naming_each_node_and_its
     events = pool.dpctl_json("events", job_id)
     failed = [e for e in events if e["kind"] == "worker.failed" and e.get("code") == 2]
     assert {(e["node"], e["reason"]) for e in failed} == {("n0", "exit"), ("n1", "exit")} and "validation split" in failed[0]["error"]
+    # Both in the one generation: its ranks refuse together, before either leaves, so the stop the
+    # first refusal causes cannot silence the second (which left n0 to be asked again 30 s later).
+    assert status["generation"] == 1, status
     assert {e["node"] for e in events if e["kind"] == "node.unfit"} == {"n0", "n1"}  # n1 first for lacking the files, until n0 named them
     kinds = [e["kind"] for e in events]
     assert "group.resumed" not in kinds and kinds[-1] == "job.failed"  # no restart was tried

@@ -92,6 +92,21 @@ def test_exit_2_after_its_peers_connection_lost_takes_back_the_restart_they_star
     assert js.Unfit("a", "rank 0: files differ") in out and jm.restarts == 0
 
 
+def test_exit_2_of_a_rank_the_first_refusals_stop_reached_still_leaves_its_node_out() -> None:
+    """Both ranks refuse the input: the first one's exit stops the group, and the second's exit 2,
+    with its reason, arrives marked stopped (the stop reached its dpd as it exited). Its node is
+    unfit all the same (before, only the first node was, and the job waited for the second)."""
+    jm = launched(2)
+    out = jm.handle(js.RankExited(1, 1, "b", 2, False, "the validation split has 0 tokens"), 3.0)
+    assert js.Unfit("b", "rank 1: the validation split has 0 tokens") in out
+    out = jm.handle(js.RankExited(1, 0, "a", 2, True, "the validation split has 0 tokens"), 3.01)
+    assert js.Unfit("a", "rank 0: the validation split has 0 tokens") in out and jm.restarts == 0
+    # A stopped rank's exit 2 without a reason is not taken for a refusal.
+    jm = launched(2)
+    jm.handle(js.RankExited(1, 1, "b", 2, False, "files differ"), 3.0)
+    assert not [a for a in jm.handle(js.RankExited(1, 0, "a", 2, True), 3.01) if isinstance(a, js.Unfit)]
+
+
 def test_events_of_an_old_generation_are_ignored() -> None:
     jm = launched(2)
     assert jm.handle(js.RankUp(0, 0), 2.0) == [] and jm.up == set()

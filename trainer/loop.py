@@ -28,6 +28,7 @@ from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, 
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
+from dpool.trainer.lm import ModelError
 from dpool.trainer.memstate import MemoryState, memory_dir
 from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import restore as _restore
@@ -63,6 +64,30 @@ def parse_shares(text: str | None, world: int, global_batch: int) -> list[int]:
     if sum(shares) != global_batch:
         raise UsageError(f"--shares {text!r}: they add up to {sum(shares)}, train.global_batch is {global_batch}")
     return shares
+
+
+INPUT_ERRORS = (DataError, ModelError)  # a task this machine's files cannot build: exit 2
+
+
+def _build_together(spec: JobSpec, group: Group, cache: Path) -> Any:
+    """Build the model and data; then the ranks say, in one all_sum, whether they could, before
+    any leaves. A rank that refuses the input (exit 2: its node sits the job out) would otherwise
+    exit while a slower rank still builds, and the group's stop would kill that rank before it
+    said that it refuses the input too: its node would be asked again later, for nothing. So each
+    rank that refuses exits 2 with its own reason, and within a moment of the others; a rank that
+    could build the task exits 1 (a peer's failure, not held against its node)."""
+    refused: Exception | None = None
+    try:
+        task = build_task(spec, cache)
+    except INPUT_ERRORS as e:
+        refused = e
+    if group.size > 1:
+        (count,) = group.sum_ints([int(refused is not None)])
+        if refused is None and count:
+            raise RuntimeError(f"{count} other rank(s) could not build the job's model or data on their machine")
+    if refused is not None:
+        raise refused
+    return task
 
 
 def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -> None:
@@ -142,7 +167,7 @@ def run(
     t = spec.train
 
     if task is None:
-        task = build_task(spec, _cache_dir(run_dir))
+        task = _build_together(spec, group, _cache_dir(run_dir))
         mark("model_and_data")
     _same_everywhere(group, task.fingerprints, spec)
     if spec.sync.mode == "diloco":
