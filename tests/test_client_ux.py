@@ -13,11 +13,10 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import LocalPool, Processes, alive, pids_with, wait_for
+from conftest import LocalPool, Processes, alive, pids_with, share_mlx_kernels, wait_for
 from jobs import write_job
 
 from dpool.client.plot import JobRecord, restarts
@@ -42,11 +41,8 @@ def dpctl(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None
 
 def demo_env(tmp_path: Path) -> dict[str, str]:
     """The demo's environment: TMPDIR puts its pool under tmp_path, so the fixture can clean it up if
-    a test fails. MLX's CPU backend keeps the kernels it compiles under TMPDIR too (TMPDIR/mlx), so
-    that folder is the machine's own: a fresh one cost each demo ~25 s of g++ before its first step."""
-    shared = Path(tempfile.gettempdir()) / "mlx"
-    shared.mkdir(exist_ok=True)
-    (tmp_path / "mlx").symlink_to(shared, target_is_directory=True)
+    a test fails; its MLX kernel cache is the machine's own."""
+    share_mlx_kernels(tmp_path)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("DPOOL_COORDINATOR", None)
     return env

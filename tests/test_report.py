@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import LocalPool, Processes, wait_for
+from conftest import LocalPool, Processes, share_mlx_kernels, wait_for
 from jobs import write_job
 
 from dpool.protocol.jobfile import dump_job
@@ -28,14 +28,15 @@ from dpool.protocol.messages import Submit, decode
 from dpool.trainer.wandb_writer import Tokens, Writer, logged_step, wandb_row
 
 STEPS = 600  # long enough that W&B holds steps of the run well before its end (opening it takes a second or more)
+UNREACHABLE_STEPS = 60
 EVERY = 50  # a checkpoint every 50 steps: a restart recomputes steps W&B holds
 OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
 TIMEOUT = 180.0
 
 
-def wandb_job(folder: Path, name: str, **sections: Any) -> Path:
+def wandb_job(folder: Path, name: str, steps: int = STEPS, **sections: Any) -> Path:
     return write_job(
-        folder, name, train={"steps": STEPS, "log_every_steps": 1}, checkpoint={"every_steps": EVERY},
+        folder, name, train={"steps": steps, "log_every_steps": 1}, checkpoint={"every_steps": EVERY},
         eval={"every_steps": 100, "batches": 1, "sample_every_steps": 1000}, report={"to": ["wandb"], "project": "dpool-tests"}, **sections,
     )
 
@@ -209,13 +210,16 @@ def _step(metrics: Path) -> int:
 
 
 def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(tmp_path: Path) -> None:
-    job, run_dir = wandb_job(tmp_path, "unreachable"), tmp_path / "run"
+    # W&B never opens the run, so the trainer's end, not a step count, is what the writer waits
+    # for: a short run (60 steps, 6 s here) tests what 600 do
+    job, run_dir = wandb_job(tmp_path, "unreachable", steps=UNREACHABLE_STEPS), tmp_path / "run"
     tmp = tmp_path / "tmp"  # the machine's temporary folder, as the trainer and its writer see it
     tmp.mkdir()
+    share_mlx_kernels(tmp)
     env = {**os.environ, "WANDB_MODE": "online", "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40, "TMPDIR": str(tmp)}
     r = subprocess.run(trainer(job, run_dir), capture_output=True, text=True, timeout=TIMEOUT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _step(run_dir / "metrics.jsonl") == STEPS
+    assert _step(run_dir / "metrics.jsonl") == UNREACHABLE_STEPS
     assert '"report.unfinished"' in r.stdout + r.stderr  # the trainer says so, in its own output
     said = (run_dir / "report.log").read_text()  # and the writer why, in its own file
     assert '"report.abandoned"' in said or '"report.unavailable"' in said, said[-2000:]
