@@ -69,18 +69,14 @@ def parse_shares(text: str | None, world: int, global_batch: int) -> list[int]:
 INPUT_ERRORS = (DataError, ModelError)  # a task this machine's files cannot build: exit 2
 
 
-def _build_together(spec: JobSpec, group: Group, cache: Path) -> Any:
-    """Build the model and data; then the ranks say, in one all_sum, whether they could, before
-    any leaves. A rank that refuses the input (exit 2: its node sits the job out) would otherwise
-    exit while a slower rank still builds, and the group's stop would kill that rank before it
-    said that it refuses the input too: its node would be asked again later, for nothing. So each
-    rank that refuses exits 2 with its own reason, and within a moment of the others; a rank that
-    could build the task exits 1 (a peer's failure, not held against its node)."""
-    refused: Exception | None = None
-    try:
-        task = build_task(spec, cache)
-    except INPUT_ERRORS as e:
-        refused = e
+def _refuse_together(group: Group, task: Any, refused: Exception | None) -> Any:
+    """The ranks say, in one all_sum, whether they could build the model and data, before any
+    leaves; every rank takes part (a warm one built its task before it joined, and could). A rank
+    that refuses its input (exit 2: its node sits the job out) would otherwise exit while a slower
+    rank still builds, and the group's stop would kill that rank before it said that it refuses the
+    input too: its node would be asked again later, for nothing. So each rank that refuses exits 2
+    with its own reason, within a moment of the others; a rank that could build the task exits 1
+    (a peer's failure, not held against its node)."""
     if group.size > 1:
         (count,) = group.sum_ints([int(refused is not None)])
         if refused is None and count:
@@ -166,9 +162,14 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     t = spec.train
 
+    refused: Exception | None = None
     if task is None:
-        task = _build_together(spec, group, _cache_dir(run_dir))
+        try:
+            task = build_task(spec, _cache_dir(run_dir))
+        except INPUT_ERRORS as e:
+            refused = e
         mark("model_and_data")
+    task = _refuse_together(group, task, refused)
     _same_everywhere(group, task.fingerprints, spec)
     if spec.sync.mode == "diloco":
         describe = {**task.describe(), "startup_s": marks, "warm": warm}
