@@ -400,7 +400,7 @@ class JobMachine:
             # node is left that can serve it. Also while stopping: its peers' "connection lost"
             # exits often arrive first and start a restart, which is then not counted either.
             # A stop on its way changes nothing when the trainer said why it refused (exit 2 is
-            # only ever a refusal): its ranks refuse together (trainer/loop.py _build_together),
+            # only ever a refusal): its ranks refuse together (trainer/loop.py _refuse_together),
             # and the stop the first one caused often reaches the others as they exit.
             why = f"rank {e.rank}: {e.error}" if e.error else f"rank {e.rank} refused the job file"
             unfit: list[Action] = [failed, Unfit(e.node, why)]

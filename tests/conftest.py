@@ -56,7 +56,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
     """The phase a test failed in kept on its item (`item.stash[FAILED]`), for fixtures that show
     more when it failed."""
     report = yield

@@ -159,6 +159,7 @@ class AgainOnce(zmq.Socket):  # type: ignore[type-arg]
 
 def test_a_dpd_whose_register_is_refused_by_a_closed_connection_tries_again(tmp_path: Path, keys: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """It crashed with zmq.Again before (seen in CI: the key put back, the dpd was gone)."""
+    AgainOnce.refused = 0
     shadow = zmq.Socket.__dict__["shadow"].__func__  # the classmethod's function: called with a class
 
     def dealer_again_once(address: Any) -> zmq.Socket[Any]:
