@@ -14,6 +14,7 @@ Pure functions and a small stateful tracker: no MLX, no I/O.
 from __future__ import annotations
 
 import os
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from dpool.protocol.shares import MIN_GAIN, apportion
 
 SHARES_ENV = "DPOOL_SHARES"  # a fixed split for benchmarks ("12,6,6"), with workers.balance = false
+MEMORY_MAX = 16  # a split's record lasts at most this many times Balancer.memory steps
 
 
 def step_time(shares: list[int], speeds: list[float]) -> float:
@@ -50,26 +52,44 @@ class Balancer:
     the core's ranks take 13 units where [12, 6, 6] takes 12. The speeds measured at [11, 7, 6]
     predict that (rank 1 measures 7/13 of a core, rank 2 6/12), but the gain is 7.7%: with a 10%
     `min_gain` every neighbour of the best split stayed where it landed (BENCHMARKS.md, "Unlike machines").
+
+    What a split did is remembered, not only what the speeds predict. A rank's speed is not always
+    the same at every share: on a core it shares with its dpd and the coordinator, a rank measured
+    at 5-8 ms a sequence while it had 12 took 8-9 ms at 14, so the speeds at [12, 6, 6] kept
+    proposing [14, 5, 5], and the balancer went there and back every `hold` steps (bench/balance.py
+    through dpds, 2026-12-02). So each split left records its measured step (the slowest rank's
+    compute over the step's work, median of the kept steps), and for `memory` steps a move back to
+    it is made only if it measured `min_gain` faster than the split trained now measures. A split
+    left again is remembered twice as long each time (up to `MEMORY_MAX` times `memory`): a split
+    the speeds misjudge for good is tried ever more rarely. A lasting change of the machines is not
+    held up by this: once the split trained now slows, the one remembered compares better again.
     """
 
     shares: list[int]
     window: int = 3
     min_gain: float = MIN_GAIN
     hold: int = 8
+    memory: int = 40
     _rates: deque[list[float]] = field(default_factory=deque)
+    _times: deque[float] = field(default_factory=deque)  # kept steps' slowest compute per unit of work
+    _tried: dict[tuple[int, ...], tuple[float, int, int]] = field(default_factory=dict)  # split -> (measured step, step left, steps remembered)
     _skip: int = 0  # steps not to learn from: the first under a new split compiles its new shapes
     _changes: int = 0
+    _step: int = 0
 
     def observe(self, rank_seconds: list[float], rank_work: list[float] | None = None) -> None:
         """One step's compute seconds per rank, and the work each did in them (trained tokens;
         default: its share of sequences, all of one length)."""
+        self._step += 1
         if self._skip:
             self._skip -= 1
             return
         work = rank_work if rank_work is not None else self.shares
         self._rates.append([w / max(t, 1e-9) for w, t in zip(work, rank_seconds, strict=True)])
+        self._times.append(max(rank_seconds) / max(sum(work), 1e-12))
         while len(self._rates) > max(self.window, self.hold):
             self._rates.popleft()
+            self._times.popleft()
 
     def speeds(self) -> list[float] | None:
         """Median work per second per rank over the kept steps, or None until `window` are kept."""
@@ -94,12 +114,28 @@ class Balancer:
         faster = sum(step_time(new, row) < step_time(self.shares, row) for row in self._rates)
         if faster < len(self._rates) - len(self._rates) // 4:
             return None  # the median's gain comes from a few steps: wait for steadier evidence
+        if self._measured_no_faster(new):
+            return None  # trained on lately, and slower than the speeds say: they mislead here
         return new
+
+    def _measured_no_faster(self, split: list[int]) -> bool:
+        """Whether `split` was trained lately (within the steps its record lasts) and measured less than `min_gain`
+        faster than the current split measures now."""
+        tried = self._tried.get(tuple(split))
+        if tried is None or self._step - tried[1] > tried[2] or len(self._times) < self.window:
+            return False
+        return tried[0] > (1 - self.min_gain) * statistics.median(self._times)
 
     def adopt(self, shares: list[int]) -> None:
         """Shares changed (every rank switched): timings under the old split no longer apply."""
+        if len(self._times) >= self.window:
+            key = tuple(self.shares)
+            before = self._tried.get(key)
+            span = self.memory if before is None else min(2 * before[2], MEMORY_MAX * self.memory)
+            self._tried[key] = (statistics.median(self._times), self._step, span)
         self.shares = list(shares)
         self._rates.clear()
+        self._times.clear()
         self._skip = 1
         self._changes += 1
 
