@@ -891,8 +891,10 @@ class Agent(WarmTrainers):
             self.early.follow(peer, msg)  # kept if its trainer's hello is (not yet recorded); else one that has exited
             return
         match msg:
-            case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds):
-                self._send(m.NodeProgress(job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds))
+            case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds, resplit=resplit):
+                self._send(m.NodeProgress(
+                    job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds, resplit=resplit,
+                ))
                 w.steps += 1
                 if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:
                     self._spare_soon(w.job, w.slot)  # the slot's next generation starts warm

@@ -626,7 +626,7 @@ class Pool:
             # diloco: ranks step apart between outer steps; the group moves as its slowest rank.
             live = job.machine.live
             seen = min(job.ranks[r].step for r in live if r in job.ranks) if job.spec.sync.mode == "diloco" and live else step
-            job.watch.observe(seen, now, seconds)
+            job.watch.observe(seen, now, seconds, resplit=msg.resplit)
         actions: list[Action] = []
         if msg.rank == 0:
             actions += self.links.step(now, job, msg.generation, step, seconds)  # rank 0's step: the group's

@@ -27,6 +27,12 @@ How long to wait after step s was reported before calling the group stalled:
   step of the live ranks), and the outer step (all_sum, and a checkpoint's gather when one is due)
   is measured and allowed like an evaluation ("outer"). A warm-up step is an outer step of its
   own, an all_sum after every step as in sync mode: its interval is a step's, all_sum included.
+- A new split (sync mode): when rank 0's balancer moves work between ranks, the step after the
+  announcing one is the first under it, and its micro batches have new shapes that the compiled step
+  may not have seen (a compile, seconds on a loaded machine) or may have (none). The ranks flag it in
+  that step's progress (`resplit`), and the next step is allowed the start-up deadline; being so
+  unlike from one time to the next, its cost is not measured. Splits change rarely (the balancer
+  holds each one and remembers the ones it left), so a freeze there is found late only rarely.
 - Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
   checkpoint restore and broadcast, compiling the first step), counted from the launch.
 - After the last step, or once the group was asked to checkpoint and stop, no further step comes:
@@ -44,6 +50,7 @@ from dpool.protocol.rounds import Rounds
 
 RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
+UNMEASURED = frozenset({"split"})  # kinds allowed the start-up deadline each time, never measured
 ETA_MAX_S = 1e11  # a status row's bound on eta_s (3,000 years): a longer estimate is none
 
 
@@ -61,6 +68,7 @@ class StepWatch:
     recent: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
     extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample" / "outer"
     rounds: Rounds | None = None  # diloco: where its outer steps of inner_steps end (None: sync)
+    resplit_at: int | None = None  # the step whose successor runs under a new split (sync mode)
     stopping: bool = False  # asked to checkpoint and stop
 
     @classmethod
@@ -92,12 +100,15 @@ class StepWatch:
             kinds.append("sample")
         if self.rounds is not None and self.rounds.boundary(step) and not self.rounds.warm(step):
             kinds.append("outer")
+        if step == self.resplit_at:
+            kinds.append("split")
         return kinds
 
-    def observe(self, step: int, now: float, seconds: float) -> None:
-        """A rank reported `step` (which took it `seconds`) at `now`; only a new highest step moves
-        the watch. The first report of a generation seeds the median with the trainer's own
-        measure of that step (compiling included, so on the safe side)."""
+    def observe(self, step: int, now: float, seconds: float, resplit: bool = False) -> None:
+        """A rank reported `step` (which took it `seconds`) at `now`, and whether the next step runs
+        under a new split; only a new highest step moves the watch. The first report of a
+        generation seeds the median with the trainer's own measure of that step (compiling
+        included, so on the safe side)."""
         if self.last_step is not None and step <= self.last_step:
             return
         if not self.recent and seconds > 0:
@@ -105,7 +116,7 @@ class StepWatch:
         if self.last_step is not None:
             interval = (now - self.last_at) / (step - self.last_step)
             kinds = self.after(self.last_step) if step == self.last_step + 1 else []
-            if kinds and self.recent:
+            if kinds and self.recent and UNMEASURED.isdisjoint(kinds):  # (with a split in it, nothing is measured)
                 base = statistics.median(self.recent)
                 cost = max(0.0, interval - base) / len(kinds)
                 for k in kinds:
@@ -113,6 +124,8 @@ class StepWatch:
             elif not kinds:
                 self.recent.append(interval)
         self.last_step, self.last_at = step, now
+        if resplit:
+            self.resplit_at = step
 
     def allowance(self) -> float:
         """Seconds allowed after the newest report before the group counts as stalled."""

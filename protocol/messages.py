@@ -798,7 +798,8 @@ class NodeWorkerHello(Message):
 @message
 @dataclass(frozen=True, slots=True)
 class NodeProgress(Message):
-    """One rank finished one step (relayed worker.progress). `loss` is null when not finite."""
+    """One rank finished one step (relayed worker.progress). `loss` is null when not finite;
+    `resplit`: the next step runs under a new split (the progress watch allows it a compile)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_PROGRESS
     job: JobId
@@ -808,6 +809,7 @@ class NodeProgress(Message):
     loss: Number | None
     tokens: Count
     seconds: Seconds
+    resplit: bool = False
 
 
 @message
@@ -1071,6 +1073,7 @@ class WorkerProgress(Message):
     loss: Number | None
     tokens: Count
     seconds: Seconds
+    resplit: bool = False
 
 
 @message

@@ -96,9 +96,10 @@ class WorkerLink:
                 self._refused("link probe", e)
         self._send(LinkReport(ring=probe, params=int(params)))
 
-    def progress(self, *, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def progress(self, *, step: int, loss: float, tokens: int, seconds: float, resplit: bool = False) -> None:
+        """Step `step` is done; `resplit`: the next step runs under a new split (sync mode)."""
         loss = float(loss)
-        self._send(WorkerProgress(step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds)))
+        self._send(WorkerProgress(step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds), resplit=bool(resplit)))
 
     def metric(self, row: dict[str, Any]) -> None:
         """A metrics.jsonl row (a non-finite number travels as null, as it is written there)."""

@@ -41,7 +41,8 @@ WAIT_S = 30.0  # for any one report: far above what each takes (well under a sec
 T = TypeVar("T", bound=m.Message)
 
 # A trainer as its dpd sees it, and no more: `--warm` says worker.ready and waits for worker.go; then
-# (or at once, started cold) worker.hello and one step's progress, then it waits to be stopped.
+# (or at once, started cold) worker.hello and one step's progress (whose all_sum announced a new
+# split), then it waits to be stopped.
 # HOLD_READY=1: the warm one says ready only once sent SIGUSR1 (blocked from its start, so a signal
 # sent early waits); IGNORE_TERM=1: SIGTERM does not end it.
 TRAINER = r"""
@@ -61,7 +62,7 @@ if "--warm" in sys.argv:
 else:
     rank, world, generation = 0, 1, int(sys.argv[sys.argv.index("--generation") + 1])
 link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=0)
-link.progress(step=1, loss=2.5, tokens=6, seconds=0.01)
+link.progress(step=1, loss=2.5, tokens=6, seconds=0.01, resplit=True)
 while True:
     signal.pause()
 """
@@ -205,6 +206,7 @@ def test_a_trainers_hello_read_before_it_is_recorded_counts_and_its_steps_are_re
         hello = await coord.next(m.NodeWorkerHello)
         progress = await coord.next(m.NodeProgress)
         assert started.pid == hello.pid == agent.started[0] and (hello.generation, progress.step) == (1, 1)
+        assert progress.resplit, "the new split's flag is relayed with the step"
         # The hello was kept until the record (the step too, when it came before the record).
         assert agent.said("worker.early_handled", pid=hello.pid), "the hello came before the record"
 

@@ -4,6 +4,7 @@ injected clock: time is whatever the test says), and the store's metric de-dupli
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -208,8 +209,8 @@ class Driven(Pool):
     def worker_hello(self, now: float, node: str, job: str, gen: int, rank: int, pid: int, resume: int) -> list[Any]:
         return self.from_node(now, node, m.NodeWorkerHello(job=job, generation=gen, rank=rank, pid=pid, resume_step=resume))
 
-    def progress(self, now: float, job: str, gen: int, rank: int, step: int, tokens: int, seconds: float) -> list[Any]:
-        msg = m.NodeProgress(job=job, generation=gen, rank=rank, step=step, loss=None, tokens=tokens, seconds=seconds)
+    def progress(self, now: float, job: str, gen: int, rank: int, step: int, tokens: int, seconds: float, resplit: bool = False) -> list[Any]:
+        msg = m.NodeProgress(job=job, generation=gen, rank=rank, step=step, loss=None, tokens=tokens, seconds=seconds, resplit=resplit)
         return self.from_node(now, self._rank_node(job, rank), msg)
 
     def metric(self, now: float, job: str, gen: int, row: Any) -> list[Any]:
@@ -635,6 +636,44 @@ def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
     for step in range(12, 21):
         w.observe(step, t + 2.5 + 0.5 * (step - 11), 0.5)
     assert w.allowance() == 4.0 + 8 * 2.0 + 3.0
+
+
+def test_the_first_step_under_a_new_split_is_allowed_a_compile_each_time() -> None:
+    """The balancer announced a new split in step 10's all_sum: step 11 has micro batches of new
+    shapes (a compile, or none when the shapes were seen before). Its cost is not measured, since
+    it differs each time: every such step gets the start-up deadline, and the steps after it the
+    plain one again."""
+    from dpool.daemon.watch import StepWatch
+
+    w = StepWatch(steps=100, eval_every=1000, sample_every=1000, floor_s=2.0, factor=8.0, start_s=120.0, started_at=0.0)
+    t = 1.0
+    for step in range(1, 11):
+        w.observe(step, t, 0.1, resplit=step == 10)
+        t += 0.1
+    assert w.after(10) == ["split"] and w.allowance() == 2.0 + 120.0
+    t += 2.9  # step 11 compiled its new shapes (the stall CI once saw here: 2.9 s against 2.0)
+    w.observe(11, t, 3.0)
+    assert w.after(11) == [] and w.allowance() == 2.0 and "split" not in w.extra
+    assert statistics.median(w.recent) == pytest.approx(0.1)  # the compile is not a step interval either
+    for step in range(12, 20):
+        t += 0.1
+        w.observe(step, t, 0.1, resplit=step == 19)
+    assert w.allowance() == 2.0 + 120.0  # again the start-up deadline, not 8x a measured 2.9 s
+
+
+def test_a_new_split_reported_by_the_ranks_defers_the_stall() -> None:
+    pool = running_pool()
+    for r in range(3):
+        pool.progress(1.40, "j", 1, r, 8, 192, 0.05, resplit=True)
+    for n in "abc":
+        pool.seen(4.0, n)
+    assert pool.tick(4.0) == [] and pool.jobs["j"].state is JobState.RUNNING  # 2.6 s into step 9: its compile
+    for r in range(3):
+        pool.progress(4.1, "j", 1, r, 9, 192, 2.7)
+    for n in "abc":
+        pool.seen(6.2, n)
+    pool.tick(6.2)
+    assert pool.jobs["j"].state is JobState.RECOVERING  # step 10 is a plain step again: 2 s floor
 
 
 def test_the_progress_deadline_expects_diloco_outer_steps_where_they_end_after_the_warm_up() -> None:

@@ -287,7 +287,8 @@ def run(
         if auto and auto.observe_step(seconds, stats.tokens, writing=writing):
             retuned(step)
         if link:
-            link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds)
+            resplit = bool(stats.new_shares) and stats.new_shares != shares  # (adopted below, after the step's reports)
+            link.progress(step=step, loss=stats.loss, tokens=stats.rank_tokens[rank], seconds=seconds, resplit=resplit)
         if rank == 0 and (step % t.log_every_steps == 0 or step == t.steps):
             row = {
                 "kind": "train", "step": step, "loss": stats.loss, "lr": lr, "tokens": stats.tokens,
