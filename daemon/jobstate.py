@@ -89,10 +89,12 @@ class StartAborted:
 
 @dataclass(frozen=True, slots=True)
 class GroupLaunched:
-    """group.start went out for `generation`; the group must be up by `deadline`."""
+    """group.start went out for `generation`; the group must be up by `deadline`. `nodes`: each
+    rank's node, for the events that name a rank."""
 
     generation: int
     deadline: float
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +266,7 @@ class JobMachine:
     finished_at: float | None = None
     deadline: float | None = None  # the launched group must be up by then (None: not launched, or up)
     up: set[int] = field(default_factory=set)  # ranks of `generation` that said hello
+    nodes: tuple[str, ...] = ()  # each rank's node in `generation` (as launched)
     done: set[int] = field(default_factory=set)  # ranks of `generation` that exited 0
     live: set[int] = field(default_factory=set)  # ranks of `generation` whose process may run
     restarts: int = 0  # crash restarts used (membership changes never count)
@@ -337,7 +340,7 @@ class JobMachine:
         if not (self.state is JobState.STARTING or self.phase is Phase.RESTARTING):
             return []
         # (preparing) -> (launched): the generation counts from here.
-        self.generation, self.deadline = e.generation, e.deadline
+        self.generation, self.deadline, self.nodes = e.generation, e.deadline, e.nodes
         self.live, self.high_water, self.from_step = set(range(self.world_size)), self.step, None
         if self.started_at is None:
             self.started_at = now
@@ -537,7 +540,10 @@ class JobMachine:
             # STARTING|RECOVERING (launched) -> RECOVERING: the group did not form in time (a peer
             # that never appears leaves the others waiting in MLX's init forever).
             missing = sorted(set(range(self.world_size)) - self.up)
-            emits: list[Action] = [Emit("worker.failed", {"rank": r, "reason": "stalled", "detail": "start timeout"}) for r in missing]
+            emits: list[Action] = [
+                Emit("worker.failed", {"rank": r, **({"node": self.nodes[r]} if r < len(self.nodes) else {}), "reason": "stalled", "detail": "start timeout"})
+                for r in missing
+            ]
             return self._fail(now, emits, [], f"group {self.generation} did not start in time: ranks {missing} never reported")
         if self.phase is Phase.CHECKPOINTING and self.stop_by is not None and now >= self.stop_by and self.live:
             # RECOVERING (checkpointing) -> RECOVERING (stopping): the group did not exit in time

@@ -579,7 +579,7 @@ class Pool:
         deadline = now + spec.recovery.start_timeout_s
         # Saved (and committed by the coordinator) before any group.start leaves: a restarted
         # coordinator knows this generation was launched and never launches its number again.
-        actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline), now), JobChanged(job.id)]
+        actions = [*self._feed(job, js.GroupLaunched(plan.generation, deadline, tuple(s.node for s in plan.ranks)), now), JobChanged(job.id)]
         doc = job.doc  # one job file, split and hostfile for every node's group.start: packed once
         resume_max = job.resume_max()
         for node in plan.nodes():

@@ -33,7 +33,7 @@ from dpool.protocol.payloads import (
 def launched(world: int = 2, deadline: float = 100.0) -> JobMachine:
     jm = JobMachine()
     jm.handle(js.Admitted(world), 0.0)
-    jm.handle(js.GroupLaunched(1, deadline), 1.0)
+    jm.handle(js.GroupLaunched(1, deadline, tuple(f"n{r}" for r in range(world))), 1.0)
     return jm
 
 
@@ -120,7 +120,7 @@ def test_start_deadline_restarts_a_group_that_never_forms() -> None:
     assert jm.handle(js.Tick(), 9.9) == []
     out = jm.handle(js.Tick(), 10.0)
     assert jm.state is JobState.RECOVERING and jm.restarts == 1 and js.StopGroup(1) in out
-    assert js.Emit("worker.failed", {"rank": 1, "reason": "stalled", "detail": "start timeout"}) in out
+    assert js.Emit("worker.failed", {"rank": 1, "node": "n1", "reason": "stalled", "detail": "start timeout"}) in out  # the node it was placed on
 
 
 def test_an_aborted_prepare_requeues_without_using_a_generation() -> None:
