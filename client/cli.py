@@ -109,8 +109,12 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     `"text"`, `[1, 2]`); a value that is no TOML (`~/corpus`, `auto`) is taken as a string."""
     key, sep, raw = item.partition("=")
     path = key.strip().split(".")
-    if not sep or not all(path) or len(path) > 2:
-        raise BadInput(f"--set {item}: must be KEY=VALUE with KEY `name`, `base_dir` or SECTION.KEY (e.g. --set train.lr=1e-4)")
+    if not sep or not all(p.strip() for p in path):
+        raise BadInput(
+            f"--set {item}: must be KEY=VALUE with KEY a top-level key (`name`) or a dotted path into the tables "
+            "(e.g. --set train.lr=1e-4, --set train.optimizer_config.weight_decay=0.05)"
+        )
+    path = [p.strip() for p in path]
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -145,10 +149,11 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
     for item in sets:
         keys, value = parse_set(item)
         table_ = data
-        if len(keys) == 2:
-            table_ = data.setdefault(keys[0], {})
+        for depth, key in enumerate(keys[:-1], 1):
+            table_ = table_.setdefault(key, {})
             if not isinstance(table_, dict):
-                raise BadInput(f"--set {item}: {path} has `{keys[0]}` as a value, not a [{keys[0]}] table")
+                name = ".".join(keys[:depth])
+                raise BadInput(f"--set {item}: {path} has `{name}` as a value, not a [{name}] table")
         table_[keys[-1]] = value
         given[".".join(keys)] = item
     try:
@@ -156,7 +161,9 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
     except JobFileError as e:
         if mlxlm_config.is_mlx_lm_config(path):
             e = mlxlm_config.explained(e)
-        raise BadInput(f"{e} (from --set {given[e.key]})" if e.key in given else str(e)) from None
+        # The --set behind the error: its key, or one inside the table the error names.
+        item = given.get(e.key) or next((v for k, v in given.items() if k.startswith(f"{e.key}.")), None)
+        raise BadInput(f"{e} (from --set {item})" if item else str(e)) from None
 
 
 def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:
@@ -698,7 +705,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", help="validate and queue a job; prints its id")
     s.add_argument("job", help="the job file (job.toml), or an mlx_lm lora config (config.yaml) as it is").completer = argcomplete.completers.FilesCompleter(["toml", "yaml", "yml"])  # type: ignore[attr-defined]
     s.add_argument("--follow", action="store_true", help="then stream its output until it ends (exit 1 unless it succeeds)")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the job file, read as TOML (--set train.lr=1e-4 --set workers.max=2); repeatable")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a value of the job file, read as TOML, at a dotted path (--set train.lr=1e-4 --set train.optimizer_config.weight_decay=0.05); repeatable")
     s.add_argument("--dry-run", dest="dry_run", action="store_true", help="print the resolved job file and check it; submit nothing")
     s.add_argument("--priority", type=int, metavar="N", help="the job's priority (overrides the file's `priority`; higher runs first, default 0)")
     s.add_argument("--json", action="store_true", help='print {"id": ...} (with --follow, then one log object a line; with --dry-run, {"job": ...})')

@@ -113,7 +113,10 @@ def test_version_and_completion_scripts(capsys: pytest.CaptureFixture[str]) -> N
     ("train.steps=abc", "train.steps = 'abc': must be an integer"),
     ("train.nope=1", "train.nope = 1: unknown key"),
     ("workers.max", "must be KEY=VALUE"),
-    ("a.b.c=1", "must be KEY=VALUE"),
+    ("train..lr=1", "must be KEY=VALUE"),
+    ("a.b.c=1", "a = {'b': {'c': 1}}: unknown key"),
+    ("train.steps.x=1", "has `train.steps` as a value, not a [train.steps] table"),
+    ("train.optimizer_config.nope=1", "train.optimizer_config = {'nope': 1}: only with train.optimizer set"),
     ("workers.max=0", "workers.max = 0"),
 ])
 def test_a_bad_set_names_the_key_the_value_and_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, said: str) -> None:
@@ -185,6 +188,18 @@ def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color
     assert "step  20/200  loss 2.500" in text and "5000 tok/s" in text and "━" in text
     assert "SIGKILL -> trainer of rank 1" in text
     assert bool(re.search(r"\x1b\[[\d;]*(3[0-7]|9[0-7]|38;)", text)) is not no_color, repr(text[:400])
+
+
+def test_set_reaches_keys_tables_deep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "deep-set.toml"
+    job.write_text('name = "deep-set"\n[train]\nsteps = 60\n')
+    sets = ["train.optimizer=sgd", "train.optimizer_config.momentum=0.9", "train.lr_schedule.name=cosine_decay",
+            "train.lr_schedule.arguments=[1e-3, 50]"]
+    code = cli.main(["submit", str(job), *(x for s in sets for x in ("--set", s)), "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    train = tomllib.loads(out)["train"]
+    assert train["optimizer_config"]["momentum"] == 0.9 and train["lr_schedule"]["arguments"] == [1e-3, 50, 0.0]  # (its default end)
 
 
 # -- against the pool ----------------------------------------------------------------------------
