@@ -74,20 +74,36 @@ class BadInput(Exception):
     """Exit 2: the message names what was wrong."""
 
 
+DEFAULT_TIMEOUT_S = 5.0
+
+
+def configured() -> dict[str, Any]:
+    """The config file dpctl shares with dpd (`coordinator`, `timeout`, `keys`; dpd's `join` or
+    `serve` name the coordinator too); empty when there is none or it is no TOML (dpd says so)."""
+    try:
+        with open(DEFAULT_CONFIG, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
 def coordinator_address(flag: str | None) -> str:
+    """flag > $DPOOL_COORDINATOR > the config file's `coordinator`, else its `join` or `serve` > default."""
     if flag:
         return flag
     if os.environ.get("DPOOL_COORDINATOR"):
         return os.environ["DPOOL_COORDINATOR"]
-    try:
-        with open(DEFAULT_CONFIG, "rb") as f:
-            cfg = tomllib.load(f)
-        addr = cfg.get("join") or cfg.get("serve")
-        if isinstance(addr, str):
-            return addr
-    except (OSError, tomllib.TOMLDecodeError):
-        pass
-    return DEFAULT_COORDINATOR
+    cfg = configured()
+    addr = cfg.get("coordinator") or cfg.get("join") or cfg.get("serve")
+    return addr if isinstance(addr, str) else DEFAULT_COORDINATOR
+
+
+def timeout_s(flag: float | None) -> float:
+    """flag > the config file's `timeout` > 5 s."""
+    if flag is not None:
+        return flag
+    value = configured().get("timeout")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else DEFAULT_TIMEOUT_S
 
 
 def emit_json(value: Any) -> None:
@@ -653,8 +669,8 @@ def add_globals(p: argparse.ArgumentParser, *, top: bool) -> None:
     """The flags every command takes, before or after its name: on the top parser with their
     defaults, on each subcommand with none (so that a value given earlier on the line stays)."""
     keep: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
-    p.add_argument("--coordinator", metavar="ADDR", help=f"control plane address (else $DPOOL_COORDINATOR, else the config file, else {DEFAULT_COORDINATOR})", **keep)
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for an answer (default 5)", **({"default": 5.0} if top else keep))
+    p.add_argument("--coordinator", metavar="ADDR", help=f"control plane address (else $DPOOL_COORDINATOR, else `coordinator` or `join` in the config file, else {DEFAULT_COORDINATOR})", **keep)
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="seconds to wait for an answer (else `timeout` in the config file, else 5)", **({"default": None} if top else keep))
     p.add_argument("--keys", metavar="DIR", help="CURVE key directory (`dpctl keys init`; uses client.key_secret and coordinator.key); else $DPOOL_KEYS, else `keys` in the config file", **keep)
 
 
@@ -809,6 +825,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     argcomplete.autocomplete(p)  # answers the shell's completion request, if this is one, and exits
     args = p.parse_args(argv)
+    args.timeout = timeout_s(args.timeout)
     if args.timeout <= 0:
         print(f"dpctl: --timeout {args.timeout}: must be > 0", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -69,6 +69,8 @@ CONFIG_KEYS = {
     "yield_when": str,
     "dashboard": str,
 }
+# dpctl's keys in the file both read: accepted (and checked) here, used by dpctl alone.
+CLIENT_KEYS = {"coordinator": str, "timeout": float}
 LOCK_FILE = "dpd.lock"
 
 
@@ -148,9 +150,9 @@ def load_config(path: Path, required: bool) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path}: not valid TOML: {e}") from None
     for key, value in data.items():
-        kind = CONFIG_KEYS.get(key)
+        kind = CONFIG_KEYS.get(key) or CLIENT_KEYS.get(key)
         if kind is None:
-            raise UsageError(f"{path}: unknown key {key!r}; allowed: {', '.join(CONFIG_KEYS)}")
+            raise UsageError(f"{path}: unknown key {key!r}; allowed: {', '.join([*CONFIG_KEYS, *CLIENT_KEYS])}")
         ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
         if not ok:
             raise UsageError(f"{path}: {key} = {value!r}: must be a {kind.__name__}")

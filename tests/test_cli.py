@@ -230,6 +230,17 @@ def test_global_flags_go_anywhere_on_the_line(pool: LocalPool, tmp_path: Path) -
     # The last one given wins, wherever it stands: here a coordinator that does not answer.
     r = dpctl("--coordinator", pool.addr, "--json", "status", "--coordinator", nowhere, "--timeout", "0.5")
     assert r.returncode == 3 and nowhere in r.stderr and r.stdout == ""
+    # The config file dpctl shares with dpd: its `coordinator` and `timeout`, below $DPOOL_COORDINATOR.
+    home = tmp_path / "home"
+    (home / ".config" / "dpool").mkdir(parents=True)
+    (home / ".config" / "dpool" / "config.toml").write_text(f'coordinator = "{pool.addr}"\ntimeout = 10\nworkers = 1\n')
+    r = dpctl("nodes", "--json", env=env_without_pool(HOME=str(home)))
+    assert r.returncode == 0 and [n["name"] for n in json.loads(r.stdout)] == ["n0"], r.stderr
+    r = dpctl("nodes", env=env_without_pool(HOME=str(home), DPOOL_COORDINATOR=nowhere))
+    assert r.returncode == 3 and nowhere in r.stderr
+    (home / ".config" / "dpool" / "config.toml").write_text(f'coordinator = "{nowhere}"\ntimeout = 0.5\n')
+    r = dpctl("nodes", env=env_without_pool(HOME=str(home)))
+    assert r.returncode == 3 and nowhere in r.stderr and "0.5" in r.stderr, r.stderr  # the config's timeout, not 5 s
     # Completion, as the shell asks for it: flags after a subcommand.
     assert "--set" in complete("dpctl submit x.toml --se", tmp_path)
     assert "--coordinator" in complete("dpctl watch --coo", tmp_path)

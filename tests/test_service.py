@@ -519,3 +519,17 @@ def test_status_of_an_installed_user_unit_under_real_systemd(tmp_path: Path, cap
 def test_dpd_version() -> None:
     r = subprocess.run([sys.executable, "-m", "dpool.daemon.cli", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == f"dpd {importlib.metadata.version('dpool')}\n"
+
+
+def test_the_config_file_dpctl_shares_is_read_by_dpd_too(tmp_path: Path) -> None:
+    """One config file for both: dpctl's keys (`coordinator`, `timeout`) are dpd's to accept and
+    check, not to refuse as unknown; a key neither knows is still refused, naming both sets."""
+    config = tmp_path / "config.toml"
+    config.write_text('join = "tcp://127.0.0.1:7340"\ncoordinator = "tcp://127.0.0.1:7340"\ntimeout = 10\nworkers = 2\n')
+    assert cli.load_config(config, required=True)["workers"] == 2
+    config.write_text('timeout = "soon"\n')
+    with pytest.raises(cli.UsageError, match="timeout = 'soon': must be a float"):
+        cli.load_config(config, required=True)
+    config.write_text("coordinatr = 1\n")
+    with pytest.raises(cli.UsageError, match=r"unknown key 'coordinatr'; allowed: join, .*coordinator, timeout"):
+        cli.load_config(config, required=True)
