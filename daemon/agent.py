@@ -891,9 +891,10 @@ class Agent(WarmTrainers):
             self.early.follow(peer, msg)  # kept if its trainer's hello is (not yet recorded); else one that has exited
             return
         match msg:
-            case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds, resplit=resplit):
+            case m.WorkerProgress(step=step, loss=loss, tokens=tokens, seconds=seconds, resplit=resplit, gather=gather):
                 self._send(m.NodeProgress(
-                    job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds, resplit=resplit,
+                    job=w.job, generation=w.generation, rank=w.rank, step=step, loss=loss, tokens=tokens, seconds=seconds,
+                    resplit=resplit, gather=gather,
                 ))
                 w.steps += 1
                 if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:

@@ -626,6 +626,8 @@ class Pool:
             # diloco: ranks step apart between outer steps; the group moves as its slowest rank.
             live = job.machine.live
             seen = min(job.ranks[r].step for r in live if r in job.ranks) if job.spec.sync.mode == "diloco" and live else step
+            if msg.gather:
+                job.watch.gathers(step)  # rank 0's word, whichever rank is the slowest
             job.watch.observe(seen, now, seconds, resplit=msg.resplit)
         actions: list[Action] = []
         if msg.rank == 0:

@@ -33,6 +33,15 @@ How long to wait after step s was reported before calling the group stalled:
   that step's progress (`resplit`), and the next step is allowed the start-up deadline; being so
   unlike from one time to the next, its cost is not measured. Splits change rarely (the balancer
   holds each one and remembers the ones it left), so a freeze there is found late only rarely.
+- A gather (diloco): an outer step that takes a checkpoint, or moves replicas between ranks,
+  first all_sums every replica's inner optimizer state (or the moving ones'): two float32 arrays
+  a parameter each for AdamW, `2 x replicas` times the parameters, where the outer all_sum sends
+  them once (in `sync.dtype`). So it is allowed the measured outer step scaled by that ratio: 12x
+  with 3 replicas and bfloat16 sums, 16x with 8 in float32, beyond the 8x an outer step gets, and
+  on a slow link with a large model (the mode's case) a gather took longer than the outer step's
+  allowance. Rank 0 knows at the start of the outer step whether it will gather (its checkpoint
+  decision and its announced split are made by then) and says so with the step that ends it
+  (`gather`); the last step, and a stop, always checkpoint. Not measured: its size varies.
 - Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
   checkpoint restore and broadcast, compiling the first step), counted from the launch.
 - After the last step, or once the group was asked to checkpoint and stop, no further step comes:
@@ -45,12 +54,13 @@ import collections
 import statistics
 from dataclasses import dataclass, field
 
+from dpool.protocol.commmodel import DTYPE_BYTES
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.rounds import Rounds
 
 RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
-UNMEASURED = frozenset({"split"})  # kinds allowed the start-up deadline each time, never measured
+UNMEASURED = frozenset({"split", "gather"})  # kinds whose cost varies from one time to the next: never measured
 ETA_MAX_S = 1e11  # a status row's bound on eta_s (3,000 years): a longer estimate is none
 
 
@@ -69,6 +79,8 @@ class StepWatch:
     extra: dict[str, float] = field(default_factory=dict)  # measured cost of "eval" / "sample" / "outer"
     rounds: Rounds | None = None  # diloco: where its outer steps of inner_steps end (None: sync)
     resplit_at: int | None = None  # the step whose successor runs under a new split (sync mode)
+    gather_at: int | None = None  # diloco: the step whose outer step gathers replica states (rank 0's word)
+    gather_ratio: float = 0.0  # diloco: a gather's bytes over the outer all_sum's
     stopping: bool = False  # asked to checkpoint and stop
 
     @classmethod
@@ -85,6 +97,7 @@ class StepWatch:
             start_s=rec.start_timeout_s,
             started_at=now,
             rounds=Rounds(spec.sync.inner_steps, spec.sync.warmup_steps) if spec.sync.mode == "diloco" else None,
+            gather_ratio=2 * spec.sync.replicas * 4 / DTYPE_BYTES.get(spec.sync.dtype, 4),
         )
         if previous is not None:
             watch.recent.extend(previous.recent)
@@ -102,7 +115,14 @@ class StepWatch:
             kinds.append("outer")
         if step == self.resplit_at:
             kinds.append("split")
+        if self.rounds is not None and (step == self.gather_at or step >= self.steps or (self.stopping and self.rounds.boundary(step))):
+            kinds.append("gather")
         return kinds
+
+    def gathers(self, step: int) -> None:
+        """Rank 0 said that the outer step ending at `step` gathers replica states."""
+        if self.last_step is None or step > self.last_step:
+            self.gather_at = step
 
     def observe(self, step: int, now: float, seconds: float, resplit: bool = False) -> None:
         """A rank reported `step` (which took it `seconds`) at `now`, and whether the next step runs
@@ -133,10 +153,24 @@ class StepWatch:
             return self.start_s
         base = max(self.floor_s, self.factor * statistics.median(self.recent)) if self.recent else self.start_s
         for k in self.after(self.last_step):
-            base += self.factor * self.extra[k] + self.floor_s if k in self.extra else self.start_s
+            if k == "gather":
+                base += self._gather()
+            else:
+                base += self.factor * self.extra[k] + self.floor_s if k in self.extra else self.start_s
         if self.stopping or self.last_step >= self.steps:
             base += STOP_MARGIN_S
         return base
+
+    def _gather(self) -> float:
+        """A gather's allowance: the outer step's (a warm-up step's: the median step's) times the
+        gather's bytes over the outer all_sum's; the start-up deadline while neither is measured."""
+        assert self.rounds is not None and self.last_step is not None
+        scale = self.extra.get("outer")
+        if scale is None and self.rounds.warm(self.last_step) and self.recent:
+            scale = statistics.median(self.recent)
+        if scale is None:
+            return self.start_s
+        return self.factor * self.gather_ratio * scale + self.floor_s
 
     def eta(self, now: float) -> float | None:
         """Seconds until the last step at the recent median step interval (None before one is

@@ -799,7 +799,8 @@ class NodeWorkerHello(Message):
 @dataclass(frozen=True, slots=True)
 class NodeProgress(Message):
     """One rank finished one step (relayed worker.progress). `loss` is null when not finite;
-    `resplit`: the next step runs under a new split (the progress watch allows it a compile)."""
+    `resplit`: the next step runs under a new split (the progress watch allows it a compile);
+    `gather`: the outer step that ends at this step gathers replica states (allowed their bytes)."""
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_PROGRESS
     job: JobId
@@ -810,6 +811,7 @@ class NodeProgress(Message):
     tokens: Count
     seconds: Seconds
     resplit: bool = False
+    gather: bool = False
 
 
 @message
@@ -1074,6 +1076,7 @@ class WorkerProgress(Message):
     tokens: Count
     seconds: Seconds
     resplit: bool = False
+    gather: bool = False
 
 
 @message

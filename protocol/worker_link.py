@@ -96,10 +96,13 @@ class WorkerLink:
                 self._refused("link probe", e)
         self._send(LinkReport(ring=probe, params=int(params)))
 
-    def progress(self, *, step: int, loss: float, tokens: int, seconds: float, resplit: bool = False) -> None:
-        """Step `step` is done; `resplit`: the next step runs under a new split (sync mode)."""
+    def progress(self, *, step: int, loss: float, tokens: int, seconds: float, resplit: bool = False, gather: bool = False) -> None:
+        """Step `step` is done; `resplit`: the next step runs under a new split (sync mode);
+        `gather`: the outer step that ends at `step` gathers replica states (diloco)."""
         loss = float(loss)
-        self._send(WorkerProgress(step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds), resplit=bool(resplit)))
+        self._send(WorkerProgress(
+            step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds), resplit=bool(resplit), gather=bool(gather),
+        ))
 
     def metric(self, row: dict[str, Any]) -> None:
         """A metrics.jsonl row (a non-finite number travels as null, as it is written there)."""

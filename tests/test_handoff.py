@@ -62,7 +62,7 @@ if "--warm" in sys.argv:
 else:
     rank, world, generation = 0, 1, int(sys.argv[sys.argv.index("--generation") + 1])
 link.hello(rank=rank, world_size=world, generation=generation, pid=os.getpid(), resume_step=0)
-link.progress(step=1, loss=2.5, tokens=6, seconds=0.01, resplit=True)
+link.progress(step=1, loss=2.5, tokens=6, seconds=0.01, resplit=True, gather=True)
 while True:
     signal.pause()
 """
@@ -206,7 +206,7 @@ def test_a_trainers_hello_read_before_it_is_recorded_counts_and_its_steps_are_re
         hello = await coord.next(m.NodeWorkerHello)
         progress = await coord.next(m.NodeProgress)
         assert started.pid == hello.pid == agent.started[0] and (hello.generation, progress.step) == (1, 1)
-        assert progress.resplit, "the new split's flag is relayed with the step"
+        assert progress.resplit and progress.gather, "the step's flags are relayed with it"
         # The hello was kept until the record (the step too, when it came before the record).
         assert agent.said("worker.early_handled", pid=hello.pid), "the hello came before the record"
 

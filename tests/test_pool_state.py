@@ -209,8 +209,8 @@ class Driven(Pool):
     def worker_hello(self, now: float, node: str, job: str, gen: int, rank: int, pid: int, resume: int) -> list[Any]:
         return self.from_node(now, node, m.NodeWorkerHello(job=job, generation=gen, rank=rank, pid=pid, resume_step=resume))
 
-    def progress(self, now: float, job: str, gen: int, rank: int, step: int, tokens: int, seconds: float, resplit: bool = False) -> list[Any]:
-        msg = m.NodeProgress(job=job, generation=gen, rank=rank, step=step, loss=None, tokens=tokens, seconds=seconds, resplit=resplit)
+    def progress(self, now: float, job: str, gen: int, rank: int, step: int, tokens: int, seconds: float, resplit: bool = False, gather: bool = False) -> list[Any]:
+        msg = m.NodeProgress(job=job, generation=gen, rank=rank, step=step, loss=None, tokens=tokens, seconds=seconds, resplit=resplit, gather=gather)
         return self.from_node(now, self._rank_node(job, rank), msg)
 
     def metric(self, now: float, job: str, gen: int, row: Any) -> list[Any]:
@@ -224,7 +224,7 @@ class Driven(Pool):
         return self._then_schedule(now, self.from_node(now, node, msg))
 
 
-def spec(name: str = "j", lo: int = 1, hi: int = 4, start_timeout: float = 30.0) -> Any:
+def spec(name: str = "j", lo: int = 1, hi: int = 4, start_timeout: float = 30.0, sync: dict[str, Any] | None = None) -> Any:
     return parse_job(
         {
             "name": name,
@@ -232,6 +232,7 @@ def spec(name: str = "j", lo: int = 1, hi: int = 4, start_timeout: float = 30.0)
             "model": {"layers": 1, "dim": 32, "heads": 2, "context": 32},
             "train": {"steps": 20, "global_batch": 6, "warmup_steps": 2},
             "recovery": {"start_timeout_s": start_timeout},
+            **({"sync": sync} if sync else {}),
         }
     )
 
@@ -674,6 +675,55 @@ def test_a_new_split_reported_by_the_ranks_defers_the_stall() -> None:
         pool.seen(6.2, n)
     pool.tick(6.2)
     assert pool.jobs["j"].state is JobState.RECOVERING  # step 10 is a plain step again: 2 s floor
+
+
+def test_a_diloco_gather_is_allowed_its_bytes_over_the_outer_all_sums() -> None:
+    """3 replicas, bfloat16 outer sums, H = 10: a checkpoint's gather all_sums each replica's two
+    AdamW moments in float32, 12x the outer all_sum's bytes. With 0.5 s inner steps and a 6 s outer
+    all_sum, the gather takes ~72 s: beyond the 8x the outer step gets (54 s in all), within its own."""
+    from dpool.daemon.watch import StepWatch
+    from dpool.protocol.jobspec import parse_job
+
+    spec = parse_job({"name": "d", "train": {"steps": 100}, "eval": {"every_steps": 1000, "sample_every_steps": 1000},
+                      "sync": {"mode": "diloco", "replicas": 3, "inner_steps": 10, "dtype": "bfloat16"}}, source="test")
+    w = StepWatch.start(spec, 0.0)
+    t = 1.0
+    for step in range(1, 30):
+        w.observe(step, t, 0.5)
+        t += 6.5 if step % 10 == 0 else 0.5
+    plain = w.allowance()  # after step 29
+    w.observe(30, t, 0.5)
+    assert w.after(30) == ["outer"] and w.allowance() == pytest.approx(8 * 0.5 + 8 * 6.0 + 2.0)
+    w.gathers(40)  # rank 0, with step 40: this outer step checkpoints
+    for step in range(31, 41):
+        t += 6.5 if step == 31 else 0.5
+        w.observe(step, t, 0.5)
+    assert w.after(40) == ["outer", "gather"]
+    assert w.allowance() == pytest.approx(8 * 0.5 + (8 * 6.0 + 2.0) + (8 * 12 * 6.0 + 2.0)) and w.allowance() > 72.0
+    t += 72.5
+    w.observe(41, t, 0.5)
+    assert w.extra["outer"] == pytest.approx(6.0), "a gather's interval is not an outer step's measure"
+    assert w.allowance() == plain and w.after(100) == ["outer", "gather"]  # the last step always checkpoints
+
+
+def test_rank_0s_word_of_a_gather_counts_while_another_rank_is_the_slowest() -> None:
+    """diloco, H = 5: rank 0 reaches step 10 first and says its outer step checkpoints; the watch,
+    which follows the slowest rank, allows the gather once rank 1 reaches step 10 too."""
+    pool = running_pool(("a", "b"), sync={"mode": "diloco", "replicas": 2, "inner_steps": 5})
+    for step in (8, 9):
+        for r in range(2):
+            pool.progress(1.40 + 0.05 * (step - 8), "j", 1, r, step, 192, 0.05)
+    pool.progress(1.50, "j", 1, 0, 10, 192, 0.05, gather=True)
+    pool.progress(1.52, "j", 1, 1, 10, 192, 0.05)
+    watch = pool.jobs["j"].watch
+    assert watch is not None and watch.after(10) == ["outer", "gather"]
+    for n in "ab":
+        pool.seen(6.5, n)
+    assert pool.tick(6.5) == [] and pool.jobs["j"].state is JobState.RUNNING  # 5 s into the gather: 6 s allowed
+    for n in "ab":
+        pool.seen(7.6, n)
+    pool.tick(7.6)
+    assert pool.jobs["j"].state is JobState.RECOVERING
 
 
 def test_the_progress_deadline_expects_diloco_outer_steps_where_they_end_after_the_warm_up() -> None:

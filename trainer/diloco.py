@@ -292,6 +292,12 @@ def train(
         losses, tokens = [0.0] * len(steps), [0.0] * len(steps)
         rep_tokens = dict.fromkeys(mine, 0)
         compute = 0.0
+        last = steps[-1]
+        due_auto = bool(auto and any(auto.due(s) for s in steps))  # rank 0's decision (auto changes only after an outer step)
+        # Whether this outer step gathers replica states (a checkpoint, or replicas changing hands:
+        # rank 0 announced a split). Said with the round's last inner step, so that the progress
+        # watch allows the gather's time; a stop's checkpoint the coordinator knows of itself.
+        will_gather = last == t.steps or due_auto or announce is not None or (every != "auto" and any(s % int(every) == 0 for s in steps))
         t_round = time.perf_counter()
         for h, step in enumerate(steps):
             t0 = time.perf_counter()
@@ -305,14 +311,12 @@ def train(
             seconds = time.perf_counter() - t0
             compute += seconds
             if link:
-                link.progress(step=step, loss=losses[h] / max(tokens[h], 1.0), tokens=int(tokens[h]), seconds=seconds)
+                link.progress(step=step, loss=losses[h] / max(tokens[h], 1.0), tokens=int(tokens[h]), seconds=seconds, gather=will_gather and step == last)
             if step % t.log_every_steps == 0:
                 log.info("inner.done", step=step, replicas=len(mine), loss=round(losses[h] / max(tokens[h], 1.0), 4), seconds=round(seconds, 4))
         # The outer step. Read the stop flag now: a stop asked for during the inner steps ends the
         # group after this outer step, with a checkpoint, and nothing is recomputed.
         stop = bool(link.stop_requested()) if link else False
-        last = steps[-1]
-        due_auto = bool(auto and any(auto.due(s) for s in steps))
         start_flat = dict(tree_flatten(theta))
         ends = {r: dict(tree_flatten(reps.params[r])) for r in mine}
         weighted = []
