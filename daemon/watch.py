@@ -24,8 +24,8 @@ How long to wait after step s was reported before calling the group stalled:
 - diloco (`[sync] mode = "diloco"`): ranks run their replicas' inner steps apart and meet only
   at the outer all_sum where an outer step of `inner_steps` ends (protocol/rounds.py: after the
   warm-up's `warmup_steps`), so the watch follows the slowest rank (the pool reports the lowest
-  step of the live ranks), and the outer step (all_sum, and a checkpoint's gather when one is due)
-  is measured and allowed like an evaluation ("outer"). A warm-up step is an outer step of its
+  step of the live ranks), and the outer step (its all_sum and update; a gather, below, apart) is
+  measured and allowed like an evaluation ("outer"). A warm-up step is an outer step of its
   own, an all_sum after every step as in sync mode: its interval is a step's, all_sum included.
 - A new split (sync mode): when rank 0's balancer moves work between ranks, the step after the
   announcing one is the first under it, and its micro batches have new shapes that the compiled step
@@ -136,7 +136,7 @@ class StepWatch:
         if self.last_step is not None:
             interval = (now - self.last_at) / (step - self.last_step)
             kinds = self.after(self.last_step) if step == self.last_step + 1 else []
-            if kinds and self.recent and UNMEASURED.isdisjoint(kinds):  # (with a split in it, nothing is measured)
+            if kinds and self.recent and UNMEASURED.isdisjoint(kinds):  # (with a split or a gather in it, nothing is)
                 base = statistics.median(self.recent)
                 cost = max(0.0, interval - base) / len(kinds)
                 for k in kinds:
