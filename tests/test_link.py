@@ -274,6 +274,46 @@ def test_link_messages_round_trip_and_out_of_bound_figures_are_refused() -> None
         assert e.value.code in (m.ErrorCode.BAD_REQUEST, m.ErrorCode.BAD_BODY)
 
 
+# -- the probe's plan, on a ring whose clock the model drives -------------------------------------
+
+
+def modelled_probe(mbit: float, ms: float, ranks: int = 3) -> object:
+    """The probe of rank 0 on a ring that takes exactly `ring_seconds` (90% of `mbit`, `ms` one
+    way) for each all_sum: the schedule of samples it chooses, not MLX, is what is under test."""
+    from dpool.trainer.linkprobe import probe
+
+    link, now = Link(mbit * 1e6, ms / 1e3), [0.0]
+
+    def all_sum(x: object) -> object:
+        now[0] += ring_seconds(x.nbytes, ranks, link)
+        return x  # rank 0's integers are every rank's when the others give 0
+
+    return probe(all_sum, 0, ranks, clock=lambda: now[0])
+
+
+@pytest.mark.parametrize(("mbit", "ms"), [(10_000, 0.05), (1000, 0.2), (300, 3), (100, 1), (300, 8), (1000, 10), (50, 10), (2000, 5)])
+def test_the_probe_reads_a_ring_of_any_latency_within_its_budget(mbit: float, ms: float) -> None:
+    """A ring 5-10 ms between hosts (Wi-Fi, a VPN between two homes) pays 20-40 ms of latency per
+    all_sum of 3 ranks: the probe's budget counted it, stopped at 16 KiB, where a sample is all
+    latency, and read 300 Mbit/s with 8 ms as 12 Mbit/s, 1 Gbit/s with 10 ms as 10."""
+    from dpool.trainer.linkprobe import BIG_BYTES, BUDGET_S, LATENCY_SAMPLES, MAX_S
+
+    got = modelled_probe(mbit, ms)
+    assert got.bandwidth_bps == pytest.approx(mbit * 1e6, rel=1e-4)
+    assert got.latency_s == pytest.approx(ms / 1e3, rel=1e-3)  # a tiny all_sum moves a few bytes too
+    assert got.bytes >= min(BIG_BYTES, 256 << 10)  # never a sample that is all latency
+    tiny = 4 * ms / 1e3  # 2(n - 1) hops
+    assert got.seconds <= min(MAX_S, BUDGET_S * 1.3 + (LATENCY_SAMPLES + 1 + 8) * tiny)
+
+
+def test_the_probe_grows_its_sample_until_it_goes_both_ways_round_the_ring() -> None:
+    """300 Mbit/s with 3 ms: a 1 MiB sample takes 41 ms of transfer but goes one way round 3 ranks
+    (MLX sums both ways from 3 x 512 KiB): the probe takes 4 MiB while the budget allows."""
+    assert modelled_probe(300, 3).bytes == 4 << 20
+    assert modelled_probe(10_000, 0.05).bytes == 4 << 20  # a fast ring: BIG_BYTES, at once
+    assert modelled_probe(10_000, 0.05).seconds < 0.05
+
+
 # -- the probe, on real ring groups ---------------------------------------------------------------
 
 PROBE_SCRIPT = """

@@ -12,17 +12,26 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
 1. one tiny all_sum to wake the ring's socket threads (not counted);
 2. LATENCY_SAMPLES tiny all_sums: a tiny all_sum is 2(n-1) hops of latency, so the latency is
    their median over 2(n-1);
-3. bandwidth samples from FIRST_BYTES up, four times larger each, until one takes SAMPLE_S and
-   is at least n x 512 KiB (MLX sums a buffer that large both ways round the ring at once, as a
-   step's large all_sums go; a smaller one goes one way, which on a full-duplex link reads up to
-   twice too slow), or BIG_BYTES; then once more at that size. A sample is taken only when the
-   one before, four times over, still fits the probe's BUDGET_S: a first guess from a small
-   buffer is no guide (a shaper's burst, the socket buffers let it through fast; on a 100 Mbit/s
-   link shaped with a 128 KB burst, sizing from a 64 KiB sample took 0.95 s), a grown one is;
+3. bandwidth samples from FIRST_BYTES up, four times larger each, until one moves its bytes for
+   SAMPLE_S (and at least as long as the ring's latency costs the all_sum, so that the latency's
+   own noise cannot swamp it) and is at least n x 512 KiB (MLX sums a buffer that large both ways
+   round the ring at once, as a step's large all_sums go; a smaller one goes one way, which on a
+   full-duplex link reads up to twice too slow), or BIG_BYTES (MAX_BYTES where the latency still
+   hides the transfer); then once more at that size. A sample is taken only when its transfer,
+   guessed from the one before as that one's time less the latency, scaled by its size, fits what
+   is left of BUDGET_S: a first guess from a small buffer is no guide (a shaper's burst, the
+   socket buffers let it through fast; on a 100 Mbit/s link shaped with a 128 KB burst, sizing
+   from a 64 KiB sample took 0.95 s), a grown one is. The budget counts the time spent moving
+   bytes, not the latency each all_sum pays whatever its size: on a ring with 5-10 ms between
+   hosts (Wi-Fi, a VPN between two homes) every sample of 3 ranks costs 20-40 ms of latency, and counting it
+   stopped the probe at 16 KiB, where a sample is all latency (it read a 300 Mbit/s link with
+   8 ms as 12 Mbit/s). MAX_S bounds the whole probe;
 4. the faster sample of the largest size gives the bandwidth, with the latency taken out, in the
    ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
-Measured (2 cores): 10-40 ms on loopback with 2 and 3 ranks; 0.25-0.3 s on a 100 Mbit/s link (tbf).
+Measured (2 cores): 10-40 ms on loopback with 2 and 3 ranks; 0.25-0.3 s on a 100 Mbit/s link (tbf);
+0.35-0.45 s for 3 ranks in network namespaces on one bridge, where the ring is CPU-bound (1-9 ms a
+hop). On the ring model, with 3 ranks: 0.4 s at 300 Mbit/s with 3 ms, 0.7-0.8 s with 8-10 ms.
 """
 
 from __future__ import annotations
@@ -40,9 +49,11 @@ LATENCY_SAMPLES = 5
 FIRST_BYTES = 16 << 10  # the first bandwidth sample: 0.15 s at 1 Mbit/s
 GROWTH = 4
 BIG_BYTES = 4 << 20
+MAX_BYTES = 16 << 20  # past BIG_BYTES only while the latency still hides the transfer
 BOTH_WAYS_BYTES = 512 << 10  # per rank: MLX's ring sums a buffer of n x this both ways round
-SAMPLE_S = 0.04  # a bandwidth sample this long is a measurement
-BUDGET_S = 0.25  # the probe takes no sample that would end past this (a sample runs over its guess: it ends by ~0.3 s)
+SAMPLE_S = 0.04  # a bandwidth sample that moves its bytes this long is a measurement
+BUDGET_S = 0.25  # seconds of moving bytes: no sample is taken whose transfer would end past this (a sample runs over its guess: it ends by ~0.3 s)
+MAX_S = 2.0  # the whole probe, latency included: no sample is taken that would end past this
 MAX_BPS, MIN_BPS = 1e13, 1.0  # the protocol's bounds of a bandwidth
 
 
@@ -73,34 +84,54 @@ def probe(all_sum: Callable[[mx.array], mx.array], rank: int, ranks: int, clock:
     hops = 2 * (ranks - 1)
     timed(4 * ranks)  # wakes the socket threads
     latency = statistics.median(timed(4 * ranks) for _ in range(LATENCY_SAMPLES)) / hops
+    fixed = hops * latency  # what every all_sum pays, whatever its size
     size, times = FIRST_BYTES, [timed(FIRST_BYTES)]
+    moving = _transfer(times[0], fixed)
     while True:
         # Rank 0 says what comes next (0: done), from its own figures; every rank follows.
-        nxt = _next_bytes(size, times, ranks, BUDGET_S - (clock() - t0)) if rank == 0 else 0
+        nxt = _next_bytes(size, times, ranks, fixed, BUDGET_S - moving, MAX_S - (clock() - t0)) if rank == 0 else 0
         nxt = from_rank0(nxt)
         if not nxt:
             break
         times = (times if nxt == size else []) + [timed(nxt)]
+        moving += _transfer(times[-1], fixed)
         size = nxt
     bps = _bandwidth(size, min(times), ranks, latency)
     return Probe(bandwidth_bps=bps, latency_s=latency, bytes=size, seconds=clock() - t0)
 
+def _transfer(seconds: float, fixed: float) -> float:
+    """The part of a sample spent moving bytes: its time less the latency every all_sum pays."""
+    return max(seconds - fixed, 0.0)
+
 
 def _bandwidth(nbytes: int, seconds: float, ranks: int, latency: float) -> float:
     """The link bandwidth (bits/s) under which the ring model gives `seconds` for this all_sum: the
-    latency term taken out (at most half of what was timed: a sample is never all latency)."""
+    latency term taken out (at most three quarters of what was timed: the latency is a median of
+    tiny all_sums, and a sample is never all latency)."""
     moved = 2 * (ranks - 1) / ranks * nbytes * 8
-    transfer = max(seconds - 2 * (ranks - 1) * latency, seconds / 2, 1e-9)
+    transfer = max(seconds - 2 * (ranks - 1) * latency, seconds / 4, 1e-9)
     return min(MAX_BPS, max(MIN_BPS, moved / (LINK_EFFICIENCY * transfer)))
 
 
-def _next_bytes(size: int, times: list[float], ranks: int, budget_s: float) -> int:
-    """The next sample's bytes (0: none): GROWTH times larger until a sample takes SAMPLE_S and
-    goes both ways round the ring, or BIG_BYTES; then the same size once more; each only when it
-    would end within `budget_s` (its time taken as the last one's, scaled by its size)."""
-    last = times[-1]
-    grown = size >= BIG_BYTES or (last >= SAMPLE_S and size >= BOTH_WAYS_BYTES * ranks)
+def _next_bytes(size: int, times: list[float], ranks: int, fixed: float, budget_s: float, time_left_s: float) -> int:
+    """The next sample's bytes (0: none). GROWTH times larger until a sample moves its bytes for
+    SAMPLE_S (and for at least the `fixed` latency of an all_sum) going both ways round the ring,
+    or reaches BIG_BYTES with its transfer out of the latency's shadow, or MAX_BYTES; then the same
+    size once more. Each only when its transfer (the last one's, scaled by its size) fits
+    `budget_s` and its whole time `time_left_s`."""
+    last = _transfer(times[-1], fixed)
+
+    def fits(nbytes: int) -> bool:
+        guess = last * nbytes / size
+        return guess <= budget_s and fixed + guess <= time_left_s
+
+    grown = (
+        size >= MAX_BYTES
+        or (size >= BIG_BYTES and last >= fixed)
+        or (size >= BOTH_WAYS_BYTES * ranks and last >= max(SAMPLE_S, fixed))
+    )
+    again = size if len(times) < 2 and fits(size) else 0
     if grown:
-        return size if len(times) < 2 and last <= budget_s else 0
-    nxt = min(size * GROWTH, BIG_BYTES)
-    return nxt if last * nxt / size <= budget_s else (size if len(times) < 2 and last <= budget_s else 0)
+        return again
+    nxt = min(size * GROWTH, MAX_BYTES)
+    return nxt if fits(nxt) else again
