@@ -167,8 +167,9 @@ class TrainRow(Record):
     """A training step's metrics row (rank 0, every `log_every_steps`). `loss` and `grad_norm` are
     null when not finite (a diverged step); `shares` and `rank_tokens_per_s` (the split in force and
     each rank's speed) are what the coordinator balances with; `checkpoint_every` is the interval in
-    force when `checkpoint.every_steps = "auto"` chose it; diloco rows name their `outer_step` and
-    what its all_sum took (`all_sum_s`)."""
+    force when `checkpoint.every_steps = "auto"` chose it; `all_sum_s` is what the step's all_sum
+    took rank 0 (a group's sync steps; its wait for slower ranks included), and diloco rows name
+    their `outer_step` and what its outer all_sum took."""
 
     TAG: ClassVar[tuple[str, str] | None] = ("kind", "train")
     kind: Annotated[str, OneOf("train")]
@@ -184,7 +185,7 @@ class TrainRow(Record):
     rank_tokens_per_s: Annotated[list[Annotated[float, Float(0.0)]], Items(MAX_WORLD)] | None = field(default=None, metadata=OMIT_NONE)
     checkpoint_every: Count | None = field(default=None, metadata=OMIT_NONE)  # the interval "auto" chose
     outer_step: Count | None = field(default=None, metadata=OMIT_NONE)  # diloco: the outer step this inner step belongs to
-    all_sum_s: Annotated[float, Float(0.0)] | None = field(default=None, metadata=OMIT_NONE)  # diloco: its outer all_sum's seconds
+    all_sum_s: Annotated[float, Float(0.0)] | None = field(default=None, metadata=OMIT_NONE)  # rank 0's seconds in the step's (diloco: the outer) all_sum
 
 
 @record

@@ -74,6 +74,7 @@ def test_reference_run_is_complete(reference):
     assert set(rows[1]) >= {"kind", "step", "loss", "lr", "tokens", "tokens_per_s", "world_size", "generation"}
     assert rows[1]["tokens"] == 24 * 64 and rows[1]["world_size"] == 1 and rows[1]["generation"] == 1
     assert rows[15]["loss"] < rows[1]["loss"] - 0.5, "a few steps at lr 1e-3 already learn byte statistics"
+    assert "all_sum_s" not in rows[1], "alone, a step has no all_sum to time"
     evals = ring.metrics(reference, "eval")
     assert sorted(evals) == [0, 5, 10, 15]
     samples = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
@@ -86,6 +87,8 @@ def test_three_unequal_ranks_match_one_rank(reference, work, env):
     three = work / "three" / "rank0"
     assert_same_curve(losses(reference), losses(three), 1e-4)
     assert all(r["world_size"] == 3 for r in ring.metrics(three).values())
+    # What each step's all_sum took rank 0, timed apart from the update: there, and a part of the step.
+    assert all(0 < r["all_sum_s"] < r["tokens"] / r["tokens_per_s"] for r in ring.metrics(three).values())
     assert not (work / "three" / "rank1" / "metrics.jsonl").exists(), "only rank 0 writes metrics"
     for rank in range(3):  # every rank keeps its own checkpoint copy
         assert (work / "three" / f"rank{rank}" / "checkpoints" / "step-15" / "manifest.json").is_file()

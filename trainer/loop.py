@@ -296,6 +296,8 @@ def run(
                 "grad_norm": stats.grad_norm, "shares": shares,
                 "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(stats.rank_tokens, stats.rank_seconds, strict=True)],
             }
+            if world > 1:
+                row["all_sum_s"] = stats.all_sum_s
             if auto and auto.interval is not None:
                 row["checkpoint_every"] = auto.interval
             metrics.append(metrics.metrics, row)

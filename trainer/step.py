@@ -58,6 +58,7 @@ class StepStats:
     stop: bool  # some rank was asked to checkpoint and stop after this step
     new_shares: list[int] | None  # rank 0 announced a new split, used from the next step on
     checkpoint: bool = False  # rank 0 asked every rank to checkpoint after this step (every_steps = "auto")
+    all_sum_s: float = 0.0  # this rank's seconds in the step's all_sum, its wait for slower ranks included (0: alone)
 
 
 def dropout_keys(seed: int, idents: np.ndarray) -> np.ndarray:
@@ -142,14 +143,17 @@ class Stepper:
         self, examples: list[Example], stop_requested: StopFlag = False, announce: list[int] | None = None
     ) -> tuple[list[str], list[mx.array], mx.array]:
         """The pool's mean gradient (names, arrays) and the summed control vector, identical on every rank."""
-        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce)
+        sums, ctl_sum, _ = self.reduce_sums(examples, stop_requested, announce)
         return self.names, self._mean(sums, ctl_sum), ctl_sum
 
     def reduce_sums(
         self, examples: list[Example], stop_requested: StopFlag = False, announce: list[int] | None = None,
         checkpoint: bool = False,
-    ) -> tuple[list[mx.array], mx.array]:
-        """The pool's gradient sums (in `names` order) and the summed control vector."""
+    ) -> tuple[list[mx.array], mx.array, float]:
+        """The pool's gradient sums (in `names` order), the summed control vector, and the seconds
+        the all_sum took this rank (its wait for slower ranks included; 0 alone): each bucket is
+        summed as it is sent (Group.all_sum_fused), so this is what the step spends communicating,
+        measured rather than inferred (metrics' all_sum_s)."""
         t0 = time.perf_counter()
         flat, loss, tokens = self.grad_sums(examples)
         compute = time.perf_counter() - t0
@@ -178,17 +182,19 @@ class Stepper:
             # Rounded on every world size alike, one worker too, so the curve still depends on
             # the job file alone (to bfloat16's precision: README "Communication").
             grads = [g.astype(self.comm_dtype) for g in grads]
+        t_sum = time.perf_counter()
         summed = self.group.all_sum_fused([*grads, control])
+        all_sum_s = time.perf_counter() - t_sum if self.group.size > 1 else 0.0
         if self.comm_dtype is not None:
             summed[:-1] = [g.astype(mx.float32) for g in summed[:-1]]
-        return summed[:-1], summed[-1]
+        return summed[:-1], summed[-1], all_sum_s
 
     def step(
         self, examples: list[Example], lr: float, stop_requested: StopFlag = False, announce: list[int] | None = None,
         checkpoint: bool = False,
     ) -> StepStats:
         """One optimizer step; `checkpoint` (read on rank 0 only) asks every rank to checkpoint after it."""
-        sums, ctl_sum = self.reduce_sums(examples, stop_requested, announce, checkpoint)
+        sums, ctl_sum, all_sum_s = self.reduce_sums(examples, stop_requested, announce, checkpoint)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         norm = self.apply(sums, ctl_sum)
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
@@ -200,6 +206,7 @@ class Stepper:
             loss=c[0] / c[1], tokens=int(c[1]), rank_seconds=c[3 : 3 + world],
             rank_tokens=[round(x) for x in c[3 + 2 * world : 3 + 3 * world]], grad_norm=float(norm.item()),
             stop=c[2] > 0, new_shares=announced if any(announced) else None, checkpoint=c[3 + 3 * world] > 0,
+            all_sum_s=all_sum_s,
         )
 
     def eval_loss(self, examples: list[Example]) -> float:
