@@ -376,6 +376,8 @@ def comm_text(j: Any) -> str:
     """`dpctl status JOB`'s comm line: the share of a step in all_sum, and what it rests on."""
     if j.comm_share is not None:
         share = f"{j.comm_share:.0%} of each step in all_sum"
+        if j.comm is not None and j.comm.measured_share is not None:
+            share += f" (measured {j.comm.measured_share:.0%})"
     else:
         share = "- (no step measured yet)" if j.state == "running" else "- (not running)"
     c = j.comm

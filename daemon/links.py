@@ -14,9 +14,12 @@ until the next group starts, and every group start measures again.
 
 The prediction (protocol/commmodel.py): the ring model on the running group's own probe (its
 slowest link), the job's bytes per all_sum (parameters x the `[sync] dtype`'s bytes), one all_sum
-per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step measured
-as the median of rank 0's recent step times (less the predicted all_sum where the step had one of its
-own: every step in sync mode, a diloco job's `warmup_steps`). While a diloco job is in its warm-up
+per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step. In sync
+mode rank 0's metrics rows time each step's all_sum (`all_sum_s`): the compute is then what recent
+steps spent outside it, and the share they spent in it is shown beside the prediction
+(`measured_share`). Before such rows, and in diloco mode, the compute is the median of rank 0's
+recent step times (less the predicted all_sum where the step had one of its own: every step in sync
+mode, a diloco job's `warmup_steps`). While a diloco job is in its warm-up
 its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
 job, for a share above COMM_BOUND) reads the steps after it, which the job is about.
 """
@@ -65,6 +68,9 @@ class JobLink:
     # (seconds, summed): each recent step of rank 0, and whether it had an all_sum of its own
     steps: collections.deque[tuple[float, bool]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
     seen: int = 0  # steps reported in this generation
+    # (seconds, all_sum seconds): rank 0's recent metrics rows of sync steps that timed their all_sum
+    timed: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
+    rows: int = 0  # such rows reported in this generation (its first, which compiles, is not kept)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +83,7 @@ class Prediction:
     ranks: int
     global_batch: int
     warm: bool = False  # of a diloco warm-up step: the job's choice for a while, not warned about
+    measured: float | None = None  # the share the recent steps' all_sum took them, as timed (None: not timed)
 
     def row(self) -> CommRow:
         """Within the reply's bounds, whatever a node reported (a 1 bit/s ring, 2^53 parameters):
@@ -85,6 +92,7 @@ class Prediction:
             bytes=min(self.comm.nbytes, MAX_INT), every=self.comm.every, ranks=self.ranks, global_batch=self.global_batch,
             seconds=_seconds(self.comm.seconds), compute_s=None if self.compute_s is None else _seconds(self.compute_s),
             link=list(self.pace), bandwidth_bps=self.link.bandwidth_bps, latency_s=self.link.latency_s, warning=self.warning(),
+            measured_share=None if self.measured is None else round(min(1.0, max(0.0, self.measured)), 4),
         )
 
     def warning(self) -> str | None:
@@ -143,6 +151,17 @@ class Links:
         }
         return [Record(job.id, "job.comm_bound", now, fields)]
 
+    def timed(self, job: Job, generation: int, seconds: float, all_sum_s: float) -> None:
+        """Rank 0's metrics row of a sync step: the step took `seconds`, its all_sum `all_sum_s` of
+        them (timed by the trainer, its wait for slower ranks included). The generation's first
+        such row is left out: its step compiles."""
+        known = self.jobs.get(job.id)
+        if known is None or known.generation != generation or not 0 <= all_sum_s <= seconds < MAX_SECONDS:
+            return
+        known.rows += 1
+        if known.rows > 1:
+            known.timed.append((seconds, all_sum_s))
+
     def forget(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)
         self.warned.discard(job_id)
@@ -170,11 +189,16 @@ class Links:
         after = step_comm(known.params, len(known.ring), link, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
         warm = not steady and after.every > 1 and _summed(job, job.step + 1)
         comm = each if warm else after
-        compute = None
-        if len(known.steps) >= MIN_STEPS:
+        compute = measured = None
+        if known.timed:
+            # A step's compute is what it spent outside its all_sum, as timed: the prediction then
+            # rests on the probe for the all_sum alone, and the measured share stands beside it.
+            compute = statistics.median(s - a for s, a in known.timed)
+            measured = statistics.median(a / s for s, a in known.timed)
+        elif len(known.steps) >= MIN_STEPS:
             compute = statistics.median(measured_compute(s, each if summed else after) for s, summed in known.steps)
         share = None if compute is None else min(1.0, max(0.0, comm_share(comm.seconds, compute)))
-        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch, warm)
+        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch, warm, measured)
 
     def share(self, job: Job) -> tuple[float | None, CommRow | None]:
         """`status JOB --json`'s comm_share (for a running job; 0.0 for a group of one, which sums

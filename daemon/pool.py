@@ -650,6 +650,8 @@ class Pool:
                 job.loss = row.loss
             if job.plan is not None and generation == job.plan.generation:
                 actions += self._measured(job, row, now)
+                if row.all_sum_s is not None and row.outer_step is None and row.tokens_per_s > 0:
+                    self.links.timed(job, generation, row.tokens / row.tokens_per_s, row.all_sum_s)  # a sync step's
         elif isinstance(row, TestLossRow):
             if row.test_loss is not None:
                 job.test_loss = row.test_loss

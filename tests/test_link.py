@@ -188,6 +188,30 @@ def test_a_running_jobs_share_uses_its_probe_its_parameters_and_its_measured_ste
     assert share is None and comm is not None and comm.compute_s is not None
 
 
+def test_a_sync_jobs_timed_all_sums_give_the_measured_share_and_the_compute_the_prediction_rests_on() -> None:
+    """Rank 0's rows time each step's all_sum (metrics' all_sum_s): the share they measure stands
+    beside the prediction, and a step's compute is what it spent outside its all_sum, whatever the
+    probe says of the link (a probe that read the link 3x too slow would otherwise have left the
+    compute at 0 and the share at 100%)."""
+    links = Links()
+    j = job_on(("a", "b"))
+    links.observe(1.0, j, NodeLink(job=j.id, generation=1, rank=0, ring=probe(100, 0.1), params=2_500_000))
+    predicted = step_comm(2_500_000, 2, Link(100e6, 1e-4)).seconds  # 0.89 s
+    share_of(links, j, [0.5] * 5)  # steps of 0.5 s: less than the predicted all_sum alone
+    assert links.share(j)[0] == 1.0 and links.share(j)[1].measured_share is None
+    links.timed(j, 1, 9.0, 8.9)  # the generation's first row compiles: not kept
+    for seconds, all_sum in [(0.5, 0.3), (0.6, 0.35), (0.5, 0.28)]:
+        links.timed(j, 1, seconds, all_sum)
+    share, comm = links.share(j)
+    assert comm is not None and comm.measured_share == pytest.approx(0.583, abs=1e-3)  # median of 0.6, 0.583, 0.56
+    assert comm.compute_s == pytest.approx(0.22)  # median of 0.2, 0.25, 0.22
+    assert share == pytest.approx(predicted / (predicted + 0.22), rel=1e-3)
+    # Rows of another generation, or that no step could hold, are not taken.
+    links.timed(j, 2, 0.5, 0.1)
+    links.timed(j, 1, 0.5, 0.9)
+    assert links.share(j)[1].measured_share == comm.measured_share
+
+
 def test_a_comm_bound_job_gets_one_event_naming_the_slow_link() -> None:
     links = Links()
     j = job_on(("a", "b", "c"), sync={"dtype": "float32"})
@@ -358,8 +382,11 @@ def test_a_two_worker_jobs_status_carries_its_comm_share_and_nodes_show_the_meas
     for a, b in (("n0", "n1"), ("n1", "n0")):
         (link,) = nodes[a]["links"]
         assert link["peer"] == b and link["bandwidth_bps"] > 0 and link["latency_s"] > 0 and link["source"] == "ring"
+    # Beside the prediction, what the steps' all_sums took them, as rank 0's metrics rows timed it.
+    timed = pool.wait_status(job_id, "a measured share", lambda s: s.comm is not None and s.comm.measured_share is not None, timeout=120)
+    assert 0.0 < timed.comm.measured_share < 1.0 and timed.comm.compute_s > 0
     shown = pool.dpctl("status", job_id)
-    assert shown.returncode == 0 and "of each step in all_sum" in shown.stdout
+    assert shown.returncode == 0 and "of each step in all_sum (measured " in shown.stdout
     table = pool.dpctl("nodes")
     assert "LINKS" in table.stdout and "Mbit" not in table.stdout  # compact: "n1 940M/0.2ms"
     kinds = [e["kind"] for e in pool.dpctl_json("events", job_id)]
