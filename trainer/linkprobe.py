@@ -25,7 +25,8 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
    bytes, not the latency each all_sum pays whatever its size: on a ring with 5-10 ms between
    hosts (Wi-Fi, a VPN between two homes) every sample of 3 ranks costs 20-40 ms of latency, and counting it
    stopped the probe at 16 KiB, where a sample is all latency (it read a 300 Mbit/s link with
-   8 ms as 12 Mbit/s). MAX_S bounds the whole probe;
+   8 ms as 12 Mbit/s). MAX_S bounds the whole probe. A sample far slower per byte than the smaller
+   ones (a lost segment's retransmission timeout) is taken again before it counts;
 4. the faster sample of the largest size gives the bandwidth, with the latency taken out, in the
    ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
@@ -54,6 +55,8 @@ BOTH_WAYS_BYTES = 512 << 10  # per rank: MLX's ring sums a buffer of n x this bo
 SAMPLE_S = 0.04  # a bandwidth sample that moves its bytes this long is a measurement
 BUDGET_S = 0.25  # seconds of moving bytes: no sample is taken whose transfer would end past this (a sample runs over its guess: it ends by ~0.3 s)
 MAX_S = 2.0  # the whole probe, latency included: no sample is taken that would end past this
+STALL = 2.0  # a sample this many times slower per byte than a smaller one is taken again
+STALL_MIN_S = 0.005  # ... when it moved its bytes this long at least (a shorter one is cheap to trust)
 MAX_BPS, MIN_BPS = 1e13, 1.0  # the protocol's bounds of a bandwidth
 
 
@@ -87,17 +90,24 @@ def probe(all_sum: Callable[[mx.array], mx.array], rank: int, ranks: int, clock:
     fixed = hops * latency  # what every all_sum pays, whatever its size
     size, times = FIRST_BYTES, [timed(FIRST_BYTES)]
     moving = _transfer(times[0], fixed)
+    pace: float | None = None  # the best seconds per byte moved of the smaller sizes
     while True:
         # Rank 0 says what comes next (0: done), from its own figures; every rank follows.
-        nxt = _next_bytes(size, times, ranks, fixed, BUDGET_S - moving, MAX_S - (clock() - t0)) if rank == 0 else 0
+        nxt = _next_bytes(size, times, ranks, fixed, BUDGET_S - moving, MAX_S - (clock() - t0), pace) if rank == 0 else 0
         nxt = from_rank0(nxt)
         if not nxt:
             break
-        times = (times if nxt == size else []) + [timed(nxt)]
+        if nxt != size:
+            moved = _transfer(min(times), fixed)
+            if moved > 0:
+                pace = moved / size if pace is None else min(pace, moved / size)
+            times = []
+        times.append(timed(nxt))
         moving += _transfer(times[-1], fixed)
         size = nxt
     bps = _bandwidth(size, min(times), ranks, latency)
     return Probe(bandwidth_bps=bps, latency_s=latency, bytes=size, seconds=clock() - t0)
+
 
 def _transfer(seconds: float, fixed: float) -> float:
     """The part of a sample spent moving bytes: its time less the latency every all_sum pays."""
@@ -113,17 +123,25 @@ def _bandwidth(nbytes: int, seconds: float, ranks: int, latency: float) -> float
     return min(MAX_BPS, max(MIN_BPS, moved / (LINK_EFFICIENCY * transfer)))
 
 
-def _next_bytes(size: int, times: list[float], ranks: int, fixed: float, budget_s: float, time_left_s: float) -> int:
+def _next_bytes(
+    size: int, times: list[float], ranks: int, fixed: float, budget_s: float, time_left_s: float, pace: float | None = None,
+) -> int:
     """The next sample's bytes (0: none). GROWTH times larger until a sample moves its bytes for
     SAMPLE_S (and for at least the `fixed` latency of an all_sum) going both ways round the ring,
     or reaches BIG_BYTES with its transfer out of the latency's shadow, or MAX_BYTES; then the same
-    size once more. Each only when its transfer (the last one's, scaled by its size) fits
-    `budget_s` and its whole time `time_left_s`."""
-    last = _transfer(times[-1], fixed)
+    size once more. Each only when its transfer (the best at this size, scaled) fits `budget_s` and
+    its whole time `time_left_s`. A sample that moved its bytes STALL times slower than the smaller
+    sizes did (`pace`: their best seconds per byte) is looked at again whatever the budget, within
+    `time_left_s`: one lost segment waits out TCP's retransmission timeout (200 ms at least), and
+    read alone it made a 300 Mbit/s link 25 Mbit/s."""
+    last = _transfer(min(times), fixed)
 
     def fits(nbytes: int) -> bool:
         guess = last * nbytes / size
         return guess <= budget_s and fixed + guess <= time_left_s
+
+    if len(times) == 1 and pace is not None and last >= STALL_MIN_S and last > STALL * pace * size:
+        return size if fixed + last <= time_left_s else 0
 
     grown = (
         size >= MAX_BYTES
