@@ -31,8 +31,9 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
    ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
 Measured (2 cores): 10-40 ms on loopback with 2 and 3 ranks; 0.25-0.3 s on a 100 Mbit/s link (tbf);
-0.35-0.45 s for 3 ranks in network namespaces on one bridge, where the ring is CPU-bound (1-9 ms a
-hop). On the ring model, with 3 ranks: 0.4 s at 300 Mbit/s with 3 ms, 0.7-0.8 s with 8-10 ms.
+for 3 ranks in network namespaces on one bridge, where the ring is CPU-bound (1-9 ms a hop),
+0.3-0.7 s unshaped and at 1 Gbit/s, 0.3-1.1 s at 300 Mbit/s (tbf: samples taken again). On the
+ring model, with 3 ranks: 0.4 s at 300 Mbit/s with 3 ms, 0.7-0.8 s with 8-10 ms.
 """
 
 from __future__ import annotations
