@@ -38,6 +38,7 @@ def status(id: str, state: str, **kw: Any) -> dict[str, Any]:
 
 RUNNING = status(
     "gpt-aaaaaa", "running", step=40, loss=2.5, val_loss=2.75, generation=3, world_size=2, eta_s=12.5,
+    comm_share=0.35, comm={"bytes": 13_107_200, "every": 1, "ranks": 2, "measured_share": 0.3125},
     workers=[{"rank": 0, "node": "m1", "share": 4, "tokens_per_s": 1500.0}, {"rank": 1, "node": "m1", "share": 2, "tokens_per_s": 500.0}],
 )
 DONE = status("gpt-bbbbbb", "succeeded", step=100, loss=1.25, val_loss=1.5, finished=2000.0)
@@ -91,6 +92,9 @@ def test_jobs_are_counted_by_state_and_a_running_job_has_its_progress_loss_and_s
     assert got["dpool_job_world_size", job] == 2
     assert got["dpool_job_generation", job] == 3
     assert got["dpool_job_eta_seconds", job] == 12.5
+    assert got["dpool_job_comm_share", job] == 0.35  # predicted
+    assert got["dpool_job_comm_share_measured", job] == 0.3125  # as the steps timed their all_sum
+    assert ("dpool_job_comm_share", (("job", "gpt-cccccc"),)) not in got  # not running: not known
     # unknown values are left out, not written as 0: the queued job has no loss yet, the ended one no speed
     assert ("dpool_job_loss", (("job", "gpt-cccccc"),)) not in got
     assert ("dpool_job_tokens_per_second", (("job", "gpt-bbbbbb"),)) not in got
