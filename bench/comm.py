@@ -111,7 +111,7 @@ finally:
     sys.path.remove(str(HERE))  # bench/mlx_lm.py would shadow mlx-lm itself
     sys.path.remove(str(HERE.parent / "tests"))
 
-from dpool.protocol.commmodel import Link, ring_seconds  # noqa: E402
+from dpool.protocol.commmodel import Link, ring_seconds, timed_comm  # noqa: E402
 from dpool.protocol.jobspec import SyncSpec  # noqa: E402
 from dpool.protocol.rounds import Rounds  # noqa: E402
 from dpool.trainer.dist import BUCKET_BYTES  # noqa: E402
@@ -473,25 +473,29 @@ class Tap:
                     self.at.setdefault(step, now)
 
 
-def compute_seconds(row: dict[str, Any]) -> list[float]:
-    """Each rank's compute seconds in a step (its tokens over its tokens/s, without the all_sum)."""
-    shares = row.get("shares") or [1] * len(row["rank_tokens_per_s"])
-    return [row["tokens"] * s / sum(shares) / max(x, 1e-9) for s, x in zip(shares, row["rank_tokens_per_s"], strict=True)]
-
-
 def rank_compute(row: dict[str, Any]) -> float:
-    """The slowest rank's compute seconds in a step."""
-    return max(compute_seconds(row))
+    """The slowest rank's compute seconds in a step (its tokens over its tokens/s, without the all_sum)."""
+    shares = row.get("shares") or [1] * len(row["rank_tokens_per_s"])
+    return max(row["tokens"] * s / sum(shares) / max(x, 1e-9) for s, x in zip(shares, row["rank_tokens_per_s"], strict=True))
 
 
 def step_comm(row: dict[str, Any]) -> float | None:
-    """The seconds a step spent communicating, as its row measured them: rank 0's time in the
-    step's all_sum (`all_sum_s`, timed apart from the update), less its wait for the slowest
-    rank's compute; None for a trainer whose rows do not carry it."""
+    """The seconds a step spent communicating, as its row measured them (commmodel.timed_comm, as
+    the pool reads it: rank 0's time in the step's all_sum, `all_sum_s`, timed apart from the
+    update, less its wait for the slowest rank's compute); None for a trainer whose rows do not
+    carry it."""
     if row.get("all_sum_s") is None:
         return None
-    c = compute_seconds(row)
-    return max(0.0, row["all_sum_s"] - max(0.0, max(c) - c[0]))
+    return timed_comm(row["all_sum_s"], row["tokens"], row.get("shares"), row.get("rank_tokens_per_s"))
+
+
+def timed_comms(run: dict[str, Any]) -> list[float] | None:
+    """Each measured step's communicating seconds (after the first SKIP), or None where the run's
+    rows did not time their all_sum (runs before all_sum_s)."""
+    got = run.get("comm_s")
+    if not got or any(c is None for c in got[SKIP:]):
+        return None
+    return got[SKIP:]
 
 
 def diloco_available() -> bool:
@@ -519,9 +523,9 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
         a0 = doc["allsum"][base]["train"]["methods"]["bucketed fp32"]["median_s"]
         compute = max(0.0, train[f"sync-{base}"]["median_step_s"] - a0)  # as commmodel.measured_compute: never below 0
         unshaped = train[f"sync-{base}"]
-        if all(c is not None for c in unshaped.get("comm_s", [None])[SKIP:]):
+        if (comms := timed_comms(unshaped)) is not None:
             # The step less its all_sum, both from the same steps (older runs: figure 1's all_sum).
-            compute = statistics.median(t - c for t, c in zip(unshaped["step_s"][SKIP:], unshaped["comm_s"][SKIP:], strict=True))
+            compute = statistics.median(t - c for t, c in zip(unshaped["step_s"][SKIP:], comms, strict=True))
         for c in LINKS:
             r = train.get(f"sync-{c.key}")
             if r is None or c.key not in doc["allsum"]:
@@ -530,8 +534,8 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
             a = got["methods"]["bucketed fp32"]["median_s"]
             t = r["median_step_s"]
             rest = [1 - c / x for c, x in zip(r["rank_compute_s"][SKIP:], r["step_s"][SKIP:], strict=True)]
-            timed = r.get("comm_s", [None])[SKIP:]
-            in_run = rest if any(c is None for c in timed) else [c / x for c, x in zip(timed, r["step_s"][SKIP:], strict=True)]
+            timed = timed_comms(r)
+            in_run = rest if timed is None else [c / x for c, x in zip(timed, r["step_s"][SKIP:], strict=True)]
             row: dict[str, Any] = {"step_s": t, "allsum_s": a, "compute_s": compute, "measured": statistics.median(in_run),
                                    "measured_timed": in_run is not rest, "all_but_compute": statistics.median(rest),
                                    "allsum_over_step": a / t, "by_step_difference": (t - compute) / t}
@@ -550,8 +554,7 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
                 by_probe = ring_seconds(sent, len(HOSTS), Link(probe["bandwidth_bps"], probe["latency_s"]), BUCKET_BYTES)
                 # As dpctl status predicts it: against the compute the steps of this run spent outside
                 # their timed all_sum (daemon/links.py), where the rows time it; else the unshaped link's.
-                here = compute if any(c is None for c in timed) else statistics.median(
-                    x - c for x, c in zip(r["step_s"][SKIP:], timed, strict=True))
+                here = compute if timed is None else statistics.median(x - c for x, c in zip(r["step_s"][SKIP:], timed, strict=True))
                 row |= {"probe": probe, "predicted_probe": by_probe / (by_probe + here), "compute_probe_s": here}
                 row["error_probe"] = relative_error(row["predicted_probe"], row["measured"])
             out["share"][c.key] = row

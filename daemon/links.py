@@ -15,9 +15,9 @@ until the next group starts, and every group start measures again.
 The prediction (protocol/commmodel.py): the ring model on the running group's own probe (its
 slowest link), the job's bytes per all_sum (parameters x the `[sync] dtype`'s bytes), one all_sum
 per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step. In sync
-mode rank 0's metrics rows time each step's all_sum (`all_sum_s`): the compute is then what recent
-steps spent outside it, and the share they spent in it is shown beside the prediction
-(`measured_share`). Before such rows, and in diloco mode, the compute is the median of rank 0's
+mode rank 0's metrics rows time each step's all_sum (`all_sum_s`; less rank 0's wait there for
+the slowest rank, what the step spent communicating): the compute is then the rest of recent steps,
+and the share they spent communicating is shown beside the prediction (`measured_share`). Before such rows, and in diloco mode, the compute is the median of rank 0's
 recent step times (less the predicted all_sum where the step had one of its own: every step in sync
 mode, a diloco job's `warmup_steps`). While a diloco job is in its warm-up
 its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
@@ -68,7 +68,7 @@ class JobLink:
     # (seconds, summed): each recent step of rank 0, and whether it had an all_sum of its own
     steps: collections.deque[tuple[float, bool]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
     seen: int = 0  # steps reported in this generation
-    # (seconds, all_sum seconds): rank 0's recent metrics rows of sync steps that timed their all_sum
+    # (seconds, communicating): rank 0's recent metrics rows of sync steps that timed their all_sum
     timed: collections.deque[tuple[float, float]] = field(default_factory=lambda: collections.deque(maxlen=STEPS_KEPT))
     rows: int = 0  # such rows reported in this generation (its first, which compiles, is not kept)
 
@@ -83,7 +83,7 @@ class Prediction:
     ranks: int
     global_batch: int
     warm: bool = False  # of a diloco warm-up step: the job's choice for a while, not warned about
-    measured: float | None = None  # the share the recent steps' all_sum took them, as timed (None: not timed)
+    measured: float | None = None  # the share of the recent steps spent communicating, as timed (None: not timed)
 
     def row(self) -> CommRow:
         """Within the reply's bounds, whatever a node reported (a 1 bit/s ring, 2^53 parameters):
@@ -151,16 +151,16 @@ class Links:
         }
         return [Record(job.id, "job.comm_bound", now, fields)]
 
-    def timed(self, job: Job, generation: int, seconds: float, all_sum_s: float) -> None:
-        """Rank 0's metrics row of a sync step: the step took `seconds`, its all_sum `all_sum_s` of
-        them (timed by the trainer, its wait for slower ranks included). The generation's first
-        such row is left out: its step compiles."""
+    def timed(self, job: Job, generation: int, seconds: float, comm_s: float) -> None:
+        """Rank 0's metrics row of a sync step: the step took `seconds`, communicating `comm_s` of
+        them (its all_sum as the trainer timed it, less rank 0's wait there for the slowest rank:
+        commmodel.timed_comm). The generation's first such row is left out: its step compiles."""
         known = self.jobs.get(job.id)
-        if known is None or known.generation != generation or not 0 <= all_sum_s <= seconds < MAX_SECONDS:
+        if known is None or known.generation != generation or not (0 <= comm_s <= seconds and 0 < seconds < MAX_SECONDS):
             return
         known.rows += 1
         if known.rows > 1:
-            known.timed.append((seconds, all_sum_s))
+            known.timed.append((seconds, comm_s))
 
     def forget(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)

@@ -54,6 +54,7 @@ from dpool.daemon.records import (
 )
 from dpool.daemon.watch import StepWatch
 from dpool.protocol import messages as m
+from dpool.protocol.commmodel import timed_comm
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
@@ -650,8 +651,9 @@ class Pool:
                 job.loss = row.loss
             if job.plan is not None and generation == job.plan.generation:
                 actions += self._measured(job, row, now)
-                if row.all_sum_s is not None and row.outer_step is None and row.tokens_per_s > 0:
-                    self.links.timed(job, generation, row.tokens / row.tokens_per_s, row.all_sum_s)  # a sync step's
+                if row.all_sum_s is not None and row.outer_step is None and row.tokens_per_s > 0:  # a sync step's
+                    comm = timed_comm(row.all_sum_s, row.tokens, row.shares, row.rank_tokens_per_s)
+                    self.links.timed(job, generation, row.tokens / row.tokens_per_s, comm)
         elif isinstance(row, TestLossRow):
             if row.test_loss is not None:
                 job.test_loss = row.test_loss

@@ -119,7 +119,7 @@ class PoolCollector(Collector):
             (GaugeMetricFamily("dpool_job_eta_seconds", "Seconds the running job has left at its recent pace.", labels=["job"], unit="seconds"), lambda j: j.get("eta_s")),
             (GaugeMetricFamily("dpool_job_comm_share", "Predicted share of a step the running group spends in all_sum (the ring model on its probe).",
                                labels=["job"]), lambda j: j.get("comm_share")),
-            (GaugeMetricFamily("dpool_job_comm_share_measured", "Share of the running group's recent sync steps their all_sum took, as rank 0 timed it.",
+            (GaugeMetricFamily("dpool_job_comm_share_measured", "Share of the job's newest group's recent sync steps spent communicating, as timed (its all_sum, less the wait for the slowest rank).",
                                labels=["job"]), lambda j: (j.get("comm") or {}).get("measured_share")),
         ]
         for j in shown:

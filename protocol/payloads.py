@@ -261,9 +261,10 @@ class CommRow(Record):
     bandwidth_bps: BitsPerSecond
     latency_s: LinkLatency
     warning: Text | None = None  # the share is above 0.5: what paces it and what to do
-    # What the running group's recent sync steps spent in their all_sum, as rank 0 timed it (metrics'
-    # all_sum_s over the step's time; null: no such step yet, a diloco job, a group of one)
-    measured_share: Annotated[float, Float(0.0, 1.0)] | None = None
+    # The share of the group's recent sync steps spent communicating, as timed (metrics' all_sum_s,
+    # less rank 0's wait there for the slowest rank, over the step's time; left out: not timed yet,
+    # a diloco job, a group of one)
+    measured_share: Annotated[float, Float(0.0, 1.0)] | None = field(default=None, metadata=OMIT_NONE)
 
 
 @record

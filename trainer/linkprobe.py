@@ -25,8 +25,9 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
    bytes, not the latency each all_sum pays whatever its size: on a ring with 5-10 ms between
    hosts (Wi-Fi, a VPN between two homes) every sample of 3 ranks costs 20-40 ms of latency, and counting it
    stopped the probe at 16 KiB, where a sample is all latency (it read a 300 Mbit/s link with
-   8 ms as 12 Mbit/s). MAX_S bounds the whole probe. A sample far slower per byte than the smaller
-   ones (a lost segment's retransmission timeout) is taken again before it counts;
+   8 ms as 12 Mbit/s). No sample starts that would end past MAX_S. A sample far slower per byte
+   than the size before (a lost segment's retransmission timeout) is taken again before it counts,
+   and only the faster of the two is charged to the budget;
 4. the faster sample of the largest size gives the bandwidth, with the latency taken out, in the
    ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
@@ -56,7 +57,7 @@ BOTH_WAYS_BYTES = 512 << 10  # per rank: MLX's ring sums a buffer of n x this bo
 SAMPLE_S = 0.04  # a bandwidth sample that moves its bytes this long is a measurement
 BUDGET_S = 0.25  # seconds of moving bytes: no sample is taken whose transfer would end past this (a sample runs over its guess: it ends by ~0.3 s)
 MAX_S = 2.0  # the whole probe, latency included: no sample is taken that would end past this
-STALL = 2.0  # a sample this many times slower per byte than a smaller one is taken again
+STALL = 2.0  # a sample this many times slower per byte than the size before is taken again ...
 STALL_MIN_S = 0.005  # ... when it moved its bytes this long at least (a shorter one is cheap to trust)
 MAX_BPS, MIN_BPS = 1e13, 1.0  # the protocol's bounds of a bandwidth
 
@@ -90,21 +91,19 @@ def probe(all_sum: Callable[[mx.array], mx.array], rank: int, ranks: int, clock:
     latency = statistics.median(timed(4 * ranks) for _ in range(LATENCY_SAMPLES)) / hops
     fixed = hops * latency  # what every all_sum pays, whatever its size
     size, times = FIRST_BYTES, [timed(FIRST_BYTES)]
-    moving = _transfer(times[0], fixed)
-    pace: float | None = None  # the best seconds per byte moved of the smaller sizes
+    moved = 0.0  # the budget spent by the sizes done: each size's faster sample (a stall is not charged)
+    pace: float | None = None  # seconds per byte moved of the size before (None: none, or all latency)
     while True:
         # Rank 0 says what comes next (0: done), from its own figures; every rank follows.
-        nxt = _next_bytes(size, times, ranks, fixed, BUDGET_S - moving, MAX_S - (clock() - t0), pace) if rank == 0 else 0
+        left = BUDGET_S - moved - _transfer(min(times), fixed)
+        nxt = _next_bytes(size, times, ranks, fixed, left, MAX_S - (clock() - t0), pace) if rank == 0 else 0
         nxt = from_rank0(nxt)
         if not nxt:
             break
         if nxt != size:
-            moved = _transfer(min(times), fixed)
-            if moved > 0:
-                pace = moved / size if pace is None else min(pace, moved / size)
-            times = []
+            best = _transfer(min(times), fixed)
+            moved, pace, times = moved + best, (best / size if best > 0 else None), []
         times.append(timed(nxt))
-        moving += _transfer(times[-1], fixed)
         size = nxt
     bps = _bandwidth(size, min(times), ranks, latency)
     return Probe(bandwidth_bps=bps, latency_s=latency, bytes=size, seconds=clock() - t0)
@@ -131,17 +130,17 @@ def _next_bytes(
     SAMPLE_S (and for at least the `fixed` latency of an all_sum) going both ways round the ring,
     or reaches BIG_BYTES with its transfer out of the latency's shadow, or MAX_BYTES; then the same
     size once more. Each only when its transfer (the best at this size, scaled) fits `budget_s` and
-    its whole time `time_left_s`. A sample that moved its bytes STALL times slower than the smaller
-    sizes did (`pace`: their best seconds per byte) is looked at again whatever the budget, within
-    `time_left_s`: one lost segment waits out TCP's retransmission timeout (200 ms at least), and
-    read alone it made a 300 Mbit/s link 25 Mbit/s."""
+    its whole time `time_left_s`. A sample that moved its bytes for STALL_MIN_S and STALL times
+    slower per byte than the size before (`pace`; or with no size before to compare) is looked at
+    again whatever the budget, within `time_left_s`: one lost segment waits out TCP's
+    retransmission timeout (200 ms at least), and read alone it made a 300 Mbit/s link 25 Mbit/s."""
     last = _transfer(min(times), fixed)
 
     def fits(nbytes: int) -> bool:
         guess = last * nbytes / size
         return guess <= budget_s and fixed + guess <= time_left_s
 
-    if len(times) == 1 and pace is not None and last >= STALL_MIN_S and last > STALL * pace * size:
+    if len(times) == 1 and last >= STALL_MIN_S and (pace is None or last > STALL * pace * size):
         return size if fixed + last <= time_left_s else 0
 
     grown = (
