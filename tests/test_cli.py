@@ -236,7 +236,7 @@ def test_global_flags_go_anywhere_on_the_line(pool: LocalPool, tmp_path: Path) -
     (home / ".config" / "dpool" / "config.toml").write_text(f'coordinator = "{pool.addr}"\ntimeout = 10\nworkers = 1\n')
     r = dpctl("nodes", "--json", env=env_without_pool(HOME=str(home)))
     assert r.returncode == 0 and [n["name"] for n in json.loads(r.stdout)] == ["n0"], r.stderr
-    r = dpctl("nodes", env=env_without_pool(HOME=str(home), DPOOL_COORDINATOR=nowhere))
+    r = dpctl("nodes", "--timeout", "0.5", env=env_without_pool(HOME=str(home), DPOOL_COORDINATOR=nowhere))  # not the file's 10 s
     assert r.returncode == 3 and nowhere in r.stderr
     (home / ".config" / "dpool" / "config.toml").write_text(f'coordinator = "{nowhere}"\ntimeout = 0.5\n')
     r = dpctl("nodes", env=env_without_pool(HOME=str(home)))
