@@ -16,8 +16,7 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
    SAMPLE_S (and at least as long as the ring's latency costs the all_sum, so that the latency's
    own noise cannot swamp it) and is at least n x 512 KiB (MLX sums a buffer that large both ways
    round the ring at once, as a step's large all_sums go; a smaller one goes one way, which on a
-   full-duplex link reads up to twice too slow), or BIG_BYTES (MAX_BYTES where the latency still
-   hides the transfer); then once more at that size. A sample is taken only when its transfer,
+   full-duplex link reads up to twice too slow), or BIG_BYTES; then once more at that size. A sample is taken only when its transfer,
    guessed from the one before as that one's time less the latency, scaled by its size, fits what
    is left of BUDGET_S: a first guess from a small buffer is no guide (a shaper's burst, the
    socket buffers let it through fast; on a 100 Mbit/s link shaped with a 128 KB burst, sizing
@@ -52,7 +51,6 @@ LATENCY_SAMPLES = 5
 FIRST_BYTES = 16 << 10  # the first bandwidth sample: 0.15 s at 1 Mbit/s
 GROWTH = 4
 BIG_BYTES = 4 << 20
-MAX_BYTES = 16 << 20  # past BIG_BYTES only while the latency still hides the transfer
 BOTH_WAYS_BYTES = 512 << 10  # per rank: MLX's ring sums a buffer of n x this both ways round
 SAMPLE_S = 0.04  # a bandwidth sample that moves its bytes this long is a measurement
 BUDGET_S = 0.25  # seconds of moving bytes: no sample is taken whose transfer would end past this (a sample runs over its guess: it ends by ~0.3 s)
@@ -128,8 +126,7 @@ def _next_bytes(
 ) -> int:
     """The next sample's bytes (0: none). GROWTH times larger until a sample moves its bytes for
     SAMPLE_S (and for at least the `fixed` latency of an all_sum) going both ways round the ring,
-    or reaches BIG_BYTES with its transfer out of the latency's shadow, or MAX_BYTES; then the same
-    size once more. Each only when its transfer (the best at this size, scaled) fits `budget_s` and
+    or reaches BIG_BYTES; then the same size once more. Each only when its transfer (the best at this size, scaled) fits `budget_s` and
     its whole time `time_left_s`. A sample that moved its bytes for STALL_MIN_S and STALL times
     slower per byte than the size before (`pace`; or with no size before to compare) is looked at
     again whatever the budget, within `time_left_s`: one lost segment waits out TCP's
@@ -143,13 +140,9 @@ def _next_bytes(
     if len(times) == 1 and last >= STALL_MIN_S and (pace is None or last > STALL * pace * size):
         return size if fixed + last <= time_left_s else 0
 
-    grown = (
-        size >= MAX_BYTES
-        or (size >= BIG_BYTES and last >= fixed)
-        or (size >= BOTH_WAYS_BYTES * ranks and last >= max(SAMPLE_S, fixed))
-    )
+    grown = size >= BIG_BYTES or (size >= BOTH_WAYS_BYTES * ranks and last >= max(SAMPLE_S, fixed))
     again = size if len(times) < 2 and fits(size) else 0
     if grown:
         return again
-    nxt = min(size * GROWTH, MAX_BYTES)
+    nxt = min(size * GROWTH, BIG_BYTES)
     return nxt if fits(nxt) else again
