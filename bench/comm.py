@@ -111,7 +111,7 @@ finally:
     sys.path.remove(str(HERE))  # bench/mlx_lm.py would shadow mlx-lm itself
     sys.path.remove(str(HERE.parent / "tests"))
 
-from dpool.protocol.commmodel import Link, ring_seconds, timed_comm  # noqa: E402
+from dpool.protocol.commmodel import Link, rank_compute_seconds, ring_seconds, timed_comm  # noqa: E402
 from dpool.protocol.jobspec import SyncSpec  # noqa: E402
 from dpool.protocol.rounds import Rounds  # noqa: E402
 from dpool.trainer.dist import BUCKET_BYTES  # noqa: E402
@@ -475,8 +475,7 @@ class Tap:
 
 def rank_compute(row: dict[str, Any]) -> float:
     """The slowest rank's compute seconds in a step (its tokens over its tokens/s, without the all_sum)."""
-    shares = row.get("shares") or [1] * len(row["rank_tokens_per_s"])
-    return max(row["tokens"] * s / sum(shares) / max(x, 1e-9) for s, x in zip(shares, row["rank_tokens_per_s"], strict=True))
+    return max(rank_compute_seconds(row["tokens"], row.get("shares"), row["rank_tokens_per_s"]))
 
 
 def step_comm(row: dict[str, Any]) -> float | None:

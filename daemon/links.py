@@ -17,10 +17,10 @@ slowest link), the job's bytes per all_sum (parameters x the `[sync] dtype`'s by
 per step in sync mode or per `inner_steps` in diloco mode, against the compute of a step. In sync
 mode rank 0's metrics rows time each step's all_sum (`all_sum_s`; less rank 0's wait there for
 the slowest rank, what the step spent communicating): the compute is then the rest of recent steps,
-and the share they spent communicating is shown beside the prediction (`measured_share`). Before such rows, and in diloco mode, the compute is the median of rank 0's
-recent step times (less the predicted all_sum where the step had one of its own: every step in sync
-mode, a diloco job's `warmup_steps`). While a diloco job is in its warm-up
-its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
+and the share they spent communicating is shown beside the prediction (`measured_share`). Before
+such rows, and in diloco mode, the compute is the median of rank 0's recent step times (less the
+predicted all_sum where the step had one of its own: every step in sync mode, a diloco job's
+`warmup_steps`). While a diloco job is in its warm-up its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
 job, for a share above COMM_BOUND) reads the steps after it, which the job is about.
 """
 

@@ -82,15 +82,21 @@ def measured_compute(step_s: float, comm: StepComm) -> float:
     return max(0.0, step_s - comm.seconds) if comm.every == 1 else step_s
 
 
-def timed_comm(all_sum_s: float, tokens: int, shares: list[int] | None, rank_tokens_per_s: list[float] | None) -> float:
-    """What a sync step spent communicating, from rank 0's metrics row: its time in the step's
-    all_sum (`all_sum_s`) less its wait there for the slowest rank's compute, each rank's compute
-    being its share of the step's tokens over its speed (rows without them: the whole all_sum_s)."""
-    if not rank_tokens_per_s:
-        return max(0.0, all_sum_s)
+def rank_compute_seconds(tokens: int, shares: list[int] | None, rank_tokens_per_s: list[float]) -> list[float]:
+    """Each rank's compute seconds in a step, from rank 0's metrics row: its share of the step's
+    tokens over its speed (shares that do not fit the speeds: equal ones)."""
     weights = shares if shares and len(shares) == len(rank_tokens_per_s) else [1] * len(rank_tokens_per_s)
     total = sum(weights) or 1
-    compute = [tokens * w / total / max(v, 1e-9) for w, v in zip(weights, rank_tokens_per_s, strict=True)]
+    return [tokens * w / total / max(v, 1e-9) for w, v in zip(weights, rank_tokens_per_s, strict=True)]
+
+
+def timed_comm(all_sum_s: float, tokens: int, shares: list[int] | None, rank_tokens_per_s: list[float] | None) -> float:
+    """What a sync step spent communicating, from rank 0's metrics row: its time in the step's
+    all_sum (`all_sum_s`) less its wait there for the slowest rank's compute (rows without the
+    ranks' speeds: the whole all_sum_s)."""
+    if not rank_tokens_per_s:
+        return max(0.0, all_sum_s)
+    compute = rank_compute_seconds(tokens, shares, rank_tokens_per_s)
     return max(0.0, all_sum_s - max(0.0, max(compute) - compute[0]))
 
 
