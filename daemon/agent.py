@@ -819,8 +819,8 @@ class Agent(WarmTrainers):
             except OSError as e:  # asked again when it next registers
                 self.log.error("job.remove_failed", job=job, path=str(folder), error=str(e))
                 return
-            threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True).start()
             self.log.info("job.removed", job=job, path=str(folder), run_dirs=run_dirs, files=files, bytes=size)
+            threading.Thread(target=shutil.rmtree, args=(aside,), kwargs={"ignore_errors": True}, daemon=True).start()
         else:
             self.log.info("job.removed", job=job, path=str(folder), run_dirs=[], files=0, bytes=0)
         self._send(m.NodeRemoved(job=job))

@@ -155,8 +155,13 @@ def test_rm_deletes_the_records_and_every_nodes_folder_and_refuses_a_live_job(pr
     wait_for("n1's folder of the job gone", lambda: not folders["n1"].exists(), 60)
     for name in ("n0", "n1"):
         wait_for(f"{name}'s removed/ emptied", lambda name=name: not any((tmp_path / f"state-{name}" / "removed").iterdir()), 10)
-    log = [json.loads(line) for line in (tmp_path / "dpd-n1.2.log").read_text().splitlines() if line.startswith("{")]
-    assert [e["run_dirs"] for e in log if e.get("event") == "job.removed" and e.get("job") == done] == [["slot-0"]]
+
+    def removed_events() -> list[list[str]]:
+        log = [json.loads(line) for line in (tmp_path / "dpd-n1.2.log").read_text().splitlines() if line.startswith("{")]
+        return [e["run_dirs"] for e in log if e.get("event") == "job.removed" and e.get("job") == done]
+
+    wait_for("n1's job.removed logged", removed_events, 10)  # the log's write may trail the folder's rename
+    assert removed_events() == [["slot-0"]]
 
     # A cancelled job whose worker may still be stopping: its folder goes once the worker is gone.
     assert ctl(pool, "cancel", live)[0] == 0
