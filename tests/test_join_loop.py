@@ -6,8 +6,8 @@ replaced. Each cycle here: a new dpd starts and joins the running job (the growt
 warm trainer, then the group restarts one wider); the trainers of n0, n1 and the new node are frozen
 with SIGSTOP in turn (each time a new generation runs without the frozen process); the new dpd
 stops (the group goes on without it). The issue asks for 50 joins and 50 freezes: a cycle takes
-about 6-10 s on a busy 2-core machine (a dpd's start is most of it), so the default run takes 5
-cycles, 5 joins and 15 freezes, within the suite's time; `DPOOL_JOIN_CYCLES=50 pytest
+about 6-10 s on a busy 2-core machine (a dpd's start is most of it), so the default run takes 3
+cycles, 3 joins and 9 freezes, within the suite's time; `DPOOL_JOIN_CYCLES=50 pytest
 tests/test_join_loop.py` runs the issue's count (about 6 minutes here). Each join and each freeze must complete within
 WITHIN_S, from the new dpd's registration and from the SIGSTOP to the first step of the generation
 that completes it; a failure names the iteration and the events since it began.
@@ -32,7 +32,7 @@ from dpool.protocol.payloads import EventRow, JobStatus
 
 pytestmark = pytest.mark.slow
 
-JOINS = int(os.environ.get("DPOOL_JOIN_CYCLES", "5"))  # cycles: a join, three freezes, a leave
+JOINS = int(os.environ.get("DPOOL_JOIN_CYCLES", "3"))  # cycles: a join, three freezes, a leave
 WITHIN_S = 3.0  # each join and each freeze completes within this
 STALLED_S = 60.0  # an iteration not complete by then is not waited for any longer
 START_S = 60.0  # a dpd's start (Python and MLX imports on a busy machine): not what is measured

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 TIMEOUT = 240.0
 TOL = 1e-3
-SHORT = 200  # steps of the job that comes and goes (the preempted ones are endless: cancelled on their curve)
+SHORT = 100  # steps of the job that comes and goes (the preempted ones are endless: cancelled on their curve)
 
 
 def job_file(dir: Path, name: str, lo: int, hi: int, steps: int) -> Path:
