@@ -24,6 +24,17 @@ TINY: dict[str, dict[str, Any]] = {
     "eval": {"every_steps": 1000, "batches": 1, "sample_every_steps": 1000},
 }
 
+# TINY without its warm-up: the base of a job with a train.lr_schedule (which sets its own warm-up).
+# With a constant schedule a job's curve does not depend on its number of steps: an endless job,
+# cancelled once a test has seen what it waits for, is compared with a run of as many steps.
+NO_WARMUP: dict[str, dict[str, Any]] = {**TINY, "train": {k: v for k, v in TINY["train"].items() if k != "warmup_steps"}}
+
+
+def constant_lr(lr: float) -> dict[str, Any]:
+    """A train.lr_schedule at `lr` throughout."""
+    return {"name": "constant", "arguments": [lr]}
+
+
 # The trainer's own tests (ring groups, no daemon): two layers of width 64, 24 sequences of 64 tokens
 # a step, enough that the loss curve tells runs apart.
 SMALL: dict[str, dict[str, Any]] = {

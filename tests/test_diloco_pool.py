@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import LocalPool, Processes, wait_for
-from jobs import TINY, write_job
+from jobs import NO_WARMUP, constant_lr, write_job
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +22,12 @@ JOB_TIMEOUT = 300.0
 # is cancelled a few outer steps after the last fault, and its first N steps are compared with one
 # process's run of N steps (a job that had to end after the faults would make the test depend on the
 # machine's speed, or train hundreds of steps no assertion looks at).
-ENDLESS = {"steps": 100_000, "global_batch": 12, "lr_schedule": {"name": "constant", "arguments": [1e-3]}}
-CONSTANT = {**TINY, "train": {k: v for k, v in TINY["train"].items() if k != "warmup_steps"}}
+ENDLESS = {"steps": 100_000, "global_batch": 12, "lr_schedule": constant_lr(1e-3)}
 
 
 def diloco_job(folder: Path, name: str, steps: int = 100_000) -> Path:
     return write_job(
-        folder, name, base=CONSTANT, workers={"min": 1, "max": 3}, model={"layers": 2, "dim": 64},
+        folder, name, base=NO_WARMUP, workers={"min": 1, "max": 3}, model={"layers": 2, "dim": 64},
         train={**ENDLESS, "steps": steps}, checkpoint={"every_steps": H},
         sync={"mode": "diloco", "replicas": K, "inner_steps": H, "outer_lr": 0.7, "outer_momentum": 0.9},  # momentum: outer state to carry
     )

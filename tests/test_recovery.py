@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,24 +21,28 @@ from typing import Any
 
 import pytest
 from conftest import LocalPool, Processes, alive, wait_for
-from jobs import write_job
+from jobs import NO_WARMUP, TINY, constant_lr, write_job
 
 from dpool.protocol.payloads import JobStatus
 
 pytestmark = pytest.mark.slow
 
 STEPS = 60
-LONG_STEPS = 200
 JOB_TIMEOUT = 240.0
 TOL = 1e-3
 
 
-def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS, every: int | str = 4) -> Path:
+def job_file(dir: Path, name: str, *, lo: int = 1, hi: int = 3, steps: int = STEPS, every: int | str = 4, constant: bool = False) -> Path:
     """A job twice as deep and wide as the tests' TINY, with a checkpoint every 4 steps (`every`:
-    "auto" is the default setting)."""
+    "auto" is the default setting). `constant`: at a constant learning rate, so that its curve does
+    not depend on its number of steps (an endless job, cancelled, is compared with a run of as many
+    steps as it made)."""
+    train: dict[str, Any] = {"steps": steps, "global_batch": 12}
+    if constant:
+        train["lr_schedule"] = constant_lr(1e-3)
     return write_job(
-        dir, name, workers={"min": lo, "max": hi}, model={"layers": 2, "dim": 64},
-        train={"steps": steps, "global_batch": 12}, checkpoint={"every_steps": every},
+        dir, name, base=NO_WARMUP if constant else TINY, workers={"min": lo, "max": hi}, model={"layers": 2, "dim": 64},
+        train=train, checkpoint={"every_steps": every},
     )
 
 
@@ -67,10 +72,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield from reference_run(tmp_path_factory.mktemp("reference"), STEPS)
 
 
-@pytest.fixture(scope="module")
-def long_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A job long enough that a joining node's warm trainer is ready well before it ends."""
-    yield from reference_run(tmp_path_factory.mktemp("long-reference"), LONG_STEPS)
 
 
 class Pool(LocalPool):
@@ -92,6 +93,24 @@ class Pool(LocalPool):
         assert final.step == max(ref)
         rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
         assert [r["step"] for r in rows] == list(range(1, max(ref) + 1))
+        worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
+        assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
+        return events
+
+    def cancel_on_curve(self, job: str, root: Path) -> list[dict[str, Any]]:
+        """Cancel an endless job (`job_file(constant=True)`); assert that its N steps are the curve
+        of one process's run of N steps; return the job's events."""
+        assert self.dpctl("cancel", job).returncode == 0
+        final = self.wait_end(job, JOB_TIMEOUT, every=0.05)
+        events = self.dpctl_json("events", job)
+        assert final.state == "cancelled", (final, events)
+        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+        path = job_file(root, "alone", steps=len(rows), constant=True)
+        done = subprocess.run([sys.executable, "-m", "dpool.trainer", str(path), "--run-dir", str(root / "alone")],
+                              capture_output=True, text=True, timeout=JOB_TIMEOUT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        ref = {r["step"]: r["loss"] for r in map(json.loads, (root / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
         worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
         assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
         return events
@@ -221,12 +240,14 @@ def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool,
     assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
 
 
-def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path, long_reference: Any) -> None:
+def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path) -> None:
     pool.start(3)
-    job = pool.submit(job_file(tmp_path, "grow", hi=4, steps=LONG_STEPS))
+    job = pool.submit(job_file(tmp_path, "grow", hi=4, steps=100_000, constant=True))
     mid_run(pool, job, step=2)
     pool.start_daemon("n3")
-    events = pool.finish(job, long_reference)
+    grown = pool.wait_status(job, "the job on four workers", lambda s: s.state == "running" and s.world_size == 4, timeout=120, every=0.05)
+    pool.wait_status(job, "steps on four workers", lambda s: s.step >= grown.step + 10, timeout=120, every=0.05)
+    events = pool.cancel_on_curve(job, tmp_path)
     # The group trained on while n3 warmed a trainer; only then did it stop to take n3 in.
     warmed = kinds(events, "group.warmed")
     assert kinds(events, "group.warming") and warmed and warmed[0]["node"] == "n3" and "error" not in warmed[0], events

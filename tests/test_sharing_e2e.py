@@ -19,11 +19,8 @@ from typing import Any
 
 import pytest
 from conftest import LocalPool, Processes
-from jobs import job as job_doc
-from jobs import write_job
+from jobs import NO_WARMUP, constant_lr, write_job
 
-from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import parse_job
 from dpool.protocol.payloads import JobStatus
 
 pytestmark = pytest.mark.slow
@@ -42,12 +39,8 @@ def endless_job(dir: Path, name: str, lo: int, hi: int, steps: int = 100_000) ->
     however far it got before it was cancelled, the first N steps of a run of N steps are its
     fault-free curve (a job that might end before the test is done with it would make the test
     depend on the machine's speed)."""
-    doc = job_doc(name, workers={"min": lo, "max": hi}, checkpoint={"every_steps": 10},
-              train={"steps": steps, "lr_schedule": {"name": "constant", "arguments": [3e-3]}})
-    doc["train"].pop("warmup_steps")
-    path = dir / f"{name}.toml"
-    path.write_text(dump_job(parse_job(doc, source=str(path), base_dir=str(dir))))
-    return path
+    return write_job(dir, name, base=NO_WARMUP, workers={"min": lo, "max": hi}, checkpoint={"every_steps": 10},
+                     train={"steps": steps, "lr_schedule": constant_lr(3e-3)})
 
 
 def alone(dir: Path, name: str, steps: int) -> dict[int, float]:

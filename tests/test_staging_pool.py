@@ -15,11 +15,9 @@ from pathlib import Path
 
 import pytest
 from conftest import HomesPool, Processes, wait_for
-from jobs import TINY, write_job
+from jobs import NO_WARMUP, constant_lr, write_job
 
 JOB_TIMEOUT = 180.0
-# TINY without its warm-up: a job with train.lr_schedule sets its warm-up there
-CONSTANT = {**TINY, "train": {k: v for k, v in TINY["train"].items() if k != "warmup_steps"}}
 
 
 def corpus(folder: Path, count: int = 16) -> Path:
@@ -102,8 +100,8 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     # Endless, at a constant learning rate: its curve does not depend on its number of steps, so it
     # is cancelled once the joined node has taken part, and its first N steps are compared with a run
     # of N steps (one that had to end after the join would make the test depend on the machine's speed).
-    endless = {"steps": 100_000, "lr_schedule": {"name": "constant", "arguments": [3e-3]}}
-    job = write_job(tmp_path, "join", workers={"min": 2, "max": 3}, data={"source": "~/corpus/*.txt"}, train=endless, base=CONSTANT)
+    endless = {"steps": 100_000, "lr_schedule": constant_lr(3e-3)}
+    job = write_job(tmp_path, "join", workers={"min": 2, "max": 3}, data={"source": "~/corpus/*.txt"}, train=endless, base=NO_WARMUP)
     r = dpctl(pool, "submit", str(job), home=pool.home("n0"))
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
@@ -123,7 +121,7 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     assert [r["step"] for r in pooled] == list(range(1, steps + 1)) and {r["world_size"] for r in pooled} == {2, 3}
     # the job went on the curve of one process training the same files
     alone_job = write_job(tmp_path, "join", file="alone.toml", workers={"min": 1, "max": 1}, data={"source": str(corpus(tmp_path / "texts") / "*.txt")},
-                          train={**endless, "steps": steps}, base=CONSTANT)
+                          train={**endless, "steps": steps}, base=NO_WARMUP)
     alone = processes.start([sys.executable, "-m", "dpool.trainer", str(alone_job), "--run-dir", str(tmp_path / "alone")], tmp_path / "alone.log")
     assert alone.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "alone.log").read_text()[-2000:]
     alone_loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
