@@ -18,7 +18,7 @@ from dpool.client import localpool
 from dpool.client.localpool import Processes, free_port, pids_with, wait_for
 from dpool.protocol.payloads import JobStatus
 
-__all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "share_mlx_kernels", "wait_for"]
+__all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "shaped_links_missing", "share_mlx_kernels", "wait_for"]
 TERMINAL = ("succeeded", "failed", "cancelled")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,14 +128,21 @@ class HomesPool(LocalPool):
         return ["env", f"HOME={self.home(name)}"]
 
 
-def require_shaped_links(prefix: str) -> None:
-    """Skip unless this machine can build network namespaces and shape links (Linux, root,
-    iproute2, tc, and the right to create a bridge): what the namespace benches need."""
+def shaped_links_missing(prefix: str) -> str | None:
+    """Why this machine cannot build network namespaces and shape links (Linux, root, iproute2, tc,
+    and the right to create a bridge: what the namespace benches need), or None where it can."""
     import shutil
 
     if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("network namespaces and shaped links need Linux, root, iproute2 and tc")
+        return "network namespaces and shaped links need Linux, root, iproute2 and tc"
     probe = f"{prefix}{os.getpid() % 1000}"
     if subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True).returncode != 0:
-        pytest.skip("cannot create a bridge here (no CAP_NET_ADMIN?)")
+        return "cannot create a bridge here (no CAP_NET_ADMIN?)"
     subprocess.run(["ip", "link", "delete", probe], capture_output=True)
+    return None
+
+
+def require_shaped_links(prefix: str) -> None:
+    """Skip unless this machine can build network namespaces and shape links."""
+    if (why := shaped_links_missing(prefix)) is not None:
+        pytest.skip(why)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require_shaped_links
+from conftest import require_shaped_links, shaped_links_missing
 
 from dpool.client.localpool import processes_with
 
@@ -52,6 +52,11 @@ def check_figures(doc: dict[str, Any], printed: str) -> None:
 
 
 def test_the_smallest_form_on_loopback_measures_every_figure_and_leaves_nothing(tmp_path: Path) -> None:
+    """The form for machines without root. Where namespaces can be built, the form below runs
+    instead: it measures every figure through the same code (only the hosts' addresses and link
+    counters differ), and the two together took 40 s of the suite's 20 minutes."""
+    if shaped_links_missing("dpsbprobe") is None:
+        pytest.skip("the namespace form runs here and measures every figure (the loopback form is for machines without root)")
     doc, printed = run_bench(tmp_path, "--loopback")
     check_figures(doc, printed)
     assert doc["figures"]["3"]["data"]["second_link_bytes"] is None  # no per-host links on loopback

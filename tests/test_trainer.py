@@ -202,15 +202,15 @@ def test_checkpoints_are_pruned_to_keep(work, env):
 
 
 def test_demo_job_learns(work, env):
-    """examples/demo.toml cut to 60 of its 200 steps (the same model, data and optimizer, its
-    schedule 60 steps long): validation loss at step 60 at least 40% below step 0's. (`dpctl demo`
-    runs all 200: 62% below, the README's figure; at its step 60, 53%.)"""
+    """examples/demo.toml cut to 40 of its 200 steps (the same model, data and optimizer, its
+    schedule 40 steps long): validation loss at step 40 at least 40% below step 0's (50% here).
+    (`dpctl demo` runs all 200: 62% below, the README's figure; at its step 60, 53%.)"""
     doc = tomllib.loads((EXAMPLES / "demo.toml").read_text())
-    doc["train"]["steps"] = 60
+    doc["train"]["steps"] = 40
     doc["checkpoint"]["every_steps"] = 1000
-    job = work / "demo-100.toml"
+    job = work / "demo-40.toml"
     job.write_text(dump_job(parse_job(doc, source=str(job), base_dir=str(EXAMPLES))))
     run_dir = work / "demo"
     ring.run(job, str(run_dir), 1, work / "logs", env={**env, "OPENBLAS_NUM_THREADS": "2"}, timeout=600)
     evals = {s: r["val_loss"] for s, r in ring.metrics(run_dir, "eval").items()}
-    assert evals[60] <= 0.6 * evals[0], evals
+    assert evals[40] <= 0.6 * evals[0], evals
