@@ -345,26 +345,36 @@ class Agent(WarmTrainers):
         sock = self.csock
         assert sock is not None
         expiry = time.monotonic() + self.heartbeat_s * self.liveness
-        # The first heartbeat at a random point of the first period: a thousand dpds that registered
-        # together (after a coordinator restart) do not heartbeat together from then on.
-        next_beat = time.monotonic() + random.uniform(0, self.heartbeat_s)
-        while not stopping.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                self._send(self._heartbeat())
-                next_beat = now + self.heartbeat_s
-            wait = min(max(0.0, min(next_beat, expiry) - time.monotonic()), STOP_POLL_S)
-            if await sock.poll(int(wait * 1000) + 1):
-                while (got := self._recv()) is not None:
-                    msg, msg_id = got
-                    expiry = time.monotonic() + self.heartbeat_s * self.liveness
-                    if isinstance(msg, m.Error) and msg.code == ErrorCode.NOT_REGISTERED:
-                        self.log.warning("coordinator.forgot_us")  # it restarted: register again
-                        return
-                    await self._on_coordinator(msg, msg_id)
-            if time.monotonic() > expiry:
-                self.log.warning("coordinator.lost", address=self.join, silent_s=round(self.heartbeat_s * self.liveness, 2), workers=len(self.workers))
-                return
+        beats = asyncio.create_task(self._beat())
+        try:
+            while not stopping.is_set():
+                wait = min(max(0.0, expiry - time.monotonic()), STOP_POLL_S)
+                if await sock.poll(int(wait * 1000) + 1):
+                    while (got := self._recv()) is not None:
+                        msg, msg_id = got
+                        expiry = time.monotonic() + self.heartbeat_s * self.liveness
+                        if isinstance(msg, m.Error) and msg.code == ErrorCode.NOT_REGISTERED:
+                            self.log.warning("coordinator.forgot_us")  # it restarted: register again
+                            return
+                        await self._on_coordinator(msg, msg_id)
+                if time.monotonic() > expiry:
+                    self.log.warning("coordinator.lost", address=self.join, silent_s=round(self.heartbeat_s * self.liveness, 2), workers=len(self.workers))
+                    return
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
+
+    async def _beat(self) -> None:
+        """Heartbeats while connected, in a task of their own: a message whose handling waits (a
+        group's start on a zygote still importing, which can take seconds) must not silence the
+        node; it was lost to the coordinator after 1.6 s of such a wait."""
+        # The first at a random point of the first period: a thousand dpds that registered together
+        # (after a coordinator restart) do not heartbeat together from then on.
+        await asyncio.sleep(random.uniform(0, self.heartbeat_s))
+        while True:
+            self._send(self._heartbeat())
+            await asyncio.sleep(self.heartbeat_s)
 
     def _heartbeat(self) -> m.NodeHeartbeat:
         """The workers alive here, and the period this node heartbeats at once the coordinator
@@ -444,6 +454,9 @@ class Agent(WarmTrainers):
                 self._warm_job(msg)
             case JobStage():
                 self.staging.on_stage(msg, self._send)
+                model = msg.spec.get("model")
+                if isinstance(model, dict) and model.get("kind") == "mlx_lm":  # its trainers import mlx-lm: now, while its files stage
+                    self.forks.preload(LM_MODULES)
             case StageAccept():
                 self.staging.accept(msg)
             case StagePeers(peers=peers):

@@ -90,7 +90,7 @@ class ForkServer:
         self.children: dict[int, ForkedProcess] = {}
         self.early_exits: dict[int, int] = {}
         self.replies: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self.preloaded: set[str] = set()  # modules asked for after a fork ("then")
+        self.preloaded: set[str] = set()  # modules this zygote was asked to import: after a fork ("then") or ahead (preload)
         self.next_id = 1
         self.started_at = -RESTART_AFTER_S
         self.closing = False
@@ -108,6 +108,7 @@ class ForkServer:
         if early is None and time.monotonic() - self.started_at < RESTART_AFTER_S:
             return
         self.started_at = early.started_at if early is not None else time.monotonic()
+        self.preloaded = set()  # a new zygote has imported none of them
         self.ready = asyncio.get_running_loop().create_future()
         self._task(self._run(early))
 
@@ -207,10 +208,11 @@ class ForkServer:
             t.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    def _task(self, coro: Any) -> None:
+    def _task(self, coro: Any) -> asyncio.Task[Any]:
         t = asyncio.create_task(coro)
         self.tasks.add(t)
         t.add_done_callback(self.tasks.discard)
+        return t
 
     # -- forks ---------------------------------------------------------------------------------
 
@@ -249,6 +251,32 @@ class ForkServer:
         else:
             self.children[child.pid] = child
         return child
+
+    def preload(self, modules: tuple[str, ...]) -> asyncio.Task[None] | None:
+        """Have the zygote import these soon, ahead of the trainers that will need them (mlx-lm
+        while a language-model job's files are staged): a first fork would otherwise import them in
+        the child, and the zygote again after it, on the cores the group is starting on. The task
+        that asks, where there is anything to ask."""
+        if any(name not in self.preloaded for name in modules) and self.enabled and not self.closing:
+            self.start()
+            return self._task(self._preload(modules))
+        return None
+
+    async def _preload(self, modules: tuple[str, ...]) -> None:
+        if self.ready is None:
+            return
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self.ready), READY_WAIT_S)
+        except TimeoutError:
+            return
+        later = [name for name in modules if name not in self.preloaded]
+        if not ready or self.sock is None or not later:
+            return
+        # Marked before the answer: the zygote takes requests in order, so a fork asked for
+        # meanwhile happens after the import.
+        self.preloaded.update(later)
+        with contextlib.suppress(ForkServerError):  # a zygote that did not answer is replaced (_broken)
+            await self.request({"op": "import", "modules": later}, [])
 
     async def request(self, obj: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """One request (given an id here) with these fds, and the zygote's reply to it."""

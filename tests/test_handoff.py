@@ -118,9 +118,14 @@ class HandOffAgent(agent_mod.Agent):
         super().__init__(ctx, name="n1", join=join, state_dir=state_dir, slots=1, advertise="127.0.0.1", **kw)
         self.logs, self.first_report_first, self.env = logs, first_report_first, env
         self.started: list[int] = []
+        self.hold_launch: asyncio.Event | None = None  # set: each start waits for it, as a fork waits for a busy zygote
+        self.launch_held = False
 
     async def _launch(self, job: str, slot: int, run_dir: Path, args: list[str], extra: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:
         env = os.environ | self.env | {"DPOOL_WORKER_ADDR": self.worker_addr}
+        if self.hold_launch is not None:
+            self.launch_held = True
+            await self.hold_launch.wait()
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", TRAINER, *args, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT, cwd=str(run_dir), env=env, start_new_session=True, preexec_fn=_block_sigusr1,
@@ -173,6 +178,24 @@ def scenario(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, play: Callable[[Co
 
 def start(generation: int) -> m.GroupStart:
     return m.GroupStart(job=JOB, generation=generation, spec=SPEC, ranks=[RankSlot(slot=0, rank=0)], shares=[6], hostfile=[["127.0.0.1:1"]])
+
+
+def test_heartbeats_go_on_while_a_trainers_start_waits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start that waits (a fork waits for a zygote still importing, seconds for mlx-lm): the
+    node's heartbeats go on meanwhile. They were sent by the loop that handles the coordinator's
+    messages, and a group start that waited 1.6 s had every node of an mlx-lm job declared lost."""
+
+    async def play(coord: Coordinator, agent: HandOffAgent) -> None:
+        agent.hold_launch = asyncio.Event()
+        await coord.send(start(1))
+        await until("the start to wait", lambda: agent.launch_held)
+        for _ in range(3):  # heartbeat_s = 0.1
+            await coord.next(m.NodeHeartbeat, timeout=5)
+        agent.hold_launch.set()
+        started = await coord.next(m.NodeWorkerStarted)
+        assert started.pid == agent.started[0]
+
+    scenario(tmp_path, monkeypatch, play)
 
 
 def test_a_spare_that_says_ready_before_it_is_recorded_is_ready_and_takes_the_next_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ from conftest import LocalPool, Processes, wait_for
 from jobs import write_job
 
 from dpool.daemon.childenv import start_zygote, trainer_command, trainer_env
-from dpool.daemon.forkserver import KILLED, ForkedProcess, ForkServer, ForkServerError
+from dpool.daemon.forkserver import KILLED, LM_MODULES, ForkedProcess, ForkServer, ForkServerError
 
 
 def run(coro_fn: Callable[[ForkServer], Awaitable[Any]]) -> Any:
@@ -117,6 +117,32 @@ def test_the_zygote_refuses_bad_requests_and_goes_on_forking(tmp_path: Path) -> 
         assert all(errors) and not any("pid" in reply for reply in refused), refused
         assert "argv" in errors[0] and "env" in errors[1] and "nowhere" in errors[2] and "one output pipe" in errors[3]
         child = await fs.spawn(["--help"], trainer_env(), str(tmp_path))  # still serving
+        assert await child.wait() == 0 and b"usage:" in await child.stdout.read()
+
+    run(check)
+
+
+def test_modules_preloaded_ahead_of_a_fork_are_in_the_zygote_and_a_bad_import_request_is_refused(tmp_path: Path) -> None:
+    """What a dpd asks while a language-model job's files stage: mlx-lm imported in the zygote once,
+    before any of its trainers is forked (each fork then has it, where a first fork imported it
+    itself and the zygote again after it)."""
+
+    def maps(pid: int) -> str:
+        return Path(f"/proc/{pid}/maps").read_text()
+
+    async def check(fs: ForkServer) -> None:
+        assert fs.proc is not None
+        zygote = fs.proc.pid
+        marker = "/regex/_regex"  # a native library of transformers, which mlx-lm imports: not loaded yet
+        assert marker not in maps(zygote)
+        refused = await fs.request({"op": "import", "modules": "mlx_lm"}, [])
+        assert "list of module names" in refused.get("error", ""), refused
+        asked = fs.preload(LM_MODULES)
+        assert asked is not None
+        await asked
+        assert fs.preload(LM_MODULES) is None  # nothing left to ask
+        assert set(LM_MODULES) <= fs.preloaded and marker in maps(zygote)
+        child = await fs.spawn(["--help"], trainer_env(), str(tmp_path), LM_MODULES)  # nothing left to import after it
         assert await child.wait() == 0 and b"usage:" in await child.stdout.read()
 
     run(check)

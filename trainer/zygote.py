@@ -18,6 +18,9 @@ The channel (the dpd's side is daemon/forkserver.py):
   the child's output pipe as SCM_RIGHTS:
   `{"op": "spawn", "id": N, "argv": [...], "env": {...}, "cwd": "...", "then": ["module", ...]}`
   (`then`: modules to import after this fork, for the next ones: mlx-lm once a job needs it);
+  `{"op": "import", "id": N, "modules": ["module", ...]}`: import them now, ahead of the forks
+  that will need them (mlx-lm while a language-model job's files are staged), answered
+  `{"id": N, "imported": [...]}` once done;
 - replies as JSON lines on its stdout: `{"ready": PID}` once imported, `{"id": N, "pid": PID}` or
   `{"id": N, "error": "..."}` per request, `{"exit": PID, "code": C}` per child reaped (C as
   asyncio gives it: -N for signal N).
@@ -148,6 +151,9 @@ class Zygote:
 
     def _handle(self, req: Any, fds: list[int]) -> None:
         rid = req.get("id") if isinstance(req, dict) else None
+        if isinstance(req, dict) and req.get("op") == "import":
+            self._import_now(rid, req.get("modules"), fds)
+            return
         problem = _check_spawn(req, fds)
         if problem is not None:
             for fd in fds:
@@ -190,6 +196,16 @@ class Zygote:
         _send(self.reply, {"id": rid, "pid": pid})
         for name in req.get("then", []):
             _import(name)
+
+    def _import_now(self, rid: Any, modules: Any, fds: list[int]) -> None:
+        for fd in fds:
+            os.close(fd)
+        if fds or not (isinstance(modules, list) and all(isinstance(name, str) for name in modules)):
+            _send(self.reply, {"id": rid, "error": "an import carries a list of module names and no fds"})
+            return
+        for name in modules:
+            _import(name)
+        _send(self.reply, {"id": rid, "imported": modules})
 
     def _child(self, req: dict[str, Any], out: int, set_up: int) -> int:
         """In the forked child: become the trainer the request describes; returns its exit code."""
