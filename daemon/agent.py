@@ -373,7 +373,10 @@ class Agent(WarmTrainers):
         # (after a coordinator restart) do not heartbeat together from then on.
         await asyncio.sleep(random.uniform(0, self.heartbeat_s))
         while True:
-            self._send(self._heartbeat())
+            try:
+                self._send(self._heartbeat())
+            except zmq.ZMQError as e:  # said at once, not when the connection ends (the task's end)
+                self.log.warning("heartbeat.not_sent", error=str(e))
             await asyncio.sleep(self.heartbeat_s)
 
     def _heartbeat(self) -> m.NodeHeartbeat:
@@ -462,7 +465,7 @@ class Agent(WarmTrainers):
             case StagePeers(peers=peers):
                 self.staging.peers = set(peers)
             case StagePrune():
-                self._send(await self.staging.prune())
+                self.staging.on_prune(self._send)
             case m.JobEnded(job=job):
                 if self.staging.ended(job):
                     self._send(self.staging.hello())  # its trees may be pruned now: say so

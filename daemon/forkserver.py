@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -37,6 +38,13 @@ RESTART_AFTER_S = 10.0  # a zygote that died is replaced no sooner than this
 GONE_POLL_S = 0.1  # how often the pids of a lost zygote's children are looked at
 LINE_LIMIT = 1 << 20  # a trainer's output line, as for an exec'd one
 LM_MODULES = ("mlx_lm.utils", "mlx_lm.tuner.trainer", "mlx_lm.tuner.utils", "mlx_lm.generate", "mlx_lm.sample_utils")
+
+
+def ahead_of_forks(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """What a zygote may import for its later forks: nothing on macOS, where a process that has
+    imported MLX (and so Metal) must not fork; there the zygote holds pure-Python parts only
+    (trainer/zygote.py) and each trainer imports mlx-lm itself."""
+    return () if sys.platform == "darwin" else modules
 KILLED = -int(signal.SIGKILL)
 
 
@@ -230,7 +238,7 @@ class ForkServer:
             raise ForkServerError(f"the zygote is not ready after {READY_WAIT_S:.0f} s") from None
         if not ready or self.sock is None:
             raise ForkServerError("no zygote")
-        later = [t for t in then if t not in self.preloaded]
+        later = [t for t in ahead_of_forks(then) if t not in self.preloaded]
         r, w = os.pipe()
         try:
             reply = await self.request({"op": "spawn", "argv": argv, "env": env, "cwd": cwd, "then": later}, [w])
@@ -257,6 +265,7 @@ class ForkServer:
         while a language-model job's files are staged): a first fork would otherwise import them in
         the child, and the zygote again after it, on the cores the group is starting on. The task
         that asks, where there is anything to ask."""
+        modules = ahead_of_forks(modules)
         if any(name not in self.preloaded for name in modules) and self.enabled and not self.closing:
             self.start()
             return self._task(self._preload(modules))
@@ -265,8 +274,8 @@ class ForkServer:
     async def _preload(self, modules: tuple[str, ...]) -> None:
         if self.ready is None:
             return
-        try:
-            ready = await asyncio.wait_for(asyncio.shield(self.ready), READY_WAIT_S)
+        try:  # nothing waits on this: as long as a zygote's start may take
+            ready = await asyncio.wait_for(asyncio.shield(self.ready), START_TIMEOUT_S)
         except TimeoutError:
             return
         later = [name for name in modules if name not in self.preloaded]

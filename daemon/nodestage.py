@@ -95,6 +95,7 @@ class NodeStaging:
         self.jobs: dict[str, Staged] = {}
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.pruning: asyncio.Task[None] | None = None
         self.asked: dict[str, JobStage] = {}  # job -> the job.stage its running check answers
         self.next_check: dict[str, tuple[JobStage, Callable[[Message], None]]] = {}  # a newer question, asked when that check ends
         self.sources_changed = asyncio.Event()  # set when job.stage names holders
@@ -108,7 +109,7 @@ class NodeStaging:
         return self.endpoint
 
     def stop(self) -> None:
-        for t in self.tasks.values():
+        for t in [*self.tasks.values(), *([self.pruning] if self.pruning is not None else [])]:
             t.cancel()
         self.stager.stop()
 
@@ -148,11 +149,18 @@ class NodeStaging:
             for e in self.cache.entries()[:CACHE_ROWS_MAX]
         ]
 
-    async def prune(self) -> NodeStaged:
-        """stage.prune: every tree no live job here uses goes (what it frees is logged)."""
+    def on_prune(self, send: Callable[[Message], None]) -> None:
+        """stage.prune, in a task: every tree no live job here uses goes (what it frees is logged),
+        then the node's holdings are sent. Off the agent's loop, so a slow disk does not hold the
+        node's other messages (its heartbeats go on regardless); a prune asked while one runs is
+        answered by that one."""
+        if self.pruning is None or self.pruning.done():
+            self.pruning = asyncio.create_task(self._prune(send))
+
+    async def _prune(self, send: Callable[[Message], None]) -> None:
         freed = await asyncio.to_thread(self.cache.prune)
         self.log.info("cache.pruned", freed_bytes=freed)
-        return self.hello()
+        send(self.hello())
 
     def localize(self, job: str, spec: JobSpec) -> JobSpec:
         got = self.jobs.get(job)

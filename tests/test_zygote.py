@@ -122,6 +122,7 @@ def test_the_zygote_refuses_bad_requests_and_goes_on_forking(tmp_path: Path) -> 
     run(check)
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc; on macOS the zygote imports no mlx-lm ahead of forks")
 def test_modules_preloaded_ahead_of_a_fork_are_in_the_zygote_and_a_bad_import_request_is_refused(tmp_path: Path) -> None:
     """What a dpd asks while a language-model job's files stage: mlx-lm imported in the zygote once,
     before any of its trainers is forked (each fork then has it, where a first fork imported it
@@ -146,6 +147,17 @@ def test_modules_preloaded_ahead_of_a_fork_are_in_the_zygote_and_a_bad_import_re
         assert await child.wait() == 0 and b"usage:" in await child.stdout.read()
 
     run(check)
+
+
+def test_on_macos_no_mlx_lm_is_imported_ahead_of_forks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that has imported MLX (Metal) must not fork on macOS: there the zygote imports
+    nothing for later forks, neither preloaded nor after a fork."""
+    from dpool.daemon import forkserver
+
+    assert forkserver.ahead_of_forks(LM_MODULES) == (() if sys.platform == "darwin" else LM_MODULES)
+    monkeypatch.setattr(forkserver.sys, "platform", "darwin")
+    assert forkserver.ahead_of_forks(LM_MODULES) == ()
+    assert ForkServer().preload(LM_MODULES) is None  # nothing asked (and no zygote started for it)
 
 
 def test_a_zygote_started_before_the_loop_is_adopted_and_forks(tmp_path: Path) -> None:
