@@ -58,7 +58,7 @@ from tenacity import (
 from dpool.daemon.childenv import StartedZygote, die_with_parent, trainer_command, trainer_env
 from dpool.daemon.children import clean, error_message, is_alive, is_stopped
 from dpool.daemon.exporter import Exporter, ExportError
-from dpool.daemon.forkserver import LM_MODULES, ForkedProcess, ForkServer, ForkServerError
+from dpool.daemon.forkserver import ForkedProcess, ForkServer, ForkServerError, modules_for
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.nodestage import NodeStaging
 from dpool.daemon.owner import OwnerWatch
@@ -458,8 +458,8 @@ class Agent(WarmTrainers):
             case JobStage():
                 self.staging.on_stage(msg, self._send)
                 model = msg.spec.get("model")
-                if isinstance(model, dict) and model.get("kind") == "mlx_lm":  # its trainers import mlx-lm: now, while its files stage
-                    self.forks.preload(LM_MODULES)
+                if isinstance(model, dict):  # what its trainers import beyond the zygote's: now, while its files stage
+                    self.forks.preload(modules_for(model.get("kind")))
             case StageAccept():
                 self.staging.accept(msg)
             case StagePeers(peers=peers):
@@ -635,7 +635,7 @@ class Agent(WarmTrainers):
         env = trainer_env(DPOOL_WORKER_ADDR=self.worker_addr, DPOOL_JOB_ID=job, **extra)  # the job's id: its W&B run (trainer/report.py)
         if self.memory.root.is_dir():
             env["DPOOL_MEMORY_DIR"] = str(self.memory.folder(job, slot))
-        then = LM_MODULES if self.kinds.get(job) == "mlx_lm" else ()
+        then = modules_for(self.kinds.get(job))
         try:
             return await self.forks.spawn(args, env, str(run_dir), then)
         except ForkServerError as e:

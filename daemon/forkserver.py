@@ -38,6 +38,7 @@ RESTART_AFTER_S = 10.0  # a zygote that died is replaced no sooner than this
 GONE_POLL_S = 0.1  # how often the pids of a lost zygote's children are looked at
 LINE_LIMIT = 1 << 20  # a trainer's output line, as for an exec'd one
 LM_MODULES = ("mlx_lm.utils", "mlx_lm.tuner.trainer", "mlx_lm.tuner.utils", "mlx_lm.generate", "mlx_lm.sample_utils")
+KILLED = -int(signal.SIGKILL)
 
 
 def ahead_of_forks(modules: tuple[str, ...]) -> tuple[str, ...]:
@@ -45,7 +46,11 @@ def ahead_of_forks(modules: tuple[str, ...]) -> tuple[str, ...]:
     imported MLX (and so Metal) must not fork; there the zygote holds pure-Python parts only
     (trainer/zygote.py) and each trainer imports mlx-lm itself."""
     return () if sys.platform == "darwin" else modules
-KILLED = -int(signal.SIGKILL)
+
+
+def modules_for(kind: object) -> tuple[str, ...]:
+    """What the trainers of a job of this model kind import beyond the zygote's own preload."""
+    return LM_MODULES if kind == "mlx_lm" else ()
 
 
 class ForkServerError(Exception):
@@ -230,14 +235,8 @@ class ForkServer:
         if not self.enabled or self.closing:
             raise ForkServerError("forking is off")
         self.start()
-        if self.ready is None:
-            raise ForkServerError("no zygote")
-        try:
-            ready = await asyncio.wait_for(asyncio.shield(self.ready), READY_WAIT_S)
-        except TimeoutError:
-            raise ForkServerError(f"the zygote is not ready after {READY_WAIT_S:.0f} s") from None
-        if not ready or self.sock is None:
-            raise ForkServerError("no zygote")
+        if (why := await self._unready(READY_WAIT_S)) is not None:
+            raise ForkServerError(why)
         later = [t for t in ahead_of_forks(then) if t not in self.preloaded]
         r, w = os.pipe()
         try:
@@ -272,20 +271,26 @@ class ForkServer:
         return None
 
     async def _preload(self, modules: tuple[str, ...]) -> None:
-        if self.ready is None:
-            return
-        try:  # nothing waits on this: as long as a zygote's start may take
-            ready = await asyncio.wait_for(asyncio.shield(self.ready), START_TIMEOUT_S)
-        except TimeoutError:
+        if await self._unready(START_TIMEOUT_S) is not None:  # nothing waits on this: as long as a zygote's start may take
             return
         later = [name for name in modules if name not in self.preloaded]
-        if not ready or self.sock is None or not later:
+        if not later:
             return
         # Marked before the answer: the zygote takes requests in order, so a fork asked for
         # meanwhile happens after the import.
         self.preloaded.update(later)
         with contextlib.suppress(ForkServerError):  # a zygote that did not answer is replaced (_broken)
             await self.request({"op": "import", "modules": later}, [])
+
+    async def _unready(self, timeout: float) -> str | None:
+        """Why no started zygote can take a request within `timeout` seconds (None: one can)."""
+        if self.ready is None:
+            return "no zygote"
+        try:
+            ready = await asyncio.wait_for(asyncio.shield(self.ready), timeout)
+        except TimeoutError:
+            return f"the zygote is not ready after {timeout:.0f} s"
+        return None if ready and self.sock is not None else "no zygote"
 
     async def request(self, obj: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         """One request (given an id here) with these fds, and the zygote's reply to it."""

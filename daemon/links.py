@@ -20,8 +20,9 @@ the slowest rank, what the step spent communicating): the compute is then the re
 and the share they spent communicating is shown beside the prediction (`measured_share`). Before
 such rows, and in diloco mode, the compute is the median of rank 0's recent step times (less the
 predicted all_sum where the step had one of its own: every step in sync mode, a diloco job's
-`warmup_steps`). While a diloco job is in its warm-up its share is that of its warm-up (an all_sum every step); its `job.comm_bound` check (one event per
-job, for a share above COMM_BOUND) reads the steps after it, which the job is about.
+`warmup_steps`). While a diloco job is in its warm-up its share is that of its warm-up (an
+all_sum every step); its `job.comm_bound` check (one event per job, for a share above
+COMM_BOUND) reads the steps after it, which the job is about.
 """
 
 from __future__ import annotations

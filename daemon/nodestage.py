@@ -109,8 +109,10 @@ class NodeStaging:
         return self.endpoint
 
     def stop(self) -> None:
-        for t in [*self.tasks.values(), *([self.pruning] if self.pruning is not None else [])]:
+        for t in self.tasks.values():
             t.cancel()
+        if self.pruning is not None:
+            self.pruning.cancel()
         self.stager.stop()
 
     # -- who may use this node's data channel (a pool with keys; without, everyone on the link) ------

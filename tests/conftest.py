@@ -18,7 +18,7 @@ from dpool.client import localpool
 from dpool.client.localpool import Processes, free_port, pids_with, wait_for
 from dpool.protocol.payloads import JobStatus
 
-__all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "shaped_links_missing", "share_mlx_kernels", "wait_for"]
+__all__ = ["LocalPool", "Processes", "alive", "free_port", "pids_with", "shaped_links_missing", "share_mlx_kernels", "train_losses", "trained_alone", "wait_for"]
 TERMINAL = ("succeeded", "failed", "cancelled")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,6 +114,34 @@ class LocalPool(localpool.LocalPool):
         r = self.dpctl("submit", str(path))
         assert r.returncode == 0, r.stderr
         return r.stdout.strip()
+
+    def cancelled_on_curve(self, job: str, alone: Callable[[int], dict[int, float]], tol: float, timeout: float = 120) -> list[dict[str, Any]]:
+        """Cancel an endless job (at a constant learning rate, its curve does not depend on its
+        length) and assert that its N steps are `alone(N)`, one process's run of N steps, within
+        `tol`; the job's events."""
+        assert self.dpctl("cancel", job).returncode == 0
+        final = self.wait_end(job, timeout, every=0.05)
+        assert final.state == "cancelled", final
+        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
+        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+        curve = alone(len(rows))
+        worst = max(abs(r["loss"] - curve[r["step"]]) for r in rows)
+        assert worst < tol, (worst, [(r["step"], r["loss"], curve[r["step"]], r["generation"]) for r in rows])
+        return self.dpctl_json("events", job)
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """Step -> training loss, from a run dir's metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+
+def trained_alone(job: Path, run_dir: Path, timeout: float) -> dict[int, float]:
+    """The curve of `job` trained by one trainer process alone in `run_dir`: step -> loss."""
+    done = subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return train_losses(run_dir)
 
 
 class HomesPool(LocalPool):

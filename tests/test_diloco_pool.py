@@ -3,15 +3,12 @@ nothing already trained is recomputed (trainer/diloco.py, daemon/watch.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import LocalPool, Processes, wait_for
+from conftest import LocalPool, Processes, trained_alone, wait_for
 from jobs import NO_WARMUP, constant_lr, write_job
 
 pytestmark = pytest.mark.slow
@@ -35,12 +32,7 @@ def diloco_job(folder: Path, name: str, steps: int = 100_000) -> Path:
 
 def reference(root: Path, steps: int) -> dict[int, float]:
     """The fault-free curve of `steps` steps: one trainer process alone runs the four replicas."""
-    job = diloco_job(root, "ref", steps)
-    done = subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(root / "run")],
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    return trained_alone(diloco_job(root, "ref", steps), root / "run", JOB_TIMEOUT)
 
 
 def test_a_join_and_a_drain_between_outer_steps_recompute_nothing(processes: Processes, tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LocalPool, Processes, alive, wait_for
+from conftest import LocalPool, Processes, alive, trained_alone, wait_for
 from jobs import NO_WARMUP, TINY, constant_lr, write_job
 
 from dpool.protocol.payloads import JobStatus
@@ -72,8 +71,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     yield from reference_run(tmp_path_factory.mktemp("reference"), STEPS)
 
 
-
-
 class Pool(LocalPool):
     """A local pool of one-slot daemons, with warm trainers (the default of a real pool)."""
 
@@ -93,24 +90,6 @@ class Pool(LocalPool):
         assert final.step == max(ref)
         rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
         assert [r["step"] for r in rows] == list(range(1, max(ref) + 1))
-        worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
-        assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
-        return events
-
-    def cancel_on_curve(self, job: str, root: Path) -> list[dict[str, Any]]:
-        """Cancel an endless job (`job_file(constant=True)`); assert that its N steps are the curve
-        of one process's run of N steps; return the job's events."""
-        assert self.dpctl("cancel", job).returncode == 0
-        final = self.wait_end(job, JOB_TIMEOUT, every=0.05)
-        events = self.dpctl_json("events", job)
-        assert final.state == "cancelled", (final, events)
-        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
-        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-        path = job_file(root, "alone", steps=len(rows), constant=True)
-        done = subprocess.run([sys.executable, "-m", "dpool.trainer", str(path), "--run-dir", str(root / "alone")],
-                              capture_output=True, text=True, timeout=JOB_TIMEOUT)
-        assert done.returncode == 0, done.stderr[-2000:]
-        ref = {r["step"]: r["loss"] for r in map(json.loads, (root / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
         worst = max(abs(r["loss"] - ref[r["step"]]) for r in rows)
         assert worst < TOL, (worst, [(r["step"], r["loss"], ref[r["step"]], r["generation"]) for r in rows])
         return events
@@ -247,7 +226,8 @@ def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: P
     pool.start_daemon("n3")
     grown = pool.wait_status(job, "the job on four workers", lambda s: s.state == "running" and s.world_size == 4, timeout=120, every=0.05)
     pool.wait_status(job, "steps on four workers", lambda s: s.step >= grown.step + 10, timeout=120, every=0.05)
-    events = pool.cancel_on_curve(job, tmp_path)
+    alone = lambda steps: trained_alone(job_file(tmp_path, "alone", steps=steps, constant=True), tmp_path / "alone", JOB_TIMEOUT)  # noqa: E731
+    events = pool.cancelled_on_curve(job, alone, TOL, JOB_TIMEOUT)
     # The group trained on while n3 warmed a trainer; only then did it stop to take n3 in.
     warmed = kinds(events, "group.warmed")
     assert kinds(events, "group.warming") and warmed and warmed[0]["node"] == "n3" and "error" not in warmed[0], events

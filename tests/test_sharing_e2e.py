@@ -11,14 +11,13 @@ Timings are not asserted (the timeouts are generous); the shrink and the growth 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LocalPool, Processes
+from conftest import LocalPool, Processes, trained_alone
 from jobs import NO_WARMUP, constant_lr, write_job
 
 from dpool.protocol.payloads import JobStatus
@@ -45,12 +44,7 @@ def endless_job(dir: Path, name: str, lo: int, hi: int, steps: int = 100_000) ->
 
 def alone(dir: Path, name: str, steps: int) -> dict[int, float]:
     """The curve of `endless_job(name)` cut at `steps`, trained by one trainer process alone."""
-    path = endless_job(dir, f"{name}-alone", 1, 1, steps)
-    done = subprocess.run([sys.executable, "-m", "dpool.trainer", str(path), "--run-dir", str(dir / f"{name}-alone")],
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = [json.loads(line) for line in (dir / f"{name}-alone" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    return trained_alone(endless_job(dir, f"{name}-alone", 1, 1, steps), dir / f"{name}-alone", TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +83,7 @@ class Pool(LocalPool):
 
     def cancel_on_curve(self, job: str, dir: Path, name: str) -> list[dict[str, Any]]:
         """Cancel an endless job; it went on its fault-free curve up to where it got."""
-        assert self.dpctl("cancel", job).returncode == 0
-        self.wait(job, "cancelled", lambda s: s.state == "cancelled", timeout=60)
-        rows = [r for r in self.dpctl_json("metrics", job) if r["kind"] == "train"]
-        assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
-        curve = alone(dir, name, len(rows))
-        worst = max(abs(r["loss"] - curve[r["step"]]) for r in rows)
-        assert worst < TOL, (worst, [(r["step"], r["loss"], curve[r["step"]], r["generation"]) for r in rows])
-        events = self.dpctl_json("events", job)
+        events = self.cancelled_on_curve(job, lambda steps: alone(dir, name, steps), TOL, timeout=60)
         assert all(e["steps_recomputed"] == 0 for e in kinds(events, "group.resumed")), events
         assert kinds(events, "worker.failed") == [], events
         return events

@@ -14,7 +14,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import HomesPool, Processes, wait_for
+from conftest import HomesPool, Processes, trained_alone, wait_for
 from jobs import NO_WARMUP, constant_lr, write_job
 
 JOB_TIMEOUT = 180.0
@@ -59,9 +59,7 @@ def test_the_same_files_under_two_homes_train_together_on_the_single_process_cur
     # the same job, alone, on the files in a third folder of another name
     elsewhere = corpus(tmp_path / "other-place" / "texts")
     alone_job = write_job(tmp_path, "homes", file="alone.toml", workers={"min": 1, "max": 1}, data={"source": str(elsewhere / "*.txt")})
-    alone = processes.start([sys.executable, "-m", "dpool.trainer", str(alone_job), "--run-dir", str(tmp_path / "alone")], tmp_path / "alone.log")
-    assert alone.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "alone.log").read_text()[-2000:]
-    alone_loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    alone_loss = trained_alone(alone_job, tmp_path / "alone", JOB_TIMEOUT)
     pooled = [r for r in pool.dpctl_json("metrics", job_id) if r["kind"] == "train"]
     assert [r["step"] for r in pooled] == list(range(1, 21))
     for r in pooled:
@@ -122,9 +120,7 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     # the job went on the curve of one process training the same files
     alone_job = write_job(tmp_path, "join", file="alone.toml", workers={"min": 1, "max": 1}, data={"source": str(corpus(tmp_path / "texts") / "*.txt")},
                           train={**endless, "steps": steps}, base=NO_WARMUP)
-    alone = processes.start([sys.executable, "-m", "dpool.trainer", str(alone_job), "--run-dir", str(tmp_path / "alone")], tmp_path / "alone.log")
-    assert alone.wait(timeout=JOB_TIMEOUT) == 0, (tmp_path / "alone.log").read_text()[-2000:]
-    alone_loss = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "alone" / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"}
+    alone_loss = trained_alone(alone_job, tmp_path / "alone", JOB_TIMEOUT)
     for r in pooled:
         assert abs(r["loss"] - alone_loss[r["step"]]) < 1e-4, (r["step"], r["loss"], alone_loss[r["step"]])
 
