@@ -44,8 +44,11 @@ How long to wait after step s was reported before calling the group stalled:
   (`gather`); the last step, and a stop, always checkpoint. Not measured: its size varies.
 - Before the first step of a generation the allowance is the start-up deadline (MLX's init, the
   checkpoint restore and broadcast, compiling the first step), counted from the launch.
-- After the last step, or once the group was asked to checkpoint and stop, no further step comes:
-  the ranks write their checkpoint and exit; `STOP_MARGIN_S` more is allowed for that.
+- Once the group was asked to checkpoint and stop, no further step comes: the ranks write their
+  checkpoint and exit; `STOP_MARGIN_S` more is allowed for that. After the last step a rank also
+  drains its checkpoint writer and runs the test-set evaluation where the job asks for one, whose
+  cost no step measures: the start-up deadline is allowed (12 s were not enough for the writer of
+  a rank on a loaded machine, and a large test set takes minutes). Its exit ends the group.
 """
 
 from __future__ import annotations
@@ -157,7 +160,9 @@ class StepWatch:
                 base += self._gather()
             else:
                 base += self.factor * self.extra[k] + self.floor_s if k in self.extra else self.start_s
-        if self.stopping or self.last_step >= self.steps:
+        if self.last_step >= self.steps:
+            base += self.start_s
+        elif self.stopping:
             base += STOP_MARGIN_S
         return base
 

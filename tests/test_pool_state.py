@@ -639,6 +639,22 @@ def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
     assert w.allowance() == 4.0 + 8 * 2.0 + 3.0
 
 
+def test_after_the_last_step_a_rank_is_allowed_its_end_of_run_work() -> None:
+    """After the last step a rank drains its checkpoint writer and may evaluate a test set: the
+    start-up deadline, not a stop's margin (CI once saw a rank stalled 12.2 s after its last step,
+    against 12 s). A stop asked for mid-run keeps the margin."""
+    from dpool.daemon.watch import STOP_MARGIN_S, StepWatch
+
+    w = StepWatch(steps=20, eval_every=1000, sample_every=1000, floor_s=2.0, factor=8.0, start_s=120.0, started_at=0.0)
+    for step in range(1, 20):
+        w.observe(step, 0.1 * step, 0.1)
+    assert w.allowance() == 2.0
+    w.stopping = True
+    assert w.allowance() == 2.0 + STOP_MARGIN_S
+    w.observe(20, 2.0, 0.1)
+    assert w.allowance() == 2.0 + 120.0
+
+
 def test_the_first_step_under_a_new_split_is_allowed_a_compile_each_time() -> None:
     """The balancer announced a new split in step 10's all_sum: step 11 has micro batches of new
     shapes (a compile, or none when the shapes were seen before). Its cost is not measured, since
