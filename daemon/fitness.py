@@ -221,6 +221,10 @@ class Fitness:
                 fits[node] = Fit(FitState.ASKED, now)
                 actions.append(Send(node, self._stage_msg(msg.job, spec, doc, node)))
             return actions
+        if old is not None and old.state is FitState.UNFIT and state is FitState.CHECKING:
+            # An unfit node asked again (RECHECK_S) checks its files: no verdict yet. It stays
+            # out, and a check that ends as the last did (the same reason) says nothing new.
+            return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fits[node] = fit

@@ -1207,6 +1207,31 @@ def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_o
     assert asked == [[], ["c"]]
 
 
+def test_an_unfit_node_asked_again_says_so_once_per_reason_and_stays_out_while_it_checks() -> None:
+    from dpool.daemon.fitness import RECHECK_S
+    from dpool.protocol.stage_messages import JobStage
+
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())
+    staged(pool, 0.1, "a", "ready")
+    out = staged(pool, 0.2, "b", "unfit", "data.source: corpus/a.txt: content differs")
+    assert records(out, "node.unfit") == [{"node": "b", "reason": "data.source: corpus/a.txt: content differs"}]
+    t = 0.2 + RECHECK_S
+    for n in "ab":
+        pool.seen(t, n)
+    assert [s.node for s in sends(pool.tick(t), JobStage)] == ["b"]
+    out = staged(pool, t + 0.1, "b", "checking")
+    assert records(out, "node.unfit") == [] and [r.state for r in pool.staging_rows("j", t + 0.1)] == ["unfit"]  # still out while it checks
+    out = staged(pool, t + 0.2, "b", "unfit", "data.source: corpus/a.txt: content differs")
+    assert records(out, "node.unfit") == []  # the same verdict: nothing new to say
+    out = staged(pool, t + 0.3, "b", "unfit", "data.source: no such directory")
+    assert records(out, "node.unfit") == [{"node": "b", "reason": "data.source: no such directory"}]
+    staged(pool, t + 0.4, "b", "ready")
+    assert pool.staging_rows("j", t + 0.4) == []
+
+
 def test_a_fetch_from_nodes_that_train_is_paced_and_every_node_learns_the_keys_that_may_read() -> None:
     from dpool.daemon.fitness import TRAINING_RATE_BPS
     from dpool.protocol.stage_messages import JobStage, NodeStaged, StagePeers
