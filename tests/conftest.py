@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,13 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
     return report
 
 
+def last_lines(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as e:
+        return f"({path}: unreadable: {e})"
+
+
 FAILED = pytest.StashKey[str]()
 LOG_TAIL = 60  # lines of each process's log shown when a test fails
 
@@ -73,12 +81,18 @@ LOG_TAIL = 60  # lines of each process's log shown when a test fails
 def processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Processes]:
     """Processes the test starts, all ended after it. When the test fails, the last lines of each
     one's log are printed (pytest shows them under the failure), so a failure in CI, where the
-    files are gone, can be read."""
+    files are gone, can be read. One that had to be killed (it ignored SIGTERM for
+    STOP_TIMEOUT_S: a daemon that hangs on its way out) is a warning in the run's summary, with
+    the end of its log, whether the test passed or not."""
     procs = Processes(str(tmp_path))
     try:
         yield procs
     finally:
-        procs.stop_all()
+        said: list[str] = []
+        killed = procs.stop_all(report=said.append)
+        for line in said:  # each killed one's line names its pid: its log's end goes with it
+            tails = [last_lines(procs.logs[p.pid], 12) for p in killed if f"(pid {p.pid})" in line and p.pid in procs.logs]
+            warnings.warn("\n".join([f"{request.node.nodeid}: {line}", *tails]), pytest.PytestWarning, stacklevel=1)
         if request.node.stash.get(FAILED, None) is not None:
             for line in procs.log_tails(LOG_TAIL):
                 print(line)
