@@ -10,7 +10,8 @@ job of the built-in corpus ('stdlib') needs no files: every node serves it until
 fails there with bad input (`unfit`: the trainer's exit 2).
 
 A node that cannot serve a job sits that job out (`node.unfit`, once per reason); it is asked
-again after RECHECK_S (its files may have appeared), and whenever it registers again. The job
+again after RECHECK_S (its files may have appeared), whenever it registers again, and, if its
+fetch of the job's content failed, as soon as another node comes to hold that content. The job
 fails at once when every live node is unfit for it (`hopeless`): a deterministic error never
 loops through restarts.
 
@@ -64,6 +65,7 @@ class Fit:
     total: int = 0
     rate: float = 0.0
     started: float = 0.0  # when it began fetching (its place in the chain)
+    fetch_failed: bool = False  # UNFIT from STAGING: its fetch failed; asked again when the content's holders change
 
 
 @dataclass(slots=True)
@@ -200,7 +202,7 @@ class Fitness:
                 ch.cached = msg.cached
                 ch.holds = {r.digest for r in msg.cached if r.complete}
             if gained:
-                actions += self._resend(gained, exclude=node)
+                actions += self._resend(gained, exclude=node, failed_too=True)
             actions += self._peers()  # a new node's key: every node learns it may read from it
         if spec is None or doc is None:
             return actions
@@ -227,6 +229,7 @@ class Fitness:
             return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
+        fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
         fits[node] = fit
         data = msg.found_data if spec.content.data is None else None
         model = msg.found_model if spec.content.model is None and spec.model.kind == "mlx_lm" else None
@@ -321,8 +324,13 @@ class Fitness:
                 out.append(StageSource(digest=digest, node=n, endpoint=ch.endpoint, key=ch.key))
         return out
 
-    def _resend(self, changed: set[str], exclude: str) -> list[Send]:
-        """job.stage again to each node still fetching content in `changed`: its sources changed."""
+    def _resend(self, changed: set[str], exclude: str, failed_too: bool = False) -> list[Send]:
+        """job.stage again to each node still fetching content in `changed` (its sources changed);
+        with `failed_too` (a node came to hold it whole) also to each whose fetch of it failed (a
+        source that went away, a peer that timed out on a busy machine): it may fetch from the new
+        holder now rather than sit the job out for RECHECK_S. Once: it is asked again on another
+        new holder only if it fails again; never because another node failed or began to fetch
+        (two nodes whose fetches fail would ask each other again without end)."""
         out: list[Send] = []
         for job_id, fits in self.fits.items():
             tracked = self.jobs.get(job_id)
@@ -330,6 +338,9 @@ class Fitness:
                 continue
             _, spec, doc = tracked
             for node, fit in fits.items():
-                if node != exclude and fit.state in (FitState.STAGING, FitState.CHECKING, FitState.ASKED):
+                if node == exclude:
+                    continue
+                if fit.state in (FitState.STAGING, FitState.CHECKING, FitState.ASKED) or (failed_too and fit.fetch_failed):
+                    fit.fetch_failed = False
                     out.append(Send(node, self._stage_msg(job_id, spec, doc, node)))
         return out

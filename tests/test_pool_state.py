@@ -1178,17 +1178,23 @@ def test_a_rank_that_refuses_its_input_leaves_its_node_out_and_the_job_goes_on_e
     assert pool.jobs["j"].machine.restarts == 0
 
 
-def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_one_ahead() -> None:
-    from dpool.daemon.fitness import RECHECK_S
-    from dpool.protocol.stage_messages import JobStage
-
+def held_by_a_fetched_by_b(nodes: str) -> tuple[Driven, str, list[Any]]:
+    """A pool of `nodes` and job "j" naming its data's content: node a holds it, b begins to fetch
+    it (what b's answer returned is the third item)."""
     pool = Driven()
-    for n in "abc":
+    for n in nodes:
         join(pool, n, 1)
     digest = "d" * 64
     pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
     staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
-    out = staged(pool, 0.2, "b", "staging", total_bytes=100, endpoint="tcp://10.0.0.2:7400")
+    return pool, digest, staged(pool, 0.2, "b", "staging", total_bytes=100, endpoint="tcp://10.0.0.2:7400")
+
+
+def test_an_unfit_node_is_asked_again_later_and_a_fetching_node_reads_from_the_one_ahead() -> None:
+    from dpool.daemon.fitness import RECHECK_S
+    from dpool.protocol.stage_messages import JobStage
+
+    pool, digest, out = held_by_a_fetched_by_b("abc")
     assert records(out, "node.staging") == [{"node": "b", "bytes": 100}]
     # c fetches too: it reads from b, ahead of it in the chain (not from a, whose uplink b uses)
     out = staged(pool, 0.3, "c", "staging", total_bytes=100, endpoint="tcp://10.0.0.3:7400")
@@ -1230,6 +1236,36 @@ def test_an_unfit_node_asked_again_says_so_once_per_reason_and_stays_out_while_i
     assert records(out, "node.unfit") == [{"node": "b", "reason": "data.source: no such directory"}]
     staged(pool, t + 0.4, "b", "ready")
     assert pool.staging_rows("j", t + 0.4) == []
+
+
+def test_a_node_whose_fetch_failed_is_asked_again_when_a_node_comes_to_hold_the_content() -> None:
+    """A fetch that fails (its source went away, a peer timed out on a busy machine) left the node
+    out for RECHECK_S (30 s) although the next holder was a moment away: it is asked again as soon
+    as one appears, once per failure. A node unfit for another reason waits as before, and a
+    failure elsewhere asks no failed node again (two failing fetchers would ask each other for ever)."""
+    from dpool.protocol.stage_messages import JobStage
+
+    pool, digest, _ = held_by_a_fetched_by_b("abcd")
+    staged(pool, 0.3, "c", "staging", total_bytes=100, endpoint="tcp://10.0.0.3:7400")
+    staged(pool, 0.3, "d", "unfit", "data.source: no room in this node's cache", endpoint="tcp://10.0.0.4:7400")
+    out = staged(pool, 0.4, "c", "unfit", "data.source: could not fetch the job's files: b went away")
+    assert [s.node for s in sends(out, JobStage)] == ["b"]  # b reads elsewhere now; nothing new for c (or d)
+    out = staged(pool, 0.5, "b", "unfit", "data.source: could not fetch the job's files: timed out")
+    assert "c" not in [s.node for s in sends(out, JobStage)]  # a failure elsewhere is no new source
+    out = staged(pool, 1.0, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")  # nothing new from a
+    assert [s.node for s in sends(out, JobStage)] == []
+    # A fifth node joins and comes to hold the content: b and c fetch again at once; d waits its 30 s.
+    join(pool, "e", 1, now=2.0)
+    out = staged(pool, 2.5, "e", "ready", holds=[digest], endpoint="tcp://10.0.0.5:7400")
+    assert sorted(s.node for s in sends(out, JobStage)) == ["b", "c"]
+    out = staged(pool, 2.6, "c", "checking")
+    assert [r.state for r in pool.staging_rows("j", 2.6) if r.node == "c"] == ["unfit"]
+    out = staged(pool, 2.7, "c", "staging", total_bytes=100, endpoint="tcp://10.0.0.3:7400")
+    assert records(out, "node.staging") == [{"node": "c", "bytes": 100}]
+    # Once: the next holder asks b again only if it fails again (c, fetching, gets its new sources).
+    join(pool, "f", 1, now=3.0)
+    out = staged(pool, 3.5, "f", "ready", holds=[digest], endpoint="tcp://10.0.0.6:7400")
+    assert sorted(s.node for s in sends(out, JobStage)) == ["c"]
 
 
 def test_a_fetch_from_nodes_that_train_is_paced_and_every_node_learns_the_keys_that_may_read() -> None:
