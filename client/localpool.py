@@ -138,10 +138,10 @@ class Processes:
         self.logs[p.pid] = Path(log)
         return p
 
-    def log_tails(self, lines: int) -> Iterator[str]:
-        """The last `lines` lines of each started process's log, each under a heading naming the
-        process, its pid and how it ended."""
-        for p in self.started:
+    def log_tails(self, lines: int, among: Sequence[subprocess.Popen[bytes]] | None = None) -> Iterator[str]:
+        """The last `lines` lines of each started process's log (or of those `among` them), each
+        under a heading naming the process, its pid and how it ended."""
+        for p in self.started if among is None else among:
             log = self.logs[p.pid]
             try:
                 text = log.read_text(errors="replace").splitlines()

@@ -66,13 +66,6 @@ def pytest_runtest_makereport(item: pytest.Item) -> Iterator[None]:
     return report
 
 
-def last_lines(path: Path, n: int) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError as e:
-        return f"({path}: unreadable: {e})"
-
-
 FAILED = pytest.StashKey[str]()
 LOG_TAIL = 60  # lines of each process's log shown when a test fails
 
@@ -90,9 +83,8 @@ def processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proces
     finally:
         said: list[str] = []
         killed = procs.stop_all(report=said.append)
-        for line in said:  # each killed one's line names its pid: its log's end goes with it
-            tails = [last_lines(procs.logs[p.pid], 12) for p in killed if f"(pid {p.pid})" in line and p.pid in procs.logs]
-            warnings.warn("\n".join([f"{request.node.nodeid}: {line}", *tails]), pytest.PytestWarning, stacklevel=1)
+        if said:
+            warnings.warn("\n".join([request.node.nodeid, *said, *procs.log_tails(12, killed)]), pytest.PytestWarning, stacklevel=1)
         if request.node.stash.get(FAILED, None) is not None:
             for line in procs.log_tails(LOG_TAIL):
                 print(line)

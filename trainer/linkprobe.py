@@ -19,14 +19,15 @@ How, on every rank alike (every decision comes from rank 0, so all ranks run the
    full-duplex link reads up to twice too slow), or BIG_BYTES; then once more at that size. A
    sample is taken only when its transfer, guessed from the one before as that one's time less
    the latency, scaled by its size, fits what is left of BUDGET_S: a first guess from a small
-   buffer is no guide (a shaper's burst, the socket buffers let it through fast; on a 100 Mbit/s link shaped with a 128 KB burst, sizing
-   from a 64 KiB sample took 0.95 s), a grown one is. The budget counts the time spent moving
-   bytes, not the latency each all_sum pays whatever its size: on a ring with 5-10 ms between
-   hosts (Wi-Fi, a VPN between two homes) every sample of 3 ranks costs 20-40 ms of latency, and
-   counting it stopped the probe at 16 KiB, where a sample is all latency (it read a 300 Mbit/s
-   link with 8 ms as 12 Mbit/s). No sample starts that would end past MAX_S. A sample far slower per byte
-   than the size before (a lost segment's retransmission timeout) is taken again before it counts,
-   and only the faster of the two is charged to the budget;
+   buffer is no guide (a shaper's burst, the socket buffers let it through fast; on a 100 Mbit/s
+   link shaped with a 128 KB burst, sizing from a 64 KiB sample took 0.95 s), a grown one is.
+   The budget counts the time spent moving bytes, not the latency each all_sum pays whatever its
+   size: on a ring with 5-10 ms between hosts (Wi-Fi, a VPN between two homes) every sample of 3
+   ranks costs 20-40 ms of latency, and counting it stopped the probe at 16 KiB, where a sample
+   is all latency (it read a 300 Mbit/s link with 8 ms as 12 Mbit/s). No sample starts that
+   would end past MAX_S. A sample far slower per byte than the size before (a lost segment's
+   retransmission timeout) is taken again before it counts, and only the faster of the two is
+   charged to the budget;
 4. the faster sample of the largest size gives the bandwidth, with the latency taken out, in the
    ring model's terms (90% link efficiency), so that `ring_seconds` gives back what was timed.
 
@@ -128,9 +129,10 @@ def _next_bytes(
     SAMPLE_S (and for at least the `fixed` latency of an all_sum) going both ways round the ring,
     or reaches BIG_BYTES; then the same size once more. Each only when its transfer (the best at
     this size, scaled) fits `budget_s` and its whole time `time_left_s`. A sample that moved its
-    bytes for STALL_MIN_S and STALL times slower per byte than the size before (`pace`; or with no size before to compare) is looked at
-    again whatever the budget, within `time_left_s`: one lost segment waits out TCP's
-    retransmission timeout (200 ms at least), and read alone it made a 300 Mbit/s link 25 Mbit/s."""
+    bytes for STALL_MIN_S and STALL times slower per byte than the size before (`pace`; or with
+    no size before to compare) is looked at again whatever the budget, within `time_left_s`: one
+    lost segment waits out TCP's retransmission timeout (200 ms at least), and read alone it made
+    a 300 Mbit/s link 25 Mbit/s."""
     last = _transfer(min(times), fixed)
 
     def fits(nbytes: int) -> bool:
