@@ -2,6 +2,7 @@
 all_sum against its old form and mlx-lm's, and DiLoCo against synchronous training (issue 19).
 
     sudo python bench/comm.py [--steps 150] [--quick-steps 30] [--reps 3] [--inner-steps 20,50,50:bf16,20:paper] [--out FILE] [--keep]
+    sudo python bench/comm.py --hosts 2 --pin --inner-steps none   # figures 1 and 2, each rank on a core of its own
 
 Three hosts (r0, r1, r2), a network namespace each on one bridge (bench/netns.py), every rank of a
 3-rank MLX ring in its own namespace (`ip netns exec`), as on three machines. The links, each in
@@ -14,7 +15,10 @@ delay: the JSON and the table say which was applied, and the model is given the 
 directly as ring ranks (as tests/ring.py does, MLX_RANK and MLX_HOSTFILE naming the namespaces'
 addresses), not through dpd: what is measured is the ring and the step, which dpd does not touch.
 The three ranks share this machine's cores, as no three machines would: where the machine is busy,
-every figure here carries its CPU's contention as well as its link.
+every figure here carries its CPU's contention as well as its link. `--hosts N` runs N hosts
+(ranks, replicas) instead, and `--pin` puts rank i on core i mod the machine's cores (`taskset`):
+with as many cores as ranks, each host computes and runs its ring threads on a core of its own, as
+on machines of their own (the JSON's `affinity` says where each rank could run).
 
 The job: a GPT of 4 layers of width 256 (3.3 M parameters, 13.1 MB of float32 gradients: one
 32 MiB bucket), 6 sequences of 64 tokens a step (2 a rank), lr 2e-3, OPENBLAS_NUM_THREADS=1 (three
@@ -116,7 +120,7 @@ from dpool.protocol.jobspec import SyncSpec  # noqa: E402
 from dpool.protocol.rounds import Rounds  # noqa: E402
 from dpool.trainer.dist import BUCKET_BYTES  # noqa: E402
 
-HOSTS = ("r0", "r1", "r2")
+HOSTS = ("r0", "r1", "r2")  # the default: three hosts (--hosts N takes r0..rN-1)
 # Where the kernel has no netem, the links are tbf's (rate only). At 300 Mbit/s the ring's TCP
 # flows through tbf's default 2 ms queue (bench/netns.py) retransmitted ~60k segments in 7 all_sums
 # of 13 MiB, through a 50 ms queue a handful; one flow alone reached 93% of the rate with either.
@@ -244,7 +248,12 @@ def allsum_worker(config: Path) -> None:
     def barrier() -> None:
         mx.eval(group.all_sum(mx.array([1.0])))
 
-    out: dict[str, Any] = {}
+    cores = os.cpu_count() or 1
+    mine = [0] * (world * cores)  # each rank's row: the cores it may run on (--pin)
+    for c in os.sched_getaffinity(0):
+        mine[rank * cores + c] = 1
+    every = group.sum_ints(mine)
+    out: dict[str, Any] = {"affinity": [[c for c in range(cores) if every[r * cores + c]] for r in range(world)]}
     for case in cfg["cases"]:
         spec = load_job(case["job"])
         model = build_task(spec, config.parent, with_data=False).model
@@ -300,7 +309,12 @@ class Bench:
         self.args, self.root, self.net = args, root, net
         self.port = 21000
         self.group: ring.Group | None = None  # the ranks running now (ended on failure)
-        self.doc: dict[str, Any] = {"links": {c.key: dataclasses.asdict(c) for c in LINKS}, "allsum": {}, "allsum_tcp_retransmits": {}, "train": {}}
+        self.hosts = tuple(net.ns)
+        # With --pin, rank i runs on core i mod the cores (taskset): where there are as many cores as
+        # ranks, each host has a core of its own, as on machines of their own.
+        self.cores = {h: i % (os.cpu_count() or 1) for i, h in enumerate(self.hosts)} if args.pin else {}
+        self.doc: dict[str, Any] = {"links": {c.key: dataclasses.asdict(c) for c in LINKS}, "allsum": {}, "allsum_tcp_retransmits": {}, "train": {},
+                                    "hosts": list(self.hosts), "pinned": {h: c for h, c in self.cores.items()}}
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -310,12 +324,12 @@ class Bench:
         `argv` the command, or what gives each host's."""
         self.port += 10  # a fresh port for each group: no wait on the last group's sockets
         hostfile = self.root / f"{name}-hosts.json"
-        hostfile.write_text(json.dumps([[f"{self.net.address(h)}:{self.port}"] for h in HOSTS]))
+        hostfile.write_text(json.dumps([[f"{self.net.address(h)}:{self.port}"] for h in self.hosts]))
         procs, logs = [], []
-        for rank, h in enumerate(HOSTS):
+        for rank, h in enumerate(self.hosts):
             log = self.root / f"{name}-rank{rank}.log"
             env = ring.trainer_env({"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "DPOOL_CACHE_DIR": str(self.root / "cache")})
-            cmd = argv(h) if callable(argv) else argv
+            cmd = [*(["taskset", "-c", str(self.cores[h])] if h in self.cores else []), *(argv(h) if callable(argv) else argv)]
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen([*self.net.prefix(h), *cmd], env=env, stdout=f, stderr=subprocess.STDOUT,
                                               start_new_session=True, cwd=self.root))
@@ -332,16 +346,16 @@ class Bench:
             group.kill()
             self.group = None
         if any(codes):
-            tail = "\n".join(f"--- rank {r}\n" + group.output(r)[-2000:] for r in range(len(HOSTS)))
+            tail = "\n".join(f"--- rank {r}\n" + group.output(r)[-2000:] for r in range(len(self.hosts)))
             raise BenchError(f"{name}: exit codes {codes}\n{tail}")
 
     def sent(self) -> dict[str, int]:
-        return {h: self.net.counters(h)[1] for h in HOSTS}
+        return {h: self.net.counters(h)[1] for h in self.hosts}
 
     def retransmits(self) -> int:
         """TCP segments the hosts have retransmitted so far (each namespace's /proc/net/snmp)."""
         total = 0
-        for h in HOSTS:
+        for h in self.hosts:
             text = subprocess.run([*self.net.prefix(h), "cat", "/proc/net/snmp"], capture_output=True, text=True, timeout=30).stdout
             head, values = [line.split() for line in text.splitlines() if line.startswith("Tcp:")][:2]
             total += int(values[head.index("RetransSegs")])
@@ -351,11 +365,11 @@ class Bench:
 
     def allsum(self, link: LinkCase) -> None:
         a = self.args
-        cases = [{"name": "train", "job": str(self.job_file("comm-allsum", model_section(a))), "share": a.global_batch // len(HOSTS)}]
+        cases = [{"name": "train", "job": str(self.job_file("comm-allsum", model_section(a))), "share": a.global_batch // len(self.hosts)}]
         if a.large_layers > 0:
             cases.append({"name": "large", "job": str(self.job_file("comm-allsum-large", model_section(a, large=True))), "share": 1})
         out = self.root / f"allsum-{link.key}.json"
-        for h in HOSTS:  # each rank reads its own (its interface's name)
+        for h in self.hosts:  # each rank reads its own (its interface's name)
             (self.root / f"allsum-{link.key}-{h}.json").write_text(
                 json.dumps({"cases": cases, "reps": a.reps, "iface": self.net.inner(h), "out": str(out)}))
         me = str(Path(__file__).resolve())
@@ -363,12 +377,13 @@ class Bench:
         group = self.start(f"allsum-{link.key}", lambda h: [sys.executable, me, "--allsum-worker", str(self.root / f"allsum-{link.key}-{h}.json")])
         self.finish(f"all_sum on {link.key}", group, 600)
         got = json.loads(out.read_text())
+        self.doc.setdefault("affinity", got.pop("affinity"))
         self.doc["allsum_tcp_retransmits"][link.key] = self.retransmits() - retrans  # every case and method together
         for case in got.values():
-            case["ring_bytes_per_call"] = 2 * (len(HOSTS) - 1) * case["bytes"]  # 2(n-1)/n of it, from each of n ranks
+            case["ring_bytes_per_call"] = 2 * (len(self.hosts) - 1) * case["bytes"]  # 2(n-1)/n of it, from each of n ranks
             model = link.model(self.net.delayed)
             if model is not None:
-                case["predicted_s"] = ring_seconds(case["bytes"], len(HOSTS), model, BUCKET_BYTES)
+                case["predicted_s"] = ring_seconds(case["bytes"], len(self.hosts), model, BUCKET_BYTES)
         self.doc["allsum"][link.key] = got
 
     def job_file(self, name: str, model: dict[str, Any]) -> Path:
@@ -422,13 +437,16 @@ class Bench:
             steps = a.steps if link is SLOW else a.quick_steps
             r = self.train(f"sync-{link.key}", link, steps, {"mode": "sync"})
             self.say(f"  sync: {steps} steps, median step {1e3 * r['median_step_s']:.0f} ms, val loss {r['val_loss']:.4f}, {r['wall_s']:.0f} s")
+        if not a.inner_steps:
+            self.doc["diloco"] = "not run (--inner-steps none)"
+            return
         if not diloco_available():
             self.doc["diloco"] = "not run: this trainer has no DiLoCo mode (dpool.trainer.diloco)"
             self.say(f"  diloco: {self.doc['diloco']}")
             return
         for h, dtype, paper, warm in a.inner_steps:
             lr, momentum = PAPER_OUTER if paper else DEFAULT_OUTER
-            sync = {"mode": "diloco", "inner_steps": h, "replicas": len(HOSTS), "outer_lr": lr, "outer_momentum": momentum, "dtype": dtype}
+            sync = {"mode": "diloco", "inner_steps": h, "replicas": len(self.hosts), "outer_lr": lr, "outer_momentum": momentum, "dtype": dtype}
             if warm:
                 sync["warmup_steps"] = warm
             key = f"diloco-h{h}{'-bf16' if dtype == 'bfloat16' else ''}{'-paper' if paper else ''}{f'-w{warm}' if warm else ''}-{SLOW.key}"
@@ -507,6 +525,7 @@ def diloco_available() -> bool:
 def figures(doc: dict[str, Any]) -> dict[str, Any]:
     """The figures from the measurements: each value beside its baseline, the ratio, the goal."""
     out: dict[str, Any] = {"allsum": {}, "share": {}, "diloco": {}}
+    n = len(doc.get("hosts", HOSTS))  # ranks (runs before --hosts: three)
     for link, cases in doc["allsum"].items():
         for case, got in cases.items():
             m = got["methods"]
@@ -540,17 +559,17 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
                                    "allsum_over_step": a / t, "by_step_difference": (t - compute) / t}
             model = c.model(doc["links"][c.key].get("delayed", False))
             if model is not None:
-                sent = got["bytes"] + 4 * (4 + 3 * len(HOSTS))  # the gradients and the control vector
-                pred_s = ring_seconds(sent, len(HOSTS), model, BUCKET_BYTES)
+                sent = got["bytes"] + 4 * (4 + 3 * n)  # the gradients and the control vector
+                pred_s = ring_seconds(sent, n, model, BUCKET_BYTES)
                 row |= {"predicted_allsum_s": pred_s, "predicted": pred_s / (pred_s + compute)}
-                nominal = ring_seconds(sent, len(HOSTS), c.model(True), BUCKET_BYTES)  # with the issue's latency, applied or not
+                nominal = ring_seconds(sent, n, c.model(True), BUCKET_BYTES)  # with the issue's latency, applied or not
                 row["predicted_nominal_latency"] = nominal / (nominal + compute)
                 row["error"] = relative_error(row["predicted"], row["measured"])
                 row["met"] = row["error"] is not None and row["error"] <= SHARE_GOAL
             if (probe := r.get("probe")) is not None:
                 # What the pool shows as comm_share: the model on the ring the group timed at its start.
-                sent = got["bytes"] + 4 * (4 + 3 * len(HOSTS))
-                by_probe = ring_seconds(sent, len(HOSTS), Link(probe["bandwidth_bps"], probe["latency_s"]), BUCKET_BYTES)
+                sent = got["bytes"] + 4 * (4 + 3 * n)
+                by_probe = ring_seconds(sent, n, Link(probe["bandwidth_bps"], probe["latency_s"]), BUCKET_BYTES)
                 # As dpctl status predicts it: against the compute the steps of this run spent outside
                 # their timed all_sum (daemon/links.py), where the rows time it; else the unshaped link's.
                 here = compute if timed is None else statistics.median(x - c for x, c in zip(r["step_s"][SKIP:], timed, strict=True))
@@ -560,7 +579,6 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
     sync = train.get(f"sync-{SLOW.key}")
     nbytes = doc["allsum"].get(SLOW.key, {}).get("train", {}).get("bytes")
     if sync is not None and nbytes:
-        n = len(HOSTS)
         per_step_tokens = sync["tokens_total"] / sync["steps"]
         wire = n * 2 * (n - 1) / n * nbytes  # all ranks together, one all_sum of the trainable parameters' size
         share = out["share"].get(SLOW.key, {}).get("measured")
@@ -619,8 +637,8 @@ def met(ok: bool | None) -> str:
 
 
 def table(doc: dict[str, Any], figs: dict[str, Any]) -> list[str]:
-    lines = ["", "1. all_sum of the same gradients, 3 ranks (median of the calls; ratio to today's fused all_sum and to mlx-lm's)"]
-    lines.append(f"   {'method':28} {'ms':>8} {'/fused':>7} {'/mlx-lm':>8} {'peak+ (rank 0)':>15} {'sent, 3 hosts':>14}")
+    lines = ["", f"1. all_sum of the same gradients, {len(doc.get('hosts', HOSTS))} ranks (median of the calls; ratio to today's fused all_sum and to mlx-lm's)"]
+    lines.append(f"   {'method':28} {'ms':>8} {'/fused':>7} {'/mlx-lm':>8} {'peak+ (rank 0)':>15} {'sent, all hosts':>16}")
     for key, f in figs["allsum"].items():
         pred = f", ring model {1e3 * f['predicted_s']:.0f} ms" if f.get("predicted_s") else ""
         lines.append(f"   {key}: {mib(f['bytes'])} of gradients, {f['buckets']} bucket{'s' if f['buckets'] > 1 else ''}, "
@@ -628,7 +646,7 @@ def table(doc: dict[str, Any], figs: dict[str, Any]) -> list[str]:
         for name in METHODS:
             v = f[name]
             lines.append(f"     {name:26} {1e3 * v['median_s']:8.1f} {v['vs_fused']:7.2f} {v['vs_mlx_lm']:8.2f} {mib(v['peak_extra_bytes']):>15} "
-                         f"{mib(v['wire_bytes_per_call']):>14}")
+                         f"{mib(v['wire_bytes_per_call']):>16}")
     lines += ["", f"2. share of a synchronous step spent in all_sum: predicted (ring model) against measured (goal within {SHARE_GOAL:.0%})"]
     lines.append(f"   {'link':10} {'step ms':>8} {'measured':>9} {'1-C/T':>6} {'all_sum ms':>11} {'A/T':>6} {'by diff':>8} {'model ms':>9} "
                  f"{'predicted':>10} {'error':>6}")
@@ -676,7 +694,10 @@ def diloco_label(sync: dict[str, Any]) -> str:
 def inner_steps_list(text: str) -> list[tuple[int, str, bool, int]]:
     """`20,50,50:bf16,20:paper,20:w30`: each diloco run's H, what its all_sum carries (float32
     unless `:bf16`), its outer step (the defaults, or with `:paper` DiLoCo's lr 0.7 and momentum
-    0.9) and its synchronous warm-up (`:wN`: sync.warmup_steps = N; none by default)."""
+    0.9) and its synchronous warm-up (`:wN`: sync.warmup_steps = N; none by default); `none`: no
+    diloco run."""
+    if text.strip() == "none":
+        return []
     out = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         h, *kinds = item.split(":")
@@ -688,7 +709,7 @@ def inner_steps_list(text: str) -> list[tuple[int, str, bool, int]]:
             )
         out.append((int(h), "bfloat16" if "bf16" in flags else "float32", "paper" in flags, int(warm[0][1:]) if warm else 0))
     if not out:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one H")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one H, or none")
     return out
 
 
@@ -699,7 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="measured calls of each all_sum method per link")
     ap.add_argument("--inner-steps", type=inner_steps_list, default=inner_steps_list("20,50,50:bf16,20:paper"),
                     help="the diloco runs' H, comma-separated; H:bf16 all_sums in bfloat16, H:paper takes DiLoCo's outer lr 0.7 and momentum 0.9 "
-                         "(default 20,50,50:bf16,20:paper)")
+                         "(default 20,50,50:bf16,20:paper; none: no diloco run)")
+    ap.add_argument("--hosts", type=int, default=len(HOSTS), help="hosts, one ring rank each (default 3)")
+    ap.add_argument("--pin", action="store_true", help="run rank i on core i mod the machine's cores (taskset): a core of its own where there are as many")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--context", type=int, default=64)
@@ -723,12 +746,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("bench/comm.py: shaped links need Linux, root, iproute2 and tc", file=sys.stderr)
         return 2
-    if args.global_batch % len(HOSTS):
-        print(f"bench/comm.py: --global-batch must divide by {len(HOSTS)} (the ranks' shares are equal)", file=sys.stderr)
+    hosts = tuple(f"r{i}" for i in range(args.hosts))
+    if args.hosts < 2:
+        print(f"bench/comm.py: --hosts {args.hosts}: a ring needs at least 2", file=sys.stderr)
+        return 2
+    if args.global_batch % len(hosts):
+        print(f"bench/comm.py: --global-batch must divide by {len(hosts)} (the ranks' shares are equal)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, interrupted)  # as Ctrl-C: the ranks and the links are ended below
     root = Path(tempfile.mkdtemp(prefix="dpool-comm-"))
-    net = netns.Namespaces(HOSTS, rate=None, delay=None, name="dpcm", veth="cm", queue=TBF_QUEUE)
+    net = netns.Namespaces(hosts, rate=None, delay=None, name="dpcm", veth="cm", queue=TBF_QUEUE)
     bench = Bench(args, root, net)
     load, started, ok, stopped = os.getloadavg(), time.monotonic(), False, False
     try:
@@ -753,7 +780,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not ok:
         return 1
     figs = figures(bench.doc)
-    print(f"\nCommunication, 3 ranks in network namespaces; {args.layers}x{args.dim} GPT, {args.global_batch} sequences of {args.context} tokens a step; "
+    pinned = "" if not args.pin else ", each on a core of its own" if len(hosts) <= (os.cpu_count() or 1) else f", pinned to {os.cpu_count()} cores in turn"
+    print(f"\nCommunication, {len(hosts)} ranks in network namespaces{pinned}; {args.layers}x{args.dim} GPT, {args.global_batch} sequences of {args.context} tokens a step; "
           f"load average before {', '.join(f'{x:.2f}' for x in load)}, after {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"{time.monotonic() - started:.0f} s in all")
     print("\n".join(table(bench.doc, figs)))

@@ -1,11 +1,12 @@
 """bench/comm.py in its smallest form, so that it cannot rot: a one-layer GPT of width 32 on three
 ranks in network namespaces, every link shaped in turn, every figure measured, and nothing left
-behind (namespaces, links). Needs Linux, root, iproute2 and tc (skipped otherwise). Timings are the
+behind (namespaces, links). With `--pin`, so that each rank's core is checked too. Needs Linux, root, iproute2 and tc (skipped otherwise). Timings are the
 bench's to judge, not the test's: only that each was measured."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,15 @@ def test_the_smallest_form_measures_every_figure_and_removes_its_links(tmp_path:
     out = tmp_path / "comm.json"
     cmd = [sys.executable, str(BENCH), "--steps", str(STEPS), "--quick-steps", "5", "--reps", "1", "--inner-steps", f"{H},{H}:bf16",
            "--layers", "1", "--dim", "32", "--global-batch", "6", "--eval-batches", "1", "--large-layers", "1", "--large-dim", "64",
-           "--out", str(out)]
+           "--pin", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert doc["ok"]
     measured, figures = doc["measured"], doc["figures"]
+    # --pin: rank i ran on core i mod the machine's cores, and on no other
+    assert measured["hosts"] == ["r0", "r1", "r2"]
+    assert measured["affinity"] == [[r % os.cpu_count()] for r in range(3)]
 
     # 1. every method measured on every link, for both gradient trees; each call sent bytes
     assert set(measured["allsum"]) == LINKS
