@@ -36,7 +36,7 @@ from dpool.client import queue as client_queue
 from dpool.client import stage
 from dpool.client import watch as client_watch
 from dpool.client.jobtimes import JobTimes, status_object
-from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, pages
+from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, all_jobs, pages
 from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
 from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
@@ -318,7 +318,7 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
     states = wanted_states(a.state)
     if states is not None and a.job:
         raise BadInput(f"--state filters the list of jobs; give it without a job ({a.job})")
-    jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs
+    jobs = c.call(m.Status(job=a.job), m.StatusReply).jobs if a.job else all_jobs(c)
     if states is not None:
         jobs = [j for j in jobs if j.state in states]
     times = {j.id: JobTimes.of(j) for j in jobs}

@@ -14,6 +14,7 @@ import zmq
 
 from dpool.protocol import messages as m
 from dpool.protocol.messages import Message, ProtocolError
+from dpool.protocol.payloads import JobStatus
 from dpool.protocol.security import ClientKeys, curve_client
 
 T = TypeVar("T", bound=Message)
@@ -131,6 +132,20 @@ def pages(fetch: Callable[[int], Any]) -> Iterator[Any]:
         if not reply.more:
             return
         after = reply.cursor
+
+
+def all_jobs(c: Client, page: int = m.PAGE_LIMIT) -> list[JobStatus]:
+    """Every job the pool holds, newest first, `page` jobs a call (Status with `limit`): the
+    coordinator keeps only its live and most recently finished jobs in memory, the rest in its
+    database, and a page is cut from both in submission order."""
+    jobs: list[JobStatus] = []
+    before: str | None = None
+    while True:
+        reply = c.call(m.Status(limit=page, before=before), m.StatusReply)
+        jobs += reply.jobs
+        if not reply.more or not reply.jobs:
+            return jobs
+        before = reply.jobs[-1].id
 
 
 def ride_out(poll: Callable[[], R], *, for_s: float = RIDE_OUT_S, on_retry: Callable[[Unreachable, float], None] | None = None) -> R:

@@ -458,9 +458,8 @@ class Coordinator:
             case m.Status(job=None, limit=int()):
                 return self._status_page(msg, now), []
             case m.Status(job=None):
-                live = sorted(self.pool.jobs.values(), key=lambda j: j.submitted_at, reverse=True)
-                stored = self.store.statuses(m.PAGE_LIMIT, skip={j.id for j in live}) if self.pool.forgotten else []
-                return m.StatusReply(jobs=[dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in live] + stored), []
+                # the first page of the list (a client pages the rest: Status with `limit`)
+                return self._status_page(m.Status(limit=m.PAGE_LIMIT), now), []
             case m.Status(job=ref):
                 ref_ = self._job(ref)
                 job = self.pool.jobs.get(ref_.id)

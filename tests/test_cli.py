@@ -296,6 +296,27 @@ def test_json_on_every_command_with_times_and_state_filters(pool: LocalPool, ctl
     assert ctl_json(ctl, "undrain", "n0")["state"] == "idle"
 
 
+def test_status_lists_every_job_newest_first_beyond_what_the_coordinator_keeps_in_memory(processes: Processes, tmp_path: Path) -> None:
+    """An old job still waiting stays in the coordinator's memory while newer finished ones leave
+    it for the database (past RECENT_FINISHED): the list is still whole and newest first."""
+    from dpool.client.rpc import Client, all_jobs
+    from dpool.daemon.pool import RECENT_FINISHED
+    from dpool.protocol import messages as m
+    from dpool.protocol.jobspec import parse_job
+
+    pool = LocalPool(processes, tmp_path).start(1)
+    waits = pool.submit(write_job(tmp_path, "waits", workers={"min": 2, "max": 2}))  # never runs on one slot
+    never = parse_job({"name": "never", "workers": {"min": 2, "max": 2}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
+    with Client(pool.addr, 10) as c:
+        for _ in range(RECENT_FINISHED + 6):
+            c.call(m.Cancel(job=c.call(m.Submit(job=never, source="test"), m.Submitted).job_id), m.CancelReply)
+        paged = [j.id for j in all_jobs(c, page=7)]
+    listed = pool.dpctl_json("status")
+    assert len(listed) == RECENT_FINISHED + 7 == len({j["id"] for j in listed})
+    assert [j["id"] for j in listed] == paged and listed[-1]["id"] == waits and listed[-1]["state"] == "queued"
+    assert [j["submitted"] for j in listed] == sorted((j["submitted"] for j in listed), reverse=True)
+
+
 @pytest.mark.slow
 def test_a_failed_job_ends_logs_f_and_watch_with_exit_1(pool: LocalPool, ctl: Ctl) -> None:
     job = tiny(pool, "fails")
