@@ -119,10 +119,11 @@ class Plan:
 # -- the command line ----------------------------------------------------------------------------
 
 
-def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], host: Host) -> list[str]:
+def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], host: Host, env_join: str | None = None) -> list[str]:
     """`dpd run` flags that reproduce what `install` was given, paths made absolute, and the
-    coordinator and keys taken from the environment ($DPOOL_COORDINATOR, $DPOOL_KEYS) written out,
-    since a service does not inherit the installing shell's environment."""
+    coordinator and keys taken from the environment written out, since a service does not inherit
+    the installing shell's environment: `env_join`, the coordinator `dpd run` would take from
+    $DPOOL_COORDINATOR (only where neither a flag nor the config file names one), and $DPOOL_KEYS."""
     out: list[str] = []
     for action in actions:
         if not action.option_strings or action.dest in ("help", "print", "target"):
@@ -137,8 +138,8 @@ def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], hos
         if action.dest in PATH_FLAGS:
             value = str(Path(value).expanduser().absolute())
         out += [flag, str(value)]
-    if args.join is None and args.serve is None and host.env.get("DPOOL_COORDINATOR"):
-        out += ["--join", host.env["DPOOL_COORDINATOR"]]
+    if env_join is not None:
+        out += ["--join", env_join]
     if args.keys is None and host.env.get("DPOOL_KEYS"):
         out += ["--keys", str(Path(host.env["DPOOL_KEYS"]).expanduser().absolute())]
     return out
@@ -642,7 +643,10 @@ def main(args: argparse.Namespace, run_parser: argparse.ArgumentParser, host: Ho
         print(f"dpd: {e}", file=sys.stderr)
         return 2
     state_dir = state_dir_for(host, args)
-    argv = service_argv(host, flags_from(args, run_parser._actions, host), state_dir)
+    # The coordinator as `dpd run` resolves it (a flag, else serving, else the config file, else
+    # $DPOOL_COORDINATOR): written into the service only where it came from the environment.
+    env_join = s.join if args.join is None and s.serve is None and s.join == host.env.get("DPOOL_COORDINATOR") else None
+    argv = service_argv(host, flags_from(args, run_parser._actions, host, env_join), state_dir)
     p = plan(host, argv, state_dir=state_dir, stop_grace_s=s.stop_grace)
     if args.print:
         print_plan(p)

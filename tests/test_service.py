@@ -152,6 +152,17 @@ def test_environment_coordinator_and_keys_are_written_into_the_service(fake, tmp
     assert args[args.index("--keys") + 1] == str(keys)
 
 
+@pytest.mark.parametrize("config", ['join = "tcp://127.0.0.1:7001"', 'serve = "tcp://127.0.0.1:7003"'])
+def test_a_coordinator_in_the_config_file_wins_over_the_environment_as_dpd_run_takes_it(fake, monkeypatch: pytest.MonkeyPatch, config: str) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("DPOOL_COORDINATOR", "tcp://127.0.0.1:7002")
+    fake.config.write_text(config + "\n")
+    fake("darwin")
+    assert cli.main(["install", "--config", str(fake.config)]) == 0
+    args = plistlib.loads((fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist").read_bytes())["ProgramArguments"]
+    # the service reads the file itself, as `dpd run --config` in a shell with that variable would
+    assert "--join" not in args and args[args.index("--config") + 1] == str(fake.config)
+
+
 def test_bad_flags_are_refused_before_anything_is_written(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     fake("darwin")
     assert cli.main(["install", "--config", str(fake.config), "--serve", "--workers", "0"]) == 2
