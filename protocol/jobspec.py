@@ -277,7 +277,7 @@ class CheckpointSpec:
 class EvalSpec:
     every_steps: int = _spec(_int(1), "validation loss every this many steps", 100)
     batches: int = _spec(
-        lambda v: None if v == -1 and not isinstance(v, bool) else _int(1)(v) and "must be an integer >= 1, or -1 (mlx_lm: every held-out example)",
+        lambda v: None if type(v) is int and v == -1 else _int(1)(v) and "must be an integer >= 1, or -1 (mlx_lm: every held-out example)",
         "held-out batches (of global_batch sequences) per evaluation; mlx_lm: -1 for all", 20,
     )
     sample_every_steps: int = _spec(_int(1), "a generated text sample every this many steps", 200)

@@ -66,6 +66,7 @@ BAD = [
     ("a name with a trailing newline", GOOD.replace('name = "ok"', 'name = "ok\\n"'), "name"),
     ("warmup longer than the run", GOOD.replace("warmup_steps = 1", "warmup_steps = 50"), "train.warmup_steps"),
     ("not TOML at all", "name = \n[[[", "toml"),
+    ("every held-out example as a float", LM + "\n[eval]\nbatches = -1.0\n", "eval.batches"),
 ]
 
 
