@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     os.close(null)
     for name in preload_modules():
         _import(name)
-    _send(reply, {"ready": os.getpid()})
+    try:
+        _send(reply, {"ready": os.getpid()})
+    except BrokenPipeError:
+        return 0  # the dpd that started this one has gone (a refused flag, Ctrl-C): nothing to serve
     return Zygote(sock, reply).serve()
 
 
