@@ -41,6 +41,8 @@ from dpool.client.tables import age, clock, duration, event_details, num, size, 
 from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
+from dpool.protocol.config import DEFAULT_CONFIG, ConfigError, load_config
+from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, check_priority, parse_job
 from dpool.protocol.payloads import (
@@ -56,7 +58,6 @@ from dpool.protocol.payloads import (
 from dpool.protocol.security import KeysError
 
 DEFAULT_COORDINATOR = "tcp://127.0.0.1:7340"
-DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
 TERMINAL = {"succeeded", "failed", "cancelled"}
 STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled")
 STATE_GROUPS = {"active": ("queued", "starting", "running", "recovering"), "ended": ("succeeded", "failed", "cancelled")}
@@ -77,33 +78,49 @@ class BadInput(Exception):
 DEFAULT_TIMEOUT_S = 5.0
 
 
+MAX_TIMEOUT_S = 86400.0  # a day: past it a --timeout is a typo (or inf), not a wait anyone means
+
+
 def configured() -> dict[str, Any]:
     """The config file dpctl shares with dpd (`coordinator`, `timeout`, `keys`; dpd's `join` or
-    `serve` name the coordinator too); empty when there is none or it is no TOML (dpd says so)."""
+    `serve` name the coordinator too), checked as dpd checks it: a file that is there but wrong is
+    BadInput naming the file and the key, not a silent fallback to the defaults."""
     try:
-        with open(DEFAULT_CONFIG, "rb") as f:
-            return tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
+        return load_config(DEFAULT_CONFIG)
+    except ConfigError as e:
+        raise BadInput(str(e)) from None
 
 
 def coordinator_address(flag: str | None) -> str:
-    """flag > $DPOOL_COORDINATOR > the config file's `coordinator`, else its `join` or `serve` > default."""
+    """flag > $DPOOL_COORDINATOR > the config file's `coordinator`, else its `join` or `serve` > default;
+    BadInput naming where it came from when it is no ZeroMQ address."""
     if flag:
-        return flag
-    if os.environ.get("DPOOL_COORDINATOR"):
-        return os.environ["DPOOL_COORDINATOR"]
-    cfg = configured()
-    addr = cfg.get("coordinator") or cfg.get("join") or cfg.get("serve")
-    return addr if isinstance(addr, str) else DEFAULT_COORDINATOR
+        addr, where = flag, "--coordinator"
+    elif os.environ.get("DPOOL_COORDINATOR"):
+        addr, where = os.environ["DPOOL_COORDINATOR"], "$DPOOL_COORDINATOR"
+    else:
+        cfg = configured()
+        key = next((k for k in ("coordinator", "join", "serve") if cfg.get(k)), None)
+        if key is None:
+            return DEFAULT_COORDINATOR
+        addr, where = (DEFAULT_COORDINATOR if cfg[key] is True else cfg[key]), f"{DEFAULT_CONFIG}: {key}"
+    problem = endpoint_problem(addr)
+    if problem is not None:
+        raise BadInput(f"{where} {addr!r}: {problem}")
+    return addr
 
 
 def timeout_s(flag: float | None) -> float:
-    """flag > the config file's `timeout` > 5 s."""
+    """flag > the config file's `timeout` > 5 s; BadInput unless it is seconds in (0, a day]."""
     if flag is not None:
-        return flag
-    value = configured().get("timeout")
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else DEFAULT_TIMEOUT_S
+        value, where = flag, "--timeout"
+    elif "timeout" in (cfg := configured()):
+        value, where = float(cfg["timeout"]), f"{DEFAULT_CONFIG}: timeout ="
+    else:
+        return DEFAULT_TIMEOUT_S
+    if not 0 < value <= MAX_TIMEOUT_S:  # nan and inf too
+        raise BadInput(f"{where} {value:g}: must be seconds in (0, {MAX_TIMEOUT_S:g}] (default {DEFAULT_TIMEOUT_S:g})")
+    return value
 
 
 def emit_json(value: Any) -> None:
@@ -827,20 +844,20 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     argcomplete.autocomplete(p)  # answers the shell's completion request, if this is one, and exits
     args = p.parse_args(argv)
-    args.timeout = timeout_s(args.timeout)
-    if args.timeout <= 0:
-        print(f"dpctl: --timeout {args.timeout}: must be > 0", file=sys.stderr)
-        return EXIT_BAD_INPUT
     if args.json and not getattr(args, "takes_json", False):
         print(f"dpctl {args.command}: --json does not apply here", file=sys.stderr)
         return EXIT_BAD_INPUT
     if getattr(args, "local_fn", None):
-        return int(args.local_fn(args))  # needs no coordinator (keys init, demo, completion)
-    if (args.command == "submit" and args.dry_run) or args.command == "convert":
-        return _handled(lambda: args.fn(None, args))
-    addr = coordinator_address(args.coordinator)
+        return _handled(lambda: args.local_fn(args))  # needs no pool (keys, demo, completion; dashboard: its own)
     try:
+        args.timeout = timeout_s(args.timeout)
+        if (args.command == "submit" and args.dry_run) or args.command == "convert":
+            return _handled(lambda: args.fn(None, args))
+        addr = coordinator_address(args.coordinator)
         keys = client_keys.load_client_keys(args.keys, DEFAULT_CONFIG)
+    except BadInput as e:
+        print(f"dpctl: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeysError as e:
         print(f"dpctl: --keys: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -28,7 +28,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 import zmq.auth
 
 from dpool.dashboard import auth
+from dpool.protocol.config import ConfigError, load_config
 from dpool.protocol.security import (
     ALLOWED,
     BUNDLES,
@@ -359,13 +359,10 @@ def add_parser(sub: Any) -> None:
 
 def configured_keys_dir(flag: str | None, config_file: Path) -> Path | None:
     """dpctl's key directory: --keys, else $DPOOL_KEYS, else `keys` in the config file, else none."""
-    config = None
     try:
-        with open(config_file, "rb") as f:
-            value = tomllib.load(f).get("keys")
-        config = value if isinstance(value, str) else None
-    except (OSError, tomllib.TOMLDecodeError):
-        pass
+        config = load_config(config_file).get("keys")
+    except ConfigError as e:
+        raise KeysError(str(e)) from None
     return keys_dir(flag, config)
 
 

@@ -22,7 +22,6 @@ import os
 import signal
 import socket
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,9 @@ from dpool.daemon.childenv import UMASK, StartedZygote
 from dpool.daemon.conditions import Condition, parse_yield_when
 from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.owner import OwnerWatch
+from dpool.protocol.config import DAEMON_KEYS, DEFAULT_CONFIG, ConfigError
+from dpool.protocol.config import load_config as shared_config
+from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
 from dpool.protocol.security import (
     ClientKeys,
@@ -48,29 +50,10 @@ from dpool.protocol.security import (
 )
 
 DEFAULT_SERVE = "tcp://127.0.0.1:7340"
-DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
-CONFIG_KEYS = {
-    "join": str,
-    "serve": str,
-    "name": str,
-    "advertise": str,
-    "workers": int,
-    "state_dir": str,
-    "insecure": bool,
-    "keys": str,
-    "heartbeat_interval": float,
-    "liveness": int,
-    "heartbeat_rate": float,
-    "stop_grace": float,
-    "cache_max": str,
-    "stage_rate": str,
-    "log_level": str,
-    "log_file": str,
-    "yield_when": str,
-    "dashboard": str,
-}
-# dpctl's keys in the file both read: accepted (and checked) here, used by dpctl alone.
-CLIENT_KEYS = {"coordinator": str, "timeout": float}
+DEFAULT_DASHBOARD = "127.0.0.1:7341"
+# Bounds of the timing flags: beyond them a value is a typo (or inf), not a setting.
+MAX_HEARTBEAT_S, MAX_LIVENESS, MAX_STOP_GRACE_S = 60.0, 1000, 3600.0
+CONFIG_KEYS = DAEMON_KEYS  # the flags' keys in the config file (protocol/config.py)
 LOCK_FILE = "dpd.lock"
 
 
@@ -134,29 +117,17 @@ def is_loopback(addr: str) -> bool:
 
 
 def _check_addr(flag: str, addr: str) -> None:
-    parts = urlsplit(addr)
-    if parts.scheme not in ("tcp", "ipc", "inproc") or not (parts.netloc or parts.path):
-        raise UsageError(f"{flag} {addr!r}: must be a ZeroMQ address such as tcp://127.0.0.1:7340")
+    problem = endpoint_problem(addr)
+    if problem is not None:
+        raise UsageError(f"{flag} {addr!r}: {problem}")
 
 
 def load_config(path: Path, required: bool) -> dict[str, Any]:
+    """The config file, checked (protocol/config.py: dpctl reads it with the same rules)."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        if required:
-            raise UsageError(f"--config {path}: no such file") from None
-        return {}
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{path}: not valid TOML: {e}") from None
-    for key, value in data.items():
-        kind = CONFIG_KEYS.get(key) or CLIENT_KEYS.get(key)
-        if kind is None:
-            raise UsageError(f"{path}: unknown key {key!r}; allowed: {', '.join([*CONFIG_KEYS, *CLIENT_KEYS])}")
-        ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or (kind is float and isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
-            raise UsageError(f"{path}: {key} = {value!r}: must be a {kind.__name__}")
-    return data
+        return shared_config(path, required)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def _advertise_for(join: str) -> str:
@@ -179,6 +150,7 @@ def settings(args: argparse.Namespace) -> Settings:
         return v if v is not None else cfg.get(flag, default)
 
     serve = pick("serve", None)
+    serve = DEFAULT_SERVE if serve is True else None if serve is False else serve  # config: `serve = true`, as a bare --serve
     join = args.join or (None if serve else cfg.get("join")) or (None if serve else os.environ.get("DPOOL_COORDINATOR"))
     if serve is None and join is None:
         raise UsageError("no coordinator: pass --join ADDR (or set join in the config file or $DPOOL_COORDINATOR), or --serve to host it")
@@ -198,8 +170,12 @@ def settings(args: argparse.Namespace) -> Settings:
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be an integer >= 1")
     hb, liveness = float(pick("heartbeat_interval", 0.25)), int(pick("liveness", 6))
-    if hb <= 0 or liveness < 2:
-        raise UsageError(f"--heartbeat-interval {hb} / --liveness {liveness}: must be > 0 and >= 2")
+    if not 0 < hb <= MAX_HEARTBEAT_S or not 2 <= liveness <= MAX_LIVENESS:
+        raise UsageError(f"--heartbeat-interval {hb:g} / --liveness {liveness}: must be seconds in (0, {MAX_HEARTBEAT_S:g}] and a count of "
+                         f"heartbeats from 2 to {MAX_LIVENESS}")
+    stop_grace = float(pick("stop_grace", 10.0))
+    if not 0 <= stop_grace <= MAX_STOP_GRACE_S:
+        raise UsageError(f"--stop-grace {stop_grace:g}: must be seconds from 0 to {MAX_STOP_GRACE_S:g} (default 10)")
     rate = float(pick("heartbeat_rate", HEARTBEAT_RATE))
     if not 0 < rate < float("inf"):
         raise UsageError(f"--heartbeat-rate {rate:g}: must be a number of heartbeats a second > 0 (default {HEARTBEAT_RATE:g})")
@@ -212,6 +188,7 @@ def settings(args: argparse.Namespace) -> Settings:
     except KeysError as e:
         raise UsageError(f"--keys: {e}") from None
     dashboard = pick("dashboard", None)
+    dashboard = DEFAULT_DASHBOARD if dashboard is True else None if dashboard is False else dashboard  # config: `dashboard = true`
     if dashboard is not None:
         _check_dashboard(dashboard, serve, kdir, insecure)
     log_file = pick("log_file", None)
@@ -234,7 +211,7 @@ def settings(args: argparse.Namespace) -> Settings:
         insecure=insecure,
         heartbeat_interval=hb,
         liveness=liveness,
-        stop_grace=float(pick("stop_grace", 10.0)),
+        stop_grace=stop_grace,
         log_level=level,
         log_file=Path(log_file).expanduser().absolute() if log_file else None,
         keys=node_keys,
@@ -435,7 +412,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     run.add_argument("--heartbeat-rate", dest="heartbeat_rate", type=float, help=f"with --serve: the most heartbeats a second the coordinator takes from all nodes together; past it the period doubles as the pool grows (default {HEARTBEAT_RATE:g}: 0.25 s up to 250 nodes, 1 s at 1,000)")
     run.add_argument("--cache-max", dest="cache_max", help="the most the staging cache keeps, e.g. 50GB (default: as the disk allows); least recently used first, never what a live job uses")
     run.add_argument("--stage-rate", dest="stage_rate", help="with --serve: a node fetching a job's files from nodes that train is paced to this many bytes a second, so their steps barely slow (default 10MB; 0: never paced)")
-    run.add_argument("--dashboard", nargs="?", const="127.0.0.1:7341", metavar="ADDR", help="with --serve: also serve the read-only web dashboard at ADDR (default 127.0.0.1:7341; elsewhere needs viewer tokens or --insecure), a process of its own")
+    run.add_argument("--dashboard", nargs="?", const=DEFAULT_DASHBOARD, metavar="ADDR", help="with --serve: also serve the read-only web dashboard at ADDR (default 127.0.0.1:7341; elsewhere needs viewer tokens or --insecure), a process of its own")
     run.add_argument("--stop-grace", dest="stop_grace", type=float, help="seconds between SIGTERM and SIGKILL when stopping a worker (default 10)")
     run.add_argument("--log-level", dest="log_level", help="debug, info, warning or error")
     run.add_argument(

@@ -190,6 +190,28 @@ def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color
     assert bool(re.search(r"\x1b\[[\d;]*(3[0-7]|9[0-7]|38;)", text)) is not no_color, repr(text[:400])
 
 
+@pytest.mark.parametrize(("config", "flags", "said"), [
+    ("coordinator = [broken\n", [], "config.toml: not valid TOML"),
+    ("coordinator = 5\n", [], "config.toml: coordinator = 5: must be a string"),
+    ('timeout = "soon"\n', [], "config.toml: timeout = 'soon': must be a finite number"),
+    ("timeout = 0\n", [], "config.toml: timeout = 0: must be seconds in (0, 86400]"),
+    ('coordinator = "tcp://pool"\n', [], "config.toml: coordinator 'tcp://pool': a tcp address is tcp://HOST:PORT"),
+    ("", ["--coordinator", "pool:7340"], "--coordinator 'pool:7340': must be a ZeroMQ address"),
+    ("", ["--timeout", "nan"], "--timeout nan: must be seconds"),
+    ("", ["--timeout", "inf"], "--timeout inf: must be seconds"),
+    ("", ["--timeout", "1e7"], "--timeout 1e+07: must be seconds"),
+    ("", ["DPOOL_COORDINATOR=tcp://pool"], "$DPOOL_COORDINATOR 'tcp://pool': a tcp address is tcp://HOST:PORT"),
+])
+def test_a_bad_config_file_flag_or_address_is_exit_2_naming_it(tmp_path: Path, config: str, flags: list[str], said: str) -> None:
+    """Not a traceback, not a silent fall back to the defaults (and then exit 3 for a pool that is
+    not there): the file, the key or flag, the value and what is allowed, on stderr alone."""
+    (tmp_path / ".config" / "dpool").mkdir(parents=True)
+    (tmp_path / ".config" / "dpool" / "config.toml").write_text(config)
+    env = dict(f.split("=", 1) for f in flags if "=" in f)
+    r = dpctl("status", "--json", *(f for f in flags if "=" not in f), env=env_without_pool(HOME=str(tmp_path), **env), timeout=60)
+    assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+
+
 def test_set_reaches_keys_tables_deep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "deep-set.toml"
     job.write_text('name = "deep-set"\n[train]\nsteps = 60\n')

@@ -8,6 +8,7 @@ socket and a real `dpd run`.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -539,8 +540,42 @@ def test_the_config_file_dpctl_shares_is_read_by_dpd_too(tmp_path: Path) -> None
     config.write_text('join = "tcp://127.0.0.1:7340"\ncoordinator = "tcp://127.0.0.1:7340"\ntimeout = 10\nworkers = 2\n')
     assert cli.load_config(config, required=True)["workers"] == 2
     config.write_text('timeout = "soon"\n')
-    with pytest.raises(cli.UsageError, match="timeout = 'soon': must be a float"):
+    with pytest.raises(cli.UsageError, match="timeout = 'soon': must be a finite number"):
         cli.load_config(config, required=True)
     config.write_text("coordinatr = 1\n")
     with pytest.raises(cli.UsageError, match=r"unknown key 'coordinatr'; allowed: join, .*coordinator, timeout"):
         cli.load_config(config, required=True)
+    config.write_text("heartbeat_interval = inf\n")
+    with pytest.raises(cli.UsageError, match="heartbeat_interval = inf: must be a finite number"):
+        cli.load_config(config, required=True)
+
+
+def test_every_flag_has_a_spelling_in_the_config_file(tmp_path: Path) -> None:
+    """`serve = true` and `dashboard = true` are a bare --serve and --dashboard; a size may be a
+    number of bytes, as its flag's `0` or `25000000`."""
+    config = tmp_path / "c.toml"
+    config.write_text("serve = true\ndashboard = true\nstage_rate = 0\ncache_max = 50000000000\n")
+    s = cli.settings(argparse.Namespace(**(dict.fromkeys(cli.CONFIG_KEYS) | {"config": str(config)})))
+    assert (s.serve, s.dashboard, s.stage_rate, s.cache_max) == (cli.DEFAULT_SERVE, cli.DEFAULT_DASHBOARD, 0.0, 50_000_000_000)
+    config.write_text("serve = false\njoin = \"tcp://127.0.0.1:7001\"\n")
+    s = cli.settings(argparse.Namespace(**(dict.fromkeys(cli.CONFIG_KEYS) | {"config": str(config)})))
+    assert (s.serve, s.join) == (None, "tcp://127.0.0.1:7001")
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--heartbeat-interval", "nan"], "--heartbeat-interval nan"),
+    (["--heartbeat-interval", "inf"], "--heartbeat-interval inf"),
+    (["--liveness", "1000000000"], "--liveness 1000000000"),
+    (["--stop-grace", "-5"], "--stop-grace -5"),
+    (["--stop-grace", "nan"], "--stop-grace nan"),
+    (["--serve", "tcp://127.0.0.1"], "tcp://HOST:PORT"),
+    (["--serve", "tcp://127.0.0.1:99999"], "must be 1-65535"),
+])
+def test_out_of_range_flags_are_refused_with_exit_2_and_one_line(tmp_path: Path, flags: list[str], said: str) -> None:
+    """Refused before anything starts, dpd run and dpd install alike (a service with
+    TimeoutStopSec=-40s, or a daemon that never declares a peer lost, is no setting)."""
+    for command in (["run", "--serve", "tcp://127.0.0.1:7398"], ["install", "--print", "--serve"]):
+        r = subprocess.run([sys.executable, "-m", "dpool.daemon.boot", *command, "--state-dir", str(tmp_path / "sd"), *flags],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, (command, r.stderr)
+        assert r.stdout == ""
