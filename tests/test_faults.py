@@ -98,7 +98,7 @@ def test_resuming_below_a_damaged_newer_checkpoint_then_pruning_keeps_what_was_w
     found = ckpt.newest_valid(tmp_path, HASH, Log())
     assert found is not None and found[0] == 10
     # The resume drops what lies above it first ...
-    assert ckpt.drop_above(tmp_path, 10, HASH) == [12]
+    assert ckpt.drop_above(tmp_path, 10, HASH) == ([12], [])
     # ... and the next checkpoint (keep = 1) is the one that stays.
     ckpt.write_checkpoint(tmp_path, snap(11), keep=1)
     assert listed_steps(tmp_path) == [11]
@@ -124,10 +124,57 @@ def test_drop_above_leaves_another_jobs_checkpoints_for_verify_to_refuse(tmp_pat
     ckpt.write_checkpoint(tmp_path, snap(8), keep=5)
     (step_dir(tmp_path, 7)).mkdir()
     (step_dir(tmp_path, 7) / "manifest.json").write_text("{not json")  # damaged: its job cannot be told
-    assert ckpt.drop_above(tmp_path, 5, HASH) == [8, 7]
+    (step_dir(tmp_path, 7) / "model.safetensors").write_bytes(b"maybe whole")
+    dropped, moved = ckpt.drop_above(tmp_path, 5, HASH)
+    assert dropped == [8] and len(moved) == 1
     assert listed_steps(tmp_path) == [9, 5]
     with pytest.raises(ckpt.CheckpointMismatch):
         ckpt.verify(tmp_path, 9, HASH)
+    # the damaged one is set aside whole, where nothing lists, prunes or resumes it
+    assert moved[0].parent == ckpt.checkpoint_root(tmp_path) / "damaged" and (moved[0] / "model.safetensors").read_bytes() == b"maybe whole"
+
+
+@pytest.mark.parametrize("change", [
+    {"files": []}, {"files": {}}, {"files": {"model.safetensors": 5, "optimizer.safetensors": 5}},
+    {"files": {"model.safetensors": {}, "optimizer.safetensors": {}}}, {"files": {"../model.safetensors": {"bytes": 1, "sha256": None}}},
+    {"job_hash": None}, {"step": "12"},
+], ids=["files-list", "files-empty", "files-ints", "files-no-bytes", "files-path", "no-job", "step-str"])
+def test_a_manifest_of_the_wrong_shape_is_a_damaged_checkpoint_not_a_crash(tmp_path: Path, change: dict[str, Any]) -> None:
+    """Valid JSON that is not a manifest: skipped with a reason, and the checkpoint before it resumed."""
+    for step in (10, 12):
+        ckpt.write_checkpoint(tmp_path, snap(step), keep=5)
+    path = step_dir(tmp_path, 12) / ckpt.MANIFEST
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.verify(tmp_path, 12, HASH)
+    assert not isinstance(e.value, ckpt.CheckpointMismatch) and "step-12" in str(e.value)
+    log, skipped = Log(), []
+    found = ckpt.newest_valid(tmp_path, HASH, log, skipped=skipped)
+    assert found is not None and found[0] == 10 and len(skipped) == 1 and log.lines[0][0] == "checkpoint.skipped"
+
+
+GPT_JOB = {"model": {"layers": 1, "dim": 32, "heads": 2, "context": 32}, "train": {"steps": 4, "global_batch": 2, "warmup_steps": 1},
+           "checkpoint": {"every_steps": 2, "keep": 3}, "eval": {"every_steps": 1000, "batches": 1, "sample_every_steps": 1000}}
+
+
+def test_by_hand_a_run_dir_whose_checkpoints_are_all_damaged_is_refused_and_kept(tmp_path: Path) -> None:
+    """Started again by hand, a run whose every checkpoint fails to verify is not trained again
+    from step 0 (which would drop them): exit 2 naming each and why; every file stays."""
+    from jobs import write_job
+
+    job = write_job(tmp_path, "all-damaged", **GPT_JOB)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "DPOOL_WORKER_ADDR"}
+    first = subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(run)], capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0 and listed_steps(run) == [4, 2], first.stderr
+    damage(run, 4)
+    (step_dir(run, 2) / ckpt.MANIFEST).write_text("{")
+    before = sorted((p.relative_to(run), p.stat().st_size) for p in (run / "checkpoints").rglob("*"))
+    again = subprocess.run([sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", str(run)], capture_output=True, text=True, timeout=300, env=env)
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 2 and len(errors) == 1, again.stderr
+    assert "no checkpoint verifies" in errors[0] and "step-4" in errors[0] and "step-2" in errors[0]
+    assert sorted((p.relative_to(run), p.stat().st_size) for p in (run / "checkpoints").rglob("*")) == before
 
 
 def test_re_saving_a_step_renames_the_old_copy_aside_and_puts_it_back_if_the_new_one_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,10 @@ What a fault may not cost:
 - Pruning keeps the step just written and the `keep - 1` before it, and never touches a step above
   it; at resume, the checkpoints above the resume step (a timeline that was not resumed, damaged
   or not) are dropped first (`drop_above`), so they can neither outrank nor outlive new ones.
+  One whose manifest cannot be read is moved aside whole (`checkpoints/damaged/`), not deleted:
+  its files may be all there.
+- A run dir whose checkpoints are all damaged is not started again from step 0 by hand: the
+  trainer refuses, naming each and why (restore.py); nothing is deleted.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from dpool.protocol.checkpoints import (
 )
 
 OLD_DIR_RE = re.compile(r"^\.old-step-(\d+)-\d+$")
+REQUIRED_FILES = frozenset({"model.safetensors", "optimizer.safetensors"})  # what load_arrays reads
+DAMAGED_DIR = "damaged"  # checkpoints set aside whole (set_aside), never resumed, pruned or deleted
 
 _ST_DTYPES = {
     np.dtype(np.float32): "F32",
@@ -280,22 +286,35 @@ def prune(run_dir: Path, keep: int, newest: int | None = None) -> list[str]:
     return problems
 
 
-def drop_above(run_dir: Path, step: int, job_hash: str) -> list[int]:
-    """At resume from `step`: delete this job's checkpoints above it, damaged ones included (an
-    unreadable manifest); another job's are left for `verify` to refuse. Returns the steps dropped."""
-    dropped = []
+def drop_above(run_dir: Path, step: int, job_hash: str) -> tuple[list[int], list[Path]]:
+    """At resume from `step`: delete this job's checkpoints above it, and move those whose manifest
+    cannot be read, or names no job or no files, aside (`set_aside`: their files may be whole, and
+    are not this code's to judge lost); another job's are left for `verify` to refuse. Returns the steps dropped and where the
+    set-aside ones went."""
+    dropped: list[int] = []
+    moved: list[Path] = []
     for s in listed_steps(run_dir):
         if s <= step:
             break
         manifest = read_manifest(run_dir, s)
-        if manifest is not None and manifest.get("job_hash") != job_hash:
-            continue
         try:
-            _remove(step_dir(run_dir, s))
-            dropped.append(s)
+            if manifest is None or not isinstance(manifest.get("job_hash"), str) or _files_problem(manifest.get("files")):
+                moved.append(set_aside(run_dir, s))
+            elif manifest["job_hash"] == job_hash:
+                _remove(step_dir(run_dir, s))
+                dropped.append(s)
         except OSError:
             pass  # left for the next resume; pruning never reaches above the newest step written
-    return dropped
+    return dropped, moved
+
+
+def set_aside(run_dir: Path, step: int) -> Path:
+    """Move checkpoint `step` out of the way, whole, to `checkpoints/damaged/step-N-TIME` (no
+    longer listed, resumed, pruned or exported): where it went."""
+    target = checkpoint_root(run_dir) / DAMAGED_DIR / f"step-{step}-{time.time_ns()}"
+    target.parent.mkdir(exist_ok=True)
+    os.rename(step_dir(run_dir, step), target)
+    return target
 
 
 def clean_partial(run_dir: Path) -> None:
@@ -329,8 +348,13 @@ def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
         manifest = json.loads((folder / MANIFEST).read_bytes())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{folder}: unreadable manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("step") != step or "files" not in manifest:
-        raise CheckpointError(f"{folder}: manifest lacks step/files")
+    if not isinstance(manifest, dict) or manifest.get("step") != step:
+        raise CheckpointError(f"{folder}: the manifest is not that of step {step}")
+    problem = _files_problem(manifest.get("files"))
+    if problem is not None:
+        raise CheckpointError(f"{folder}: the manifest's files: {problem}")
+    if not isinstance(manifest.get("job_hash"), str):
+        raise CheckpointError(f"{folder}: the manifest names no job (job_hash)")
     if manifest.get("job_hash") != job_hash:
         raise CheckpointMismatch(
             f"{folder} belongs to another job file (job hash {manifest.get('job_hash')}, this job {job_hash}); "
@@ -357,9 +381,29 @@ def verify(run_dir: Path, step: int, job_hash: str) -> dict[str, Any]:
     return manifest
 
 
-def newest_valid(run_dir: Path, job_hash: str, log, at_most: int | None = None) -> tuple[int, dict[str, Any]] | None:
-    """The newest checkpoint (at or below `at_most`) that verifies; damaged ones are reported and
-    skipped, other jobs' refused."""
+def _files_problem(files: Any) -> str | None:
+    """What is wrong with a manifest's `files` (each file's bytes and sha256, the model's and the
+    optimizer's among them), or None."""
+    if not isinstance(files, dict):
+        return f"expected a table of file names, got {type(files).__name__}"
+    missing = sorted(REQUIRED_FILES - files.keys())
+    if missing:
+        return f"{', '.join(missing)} not listed"
+    for name, want in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"{name!r} is not a file name"
+        if not isinstance(want, dict) or type(want.get("bytes")) is not int or want["bytes"] < 0:
+            return f"{name}: expected its bytes (an integer) and sha256"
+        if not (want.get("sha256") is None or isinstance(want["sha256"], str)):
+            return f"{name}: sha256 is not a string"
+    return None
+
+
+def newest_valid(
+    run_dir: Path, job_hash: str, log, at_most: int | None = None, skipped: list[str] | None = None,
+) -> tuple[int, dict[str, Any]] | None:
+    """The newest checkpoint (at or below `at_most`) that verifies; damaged ones are reported (and
+    added to `skipped`, why) and skipped, other jobs' refused."""
     for step in listed_steps(run_dir):
         if at_most is not None and step > at_most:
             continue
@@ -369,6 +413,8 @@ def newest_valid(run_dir: Path, job_hash: str, log, at_most: int | None = None) 
             raise
         except CheckpointError as e:
             log.warning("checkpoint.skipped", step=step, reason=str(e))
+            if skipped is not None:
+                skipped.append(str(e))
     return None
 
 

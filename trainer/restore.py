@@ -7,6 +7,7 @@ both hold a model and an optimizer-like object whose `state` is the tree a check
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,8 +35,17 @@ def restore(
         ckpt.clean_partial(d)
     found, found_in = 0, None  # rank 0: the step it verified, and where (not verified twice)
     if group.rank == 0:
-        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most)
+        skipped: list[str] = []
+        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most, skipped=skipped)
         kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
+        if disk is None and kept is None and skipped and not os.environ.get("DPOOL_WORKER_ADDR"):
+            # By hand, a run dir whose every checkpoint is damaged is not trained again from step 0
+            # (which would drop them): the user decides. Under a daemon the pool does (another
+            # node's checkpoint, or step 0), and damaged ones are moved aside or dropped as above.
+            raise ckpt.CheckpointError(
+                f"{ckpt.checkpoint_root(run_dir)}: no checkpoint verifies, so nothing to resume from and nothing was changed: "
+                + "; ".join(skipped) + ". Move them aside (or delete them) to train again from step 0, or use another --run-dir"
+            )
         if kept is not None and kept >= (disk[0] if disk else 0):
             found, found_in = kept, memory  # memory first: the faster read
         elif disk:
@@ -45,9 +55,11 @@ def restore(
     # ones this rank wrote in a group that went on without rank 0's): gone before anything is
     # written, so pruning keeps what this run writes and the pool never sees them as holdings.
     for d in stores:
-        dropped = ckpt.drop_above(d, step, job_hash)
+        dropped, moved = ckpt.drop_above(d, step, job_hash)
         if dropped:
             log.info("checkpoint.dropped", steps=dropped, resume_step=step, memory=d is memory)
+        if moved:
+            log.warning("checkpoint.set_aside", folders=[str(f) for f in moved], resume_step=step, memory=d is memory)
     source = found_in
     if step > 0 and source is None:
         for d in reversed(stores):  # memory first: the faster read
