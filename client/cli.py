@@ -44,7 +44,14 @@ from dpool.protocol import mlxlm_config
 from dpool.protocol.config import DEFAULT_CONFIG, ConfigError, load_config
 from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import JobFileError, JobSpec, check_paths, check_priority, parse_job
+from dpool.protocol.jobspec import (
+    JobFileError,
+    JobSpec,
+    check_paths,
+    check_priority,
+    parse_job,
+    read_toml,
+)
 from dpool.protocol.payloads import (
     EvalRow,
     EventRow,
@@ -168,16 +175,11 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
             for line in made.notes:
                 (notes or (lambda s: print(s, file=sys.stderr)))(f"note: {path}: {line}")
         else:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
+            data = read_toml(path)
     except JobFileError as e:
         raise BadInput(str(e)) from None
-    except FileNotFoundError:
-        raise BadInput(str(JobFileError(path, "file", path, "no such file"))) from None
-    except OSError as e:
+    except OSError as e:  # an mlx_lm config that cannot be read
         raise BadInput(f"{path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise BadInput(str(JobFileError(path, "toml", str(e), "must be valid TOML"))) from None
     given: dict[str, str] = {}
     for item in sets:
         keys, value = parse_set(item)

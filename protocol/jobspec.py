@@ -788,14 +788,24 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
             return parse_job(made.job, source=path, base_dir=os.getcwd())
         except JobFileError as e:
             raise mlxlm_config.explained(e) from None
+    return parse_job(read_toml(path), source=path, base_dir=os.path.dirname(os.path.abspath(path)))
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """A job file's TOML document, unvalidated; JobFileError (naming the file) when it cannot be read."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except FileNotFoundError:
         raise JobFileError(path, "file", path, "no such file") from None
+    except IsADirectoryError:
+        raise JobFileError(path, "file", path, "is a directory; give the job file (a .toml, or an mlx_lm .yaml config)") from None
+    except OSError as e:
+        raise JobFileError(path, "file", path, f"cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise JobFileError(path, "toml", f"byte {e.start}", "must be UTF-8 text (TOML)") from None
     except tomllib.TOMLDecodeError as e:
         raise JobFileError(path, "toml", str(e), "must be valid TOML") from None
-    return parse_job(data, source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
 
 def describe() -> str:

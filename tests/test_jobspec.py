@@ -236,3 +236,21 @@ def test_every_example_job_file_loads():
     for path in sorted(EXAMPLES.glob("*.toml")):
         spec = load_job(path)
         assert parse_job(spec.to_dict()) == spec, path
+
+
+def test_a_job_file_that_is_no_utf8_text_or_a_folder_is_refused_naming_it(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('name = "café"\n'.encode("latin-1"))
+    with pytest.raises(JobFileError, match="latin1.toml: toml = 'byte 11': must be UTF-8 text"):
+        load_job(latin1)
+    with pytest.raises(JobFileError, match="is a directory"):
+        load_job(tmp_path)
+
+
+def test_a_jsonl_text_with_a_lone_surrogate_is_refused_naming_the_line(tmp_path):
+    from dpool.trainer.data import DataError, iter_documents
+
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n\n{"text": "lone \\ud800 half"}\n')
+    spec = parse_job({"name": "s", "data": {"source": str(tmp_path / "*.jsonl")}, "train": {"steps": 5, "warmup_steps": 1}})
+    with pytest.raises(DataError, match=r"a\.jsonl:3: 'text' holds '\\ud800' at character 5"):
+        list(iter_documents(spec, [tmp_path / "a.jsonl"]))

@@ -82,7 +82,12 @@ def iter_documents(spec: JobSpec, files: list[Path]) -> Iterator[Document]:
                         raise DataError(f"{path}:{lineno}: expected a JSON object with a 'text' string ({e})") from None
                     if not isinstance(text, str):
                         raise DataError(f"{path}:{lineno}: 'text' must be a string")
-                    yield Document(f"{ident}:{lineno}", text.encode("utf-8"))
+                    try:
+                        encoded = text.encode("utf-8")
+                    except UnicodeEncodeError as e:  # JSON's \ud800 escapes: a lone surrogate is no text
+                        raise DataError(f"{path}:{lineno}: 'text' holds {text[e.start:e.end]!r} at character {e.start}, half of a "
+                                        "UTF-16 surrogate pair: not text; mend or drop the line") from None
+                    yield Document(f"{ident}:{lineno}", encoded)
         else:
             yield Document(ident, path.read_bytes())
 
