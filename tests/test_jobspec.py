@@ -241,7 +241,7 @@ def test_every_example_job_file_loads():
 def test_a_job_file_that_is_no_utf8_text_or_a_folder_is_refused_naming_it(tmp_path):
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes('name = "café"\n'.encode("latin-1"))
-    with pytest.raises(JobFileError, match="latin1.toml: toml = 'byte 11': must be UTF-8 text"):
+    with pytest.raises(JobFileError, match=r"latin1\.toml: toml = 'byte 11': must be UTF-8 text"):
         load_job(latin1)
     with pytest.raises(JobFileError, match="is a directory"):
         load_job(tmp_path)

@@ -9,9 +9,11 @@ world size and every restart sees the same batch, and a rank's share is a contig
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
 import tempfile
 from collections.abc import Iterator
@@ -149,14 +151,37 @@ def _build(spec: JobSpec, files: list[Path], out: Path) -> None:
         tmp.rmdir()
 
 
+def _cached_meta(out: Path) -> dict[str, int] | None:
+    """The token cache's meta.json where the cache is whole (its files the sizes it says); a cache
+    that is not (cut short, edited, half deleted) is moved out of the way, to be built again from
+    the data it was made from, and None."""
+    if not out.exists():
+        return None
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+        whole = isinstance(meta, dict) and all(type(meta.get(k)) is int for k in ("train", "val", "fingerprint"))
+        if whole and all((out / f"{k}.bin").stat().st_size == meta[k] for k in ("train", "val")):
+            return meta
+    except (OSError, ValueError):
+        pass
+    aside = out.with_name(f".damaged-{out.name}-{os.getpid()}")
+    with contextlib.suppress(OSError):  # another rank on this machine may have moved it first
+        os.rename(out, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
+
+
 def load_corpus(spec: JobSpec, cache_dir: str | os.PathLike[str]) -> Corpus:
     files = source_files(spec)
     key = sources_key(spec, files)
     out = Path(cache_dir) / f"tokens-{key}"
-    if not (out / "meta.json").is_file():
+    meta = _cached_meta(out)
+    if meta is None:
         out.parent.mkdir(parents=True, exist_ok=True)
         _build(spec, files, out)
-    meta = json.loads((out / "meta.json").read_text())
+        meta = _cached_meta(out)
+        if meta is None:
+            raise DataError(f"{out}: the token cache just built does not read back (is {out.parent} on a failing disk?)")
     train = np.memmap(out / "train.bin", dtype=np.uint8, mode="r") if meta["train"] else np.zeros(0, np.uint8)
     val = np.memmap(out / "val.bin", dtype=np.uint8, mode="r") if meta["val"] else np.zeros(0, np.uint8)
     return Corpus(train=train, val=val, key=key, fingerprint=int(meta["fingerprint"]))

@@ -23,6 +23,9 @@ class MetricsLog:
 
     @staticmethod
     def _truncate_after(path: Path, step: int) -> None:
+        """Keep the rows of steps 0..`step`: a fresh start (0) keeps none, so its own evaluation at
+        step 0 is not written twice; a line that is no row (torn by a crash mid-write, or edited)
+        goes too."""
         if not path.exists():
             return
         keep = []
@@ -30,8 +33,9 @@ class MetricsLog:
             try:
                 row = orjson.loads(line)
             except orjson.JSONDecodeError:
-                continue  # a line torn by a crash mid-write
-            if row.get("step", 0) <= step:
+                continue
+            at = row.get("step") if isinstance(row, dict) else None
+            if type(at) is int and 0 <= at <= step and step > 0:
                 keep.append(line)
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in keep))
