@@ -237,8 +237,9 @@ def test_a_folder_of_jsonl_with_named_keys_reads_as_mlx_lm_reads_it(assets, tmp_
     assert "prompt_feature" not in plain.to_dict()["data"] and plain.training_hash() != spec.training_hash()
     from dpool.trainer.data import DataError
 
-    with pytest.raises(DataError, match=r"train.jsonl:1: matches no data format \(has \['answer', 'id', 'question'\]\)"):
+    with pytest.raises(DataError, match=r"train.jsonl:1: matches no data format \(has \['answer', 'id', 'question'\]\)") as e:
         load_lm_data(plain, tok, [], tmp_path / "cache")
+    assert "feature names" not in str(e.value)  # the job names none: nothing to say of them
     with pytest.raises(JobFileError, match=r"each data.hf_dataset names its own prompt_feature"):
         spec_of(assets, {"hf_dataset": {"path": "a"}, "prompt_feature": "q"})
     with pytest.raises(JobFileError, match=r"data.text_feature = 'body': only for model.kind = 'mlx_lm'"):

@@ -64,8 +64,12 @@ def _main(argv: list[str]) -> int:
     )
     parser.add_argument("--step", type=int, help="with --export or --test: the checkpoint step (default: the newest)")
     args = parser.parse_args(argv)
+    if not args.run_dir.strip():
+        parser.error("--run-dir: empty; give the folder for metrics, samples and checkpoints")
     if args.step is not None and not (args.export or args.test):
         parser.error("--step goes with --export or --test")
+    if args.step is not None and args.step < 1:
+        parser.error(f"--step {args.step}: a checkpoint's step is 1 or more")
     if (args.fuse or args.dequantize) and not args.export:
         parser.error("--fuse and --dequantize go with --export")
     if args.dequantize and not args.fuse:

@@ -120,10 +120,10 @@ def read_jsonl(path: Path, keys: Features = DEFAULT_FEATURES) -> tuple[str, list
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
             this = example_format(row, keys)
             if this is None:
-                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                has = sorted(row) if isinstance(row, dict) else type(row).__name__
                 named = "" if keys == DEFAULT_FEATURES else f" (under the job's data.*_feature names: {keys})"
                 raise DataError(
-                    f"{path}:{lineno}: matches no data format (has {keys}); expected one of "
+                    f"{path}:{lineno}: matches no data format (has {has}); expected one of "
                     + ", ".join(FORMATS.values()) + " (optionally with \"tools\")" + named
                 )
             if keys != DEFAULT_FEATURES:

@@ -158,8 +158,7 @@ def run(
             shares = fixed_shares(world, spec.train.global_batch) or shares  # DPOOL_SHARES: a benchmark's fixed split
         except ValueError as e:
             raise UsageError(str(e)) from None
-    run_dir = Path(run_dir_arg.replace("{rank}", str(rank)))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(Path(run_dir_arg.replace("{rank}", str(rank))))
     t = spec.train
 
     refused: Exception | None = None
@@ -382,6 +381,9 @@ def export(
             raise UsageError(f"{run_dir}: no valid checkpoint of job {spec.name!r} to export")
         step = found[0]
     else:
+        if step not in ckpt.listed_steps(run_dir):
+            have = ", ".join(str(s) for s in sorted(ckpt.listed_steps(run_dir))) or "none"
+            raise UsageError(f"--step {step}: {run_dir} has no checkpoint of step {step} (its checkpoints: {have})")
         try:
             ckpt.verify(run_dir, step, job_hash)
         except ckpt.CheckpointMismatch:
@@ -440,6 +442,19 @@ def _process_start() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration):
         return time.time()  # not Linux: start-up before this point is not counted
+
+
+def make_run_dir(run_dir: Path) -> Path:
+    """The run dir, made where it is not there; UsageError where it or a folder the trainer keeps
+    in it (checkpoints, cache) is a file, found now rather than at the first checkpoint."""
+    for path in (run_dir, *run_dir.parents):
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"--run-dir {run_dir}: {path} is a file, not a folder")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for inside in (ckpt.checkpoint_root(run_dir), run_dir / "cache"):
+        if inside.exists() and not inside.is_dir():
+            raise UsageError(f"--run-dir {run_dir}: {inside} is a file; the trainer keeps a folder there (move the file away)")
+    return run_dir
 
 
 def _cache_dir(run_dir: Path) -> Path:
