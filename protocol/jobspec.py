@@ -743,7 +743,8 @@ def check_paths(spec: JobSpec, source: str) -> None:
     if spec.model.kind == "mlx_lm":
         where, path = model_location(spec)
         if where == "dir" and not os.path.isdir(path):
-            raise JobFileError(source, "model.path", spec.model.path, f"no such directory on this machine ({path})")
+            what = "a file, not a model directory" if os.path.exists(path) else "no such directory"
+            raise JobFileError(source, "model.path", spec.model.path, f"{what} on this machine ({path})")
         kind, folder = data_location(spec)  # a dataset id or hf_dataset: the `datasets` package loads it (trainer/hf_data.py)
         if kind == "dir" and not os.path.isfile(os.path.join(folder, "train.jsonl")):
             what = "no such directory" if not os.path.isdir(folder) else "it holds no train.jsonl"

@@ -5,7 +5,9 @@ and the fused export. Each is compared with mlx-lm's own code on a tiny model ma
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +112,22 @@ def test_a_key_that_names_no_linear_layer_is_refused_naming_it_and_what_exists(a
         parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "lora_layers": 0}, "data": {"source": "d"}})
     with pytest.raises(JobFileError, match=r"model.adapters.*'lora' or 'dora'"):
         parse_job({"name": "x", "model": {"kind": "mlx_lm", "path": "m", "fine_tune": "full", "adapters": "a"}, "data": {"source": "d"}})
+
+
+@pytest.mark.parametrize(("damage", "said"), [
+    (lambda d: (d / "config.json").write_text("[1]"), r"config\.json holds a list; expected a JSON object"),
+    (lambda d: (d / "config.json").write_text("{not json"), r"config\.json is not readable JSON"),
+    (lambda d: [os.truncate(f, 1000) for f in d.glob("*.safetensors")], r"mlx-lm could not load it \(RuntimeError: .*safetensors"),
+], ids=["config-a-list", "config-not-json", "weights-cut-short"])
+def test_a_damaged_model_directory_is_a_model_error_naming_what(assets, tmp_path, damage, said):
+    """Not a traceback from inside mlx-lm (AttributeError, MLX's RuntimeError: exit 1, as if a peer
+    were lost): ModelError, exit 2, naming the model and what is wrong with it."""
+    model = tmp_path / "model"
+    shutil.copytree(assets / "llama", model)
+    damage(model)
+    with pytest.raises(ModelError, match=said) as e:
+        LMTask(load_job(lm_job(assets, tmp_path / "j", model={"path": str(model)})), tmp_path / "cache", with_data=False)
+    assert "\n" not in str(e.value)
 
 
 def write_adapters(folder: Path, weights: dict, config: dict | None) -> Path:

@@ -76,22 +76,35 @@ def load_base(spec: JobSpec):
     shown = f"model.path = {spec.model.path!r}"
     if where == "dir":
         folder = Path(path)
+        if folder.exists() and not folder.is_dir():
+            raise ModelError(f"{shown}: {folder} is a file; expected a model directory as mlx-lm loads it")
         if not folder.is_dir():
             raise ModelError(f"{shown}: no such directory on this machine ({folder})")
         if not (folder / "config.json").is_file():
             raise ModelError(f"{shown}: {folder} has no config.json; expected a model directory as mlx-lm loads it")
+        try:
+            config = json.loads((folder / "config.json").read_bytes())
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{shown}: {folder / 'config.json'} is not readable JSON ({one_line(e)})") from None
+        if not isinstance(config, dict):
+            raise ModelError(f"{shown}: {folder / 'config.json'} holds a {type(config).__name__}; expected a JSON object (the model's settings)")
         if not any(folder.glob("*.safetensors")):
             raise ModelError(f"{shown}: {folder} has no *.safetensors weights")
     try:
         model, tokenizer, config = load(path, return_config=True)
     except ValueError as e:  # e.g. "Model type foo not supported."
-        raise ModelError(f"{shown}: {e}") from None
-    except (FileNotFoundError, OSError, KeyError) as e:
-        raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {e})") from None
+        raise ModelError(f"{shown}: {one_line(e)}") from None
+    except (OSError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: MLX's, e.g. weights cut short
+        raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {one_line(e)})") from None
     from mlx_lm.utils import hf_repo_to_path
 
     model_dir = Path(path) if where == "dir" else hf_repo_to_path(path)
     return model, tokenizer, config, model_dir
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (a tokenizer's error runs over several)."""
+    return " ".join(str(e).split())
 
 
 class LMTask:
