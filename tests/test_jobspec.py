@@ -254,3 +254,19 @@ def test_a_jsonl_text_with_a_lone_surrogate_is_refused_naming_the_line(tmp_path)
     spec = parse_job({"name": "s", "data": {"source": str(tmp_path / "*.jsonl")}, "train": {"steps": 5, "warmup_steps": 1}})
     with pytest.raises(DataError, match=r"a\.jsonl:3: 'text' holds '\\ud800' at character 5"):
         list(iter_documents(spec, [tmp_path / "a.jsonl"]))
+
+
+def test_an_empty_file_is_not_the_document_held_out_when_none_falls_below_val_fraction(tmp_path):
+    """Few documents may draw none below data.val_fraction: the lowest-scoring one that holds text
+    is held out, not an empty file (whose split would be one separator, and the job refused)."""
+    from dpool.trainer.data import load_corpus, split_score
+
+    spec = parse_job({"name": "few", "data": {"source": str(tmp_path / "d" / "*.txt"), "val_fraction": 0.05}, "train": {"steps": 5, "warmup_steps": 1}})
+    names = [f"doc{i}.txt" for i in range(200) if split_score(f"doc{i}.txt", spec.train.seed) >= 0.05]
+    names.sort(key=lambda n: split_score(n, spec.train.seed))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / names[0]).write_text("")  # the lowest score of all: empty
+    for n in names[1:4]:
+        (tmp_path / "d" / n).write_text(n * 200)
+    corpus = load_corpus(spec, tmp_path / "cache")
+    assert bytes(corpus.val).count(names[1].encode()) == 200  # the lowest-scoring document with text

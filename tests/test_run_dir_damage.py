@@ -101,3 +101,15 @@ def test_export_of_a_step_that_has_no_checkpoint_lists_those_there_are(finished:
     r = trainer(finished[0], finished[1], "--export", str(tmp_path / "out"), "--step", "5")
     assert r.returncode == 2 and any("no checkpoint of step 5 (its checkpoints: 2, 4, 6)" in e for e in errors(r)), r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_export_into_a_link_to_an_empty_folder_fills_that_folder_and_under_a_file_writes_nothing(finished: tuple[Path, Path], tmp_path: Path) -> None:
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    r = trainer(finished[0], finished[1], "--export", str(tmp_path / "link"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "link").is_symlink() and sorted(p.name for p in (tmp_path / "target").iterdir()) == ["config.json", "model.safetensors"]
+    (tmp_path / "a-file").write_text("mine")
+    r = trainer(finished[0], finished[1], "--export", str(tmp_path / "a-file" / "out"))
+    assert r.returncode == 2 and any("a-file is a file, not a folder; nothing was written" in e for e in errors(r)), r.stderr
+    assert (tmp_path / "a-file").read_text() == "mine"

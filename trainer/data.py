@@ -128,11 +128,12 @@ class Corpus:
 def _build(spec: JobSpec, files: list[Path], out: Path) -> None:
     train, val = bytearray(), bytearray()
     docs = [(split_score(d.ident, spec.train.seed), d.ident, d.text) for d in iter_documents(spec, files)]
-    # A corpus of a few documents can draw none below val_fraction: then the lowest-scoring one is
-    # held out, so there is always a validation split when there are two documents or more.
+    # A corpus of a few documents can draw none below val_fraction: then the lowest-scoring one that
+    # holds text is held out, so there is a validation split when two documents or more do.
     cut = spec.data.val_fraction
-    if len(docs) >= 2 and not any(score < cut for score, _, _ in docs):
-        cut = min(score for score, _, _ in docs) + 1e-12
+    texts = [score for score, _, text in docs if text.strip(b"\x00")]
+    if len(texts) >= 2 and not any(score < cut for score, _, _ in docs):
+        cut = min(texts) + 1e-12
     for score, _, text in docs:
         dest = val if score < cut else train
         dest += text.replace(b"\x00", b"")

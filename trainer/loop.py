@@ -391,8 +391,13 @@ def export(
         except ckpt.CheckpointError as e:
             raise UsageError(f"--step {step}: {e}") from None
     flag = "--test" if test else "--export"
+    if out.is_symlink():
+        out = Path(os.path.realpath(out))  # a link to an empty folder: that folder is filled
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{flag} {out}: exists and is not an empty directory; nothing was written")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"{flag} {out}: {parent} is a file, not a folder; nothing was written")
     if test and not (spec.model.kind == "mlx_lm"):
         raise UsageError(f"--test: job {spec.name!r} is of model.kind = {spec.model.kind!r}; the test loss is for 'mlx_lm' jobs (a test.jsonl)")
     if fuse and spec.model.kind != "mlx_lm":
