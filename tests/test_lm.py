@@ -318,6 +318,25 @@ def test_a_file_of_mixed_formats_is_refused_at_the_line(tmp_path):
         read_jsonl(path)
 
 
+def test_a_row_the_template_cannot_render_or_with_a_lone_surrogate_is_named_by_its_line(assets, tmp_path):
+    from mlx_lm.utils import load_tokenizer
+
+    from dpool.protocol.jobspec import parse_job
+    from dpool.trainer.data import DataError
+    from dpool.trainer.lm_data import load_lm_data, read_jsonl
+
+    data = tmp_path / "data"
+    data.mkdir()
+    good = (assets / "chat" / "train.jsonl").read_text().splitlines()[:6]
+    (data / "train.jsonl").write_text("\n".join(good[:3]) + "\n\n\n" + '{"messages": [{"role": "wizard", "content": "hi"}]}\n' + "\n".join(good[3:]) + "\n")
+    spec = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")}, "data": {"source": str(data)}})
+    with pytest.raises(DataError, match=r"train\.jsonl:6: the tokenizer could not render it \(TemplateError: .*wizard"):
+        load_lm_data(spec, load_tokenizer(assets / "llama"), [], tmp_path / "cache")
+    (data / "train.jsonl").write_text('{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n')
+    with pytest.raises(DataError, match=r"train\.jsonl:2: holds '\\ud800', half of a UTF-16 surrogate pair"):
+        read_jsonl(data / "train.jsonl")
+
+
 def test_without_valid_jsonl_examples_are_held_out_by_a_seeded_hash(assets, tmp_path):
     from mlx_lm.utils import load_tokenizer
 

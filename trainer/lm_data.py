@@ -105,6 +105,16 @@ def _check_row(row: dict[str, Any], fmt: str) -> str | None:
     return None
 
 
+def _not_text(row: dict[str, Any]) -> str | None:
+    """A string of the row that is no text (JSON's \\ud800 escapes: half a UTF-16 surrogate pair,
+    which no tokenizer takes), said; or None."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"holds {e.object[e.start:e.end]!r}, half of a UTF-16 surrogate pair: not text; mend or drop the line"
+    return None
+
+
 def read_jsonl(path: Path, keys: Features = DEFAULT_FEATURES) -> tuple[str, list[tuple[int, dict[str, Any]]]]:
     """The file's format and its (line number, row) pairs, under dpool's keys; DataError names the
     first bad line."""
@@ -135,7 +145,7 @@ def read_jsonl(path: Path, keys: Features = DEFAULT_FEATURES) -> tuple[str, list
                     f"{path}:{lineno}: a {FORMATS[this]} example in a file of {FORMATS[fmt]} examples "
                     "(line 1's format); mlx-lm reads one format per file"
                 )
-            problem = _check_row(row, this)
+            problem = _check_row(row, this) or _not_text(row)
             if problem:
                 raise DataError(f"{path}:{lineno}: {problem}")
             rows.append((lineno, row))
@@ -144,8 +154,11 @@ def read_jsonl(path: Path, keys: Features = DEFAULT_FEATURES) -> tuple[str, list
     return fmt, rows
 
 
-def tokenize(path: Path | str, fmt: str, rows: list[dict[str, Any]], tokenizer, mask_prompt: bool) -> list[tuple[list[int], int]]:
-    """(tokens, offset) per row, by mlx-lm's dataset classes."""
+def tokenize(
+    path: Path | str, fmt: str, rows: list[dict[str, Any]], tokenizer, mask_prompt: bool, lines: list[int] | None = None,
+) -> list[tuple[list[int], int]]:
+    """(tokens, offset) per row, by mlx-lm's dataset classes; a row that fails is named by its line
+    of the file (`lines`, one per row), else as the file's example N."""
     from mlx_lm.tuner.datasets import create_dataset
 
     if fmt == "text" and mask_prompt:
@@ -158,12 +171,13 @@ def tokenize(path: Path | str, fmt: str, rows: list[dict[str, Any]], tokenizer, 
     dataset = create_dataset(rows, tokenizer, types.SimpleNamespace(mask_prompt=mask_prompt))
     out = []
     for i in range(len(rows)):
+        where = f"{path}:{lines[i]}" if lines is not None else f"{path}: example {i + 1}"
         try:
             tokens, offset = dataset.process(rows[i])
         except Exception as e:  # a template that raises on this example (e.g. a role it does not know)
-            raise DataError(f"{path}: example {i + 1}: the tokenizer could not render it ({type(e).__name__}: {e})") from None
+            raise DataError(f"{where}: the tokenizer could not render it ({type(e).__name__}: {' '.join(str(e).split())})") from None
         if len(tokens) < 2:
-            raise DataError(f"{path}: example {i + 1} has fewer than 2 tokens")
+            raise DataError(f"{where}: fewer than 2 tokens")
         out.append((list(tokens), int(offset)))
     return out
 
@@ -271,12 +285,12 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
     formats: dict[str, str] = {}
     fmt, rows = read_jsonl(train_file, features(spec))
     formats[train_file.name] = fmt
-    pairs = tokenize(train_file, fmt, [r for _, r in rows], tokenizer, spec.data.mask_prompt)
+    pairs = tokenize(train_file, fmt, [r for _, r in rows], tokenizer, spec.data.mask_prompt, [n for n, _ in rows])
     if valid_file.is_file():
         vfmt, vrows = read_jsonl(valid_file, features(spec))
         formats[valid_file.name] = vfmt
         train_pairs = pairs
-        val_pairs = tokenize(valid_file, vfmt, [r for _, r in vrows], tokenizer, spec.data.mask_prompt)
+        val_pairs = tokenize(valid_file, vfmt, [r for _, r in vrows], tokenizer, spec.data.mask_prompt, [n for n, _ in vrows])
     else:
         # Held out by a seeded hash of the line, never by position.
         held = [is_validation(f"train.jsonl:{lineno}", spec.train.seed, spec.data.val_fraction) for lineno, _ in rows]
@@ -293,7 +307,7 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
     if test_file.is_file():  # read when present, as mlx-lm's local datasets are: `dpctl test` may ask later
         tfmt, trows = read_jsonl(test_file, features(spec))
         formats[test_file.name] = tfmt
-        splits["test"] = tokenize(test_file, tfmt, [r for _, r in trows], tokenizer, spec.data.mask_prompt)
+        splits["test"] = tokenize(test_file, tfmt, [r for _, r in trows], tokenizer, spec.data.mask_prompt, [n for n, _ in trows])
     return finish(cache_dir, key, splits, formats)
 
 
