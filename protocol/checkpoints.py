@@ -25,7 +25,7 @@ import orjson
 # (exit 1 is what a rank's peers exit with, and is not blamed), so a full disk sets it aside.
 EXIT_DISK = 74
 
-STEP_DIR_RE = re.compile(r"^step-(\d+)$")
+STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")  # as step_dir names them: "step-08" is none
 JOB_ID_RE = re.compile(r"[a-z0-9-]{1,63}-[0-9a-f]{6}")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1

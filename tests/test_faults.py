@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sqlite3
 import stat
 import subprocess
@@ -105,6 +106,13 @@ def test_resuming_below_a_damaged_newer_checkpoint_then_pruning_keeps_what_was_w
     ckpt.verify(tmp_path, 11, HASH)
 
 
+def test_only_folders_named_as_the_trainer_names_them_are_checkpoints(tmp_path: Path) -> None:
+    ckpt.write_checkpoint(tmp_path, snap(8), keep=5)
+    for name in ("step-08", "step-٣", "step-8a"):  # a copy by hand, a non-ASCII digit, a suffix
+        shutil.copytree(step_dir(tmp_path, 8), ckpt.checkpoint_root(tmp_path) / name)
+    assert listed_steps(tmp_path) == [8]
+
+
 def test_pruning_never_deletes_the_step_just_written(tmp_path: Path) -> None:
     """Without the resume's drop (a run dir left so by an older version): the damaged newer step
     is left alone, and keep = 1 keeps the new one, not it."""
@@ -160,8 +168,6 @@ GPT_JOB = {"model": {"layers": 1, "dim": 32, "heads": 2, "context": 32}, "train"
 def test_by_hand_a_run_dir_whose_checkpoints_are_all_damaged_is_refused_and_kept(tmp_path: Path) -> None:
     """Started again by hand, a run whose every checkpoint fails to verify is not trained again
     from step 0 (which would drop them): exit 2 naming each and why; every file stays."""
-    from jobs import write_job
-
     job = write_job(tmp_path, "all-damaged", **GPT_JOB)
     run = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "DPOOL_WORKER_ADDR"}
