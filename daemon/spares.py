@@ -144,7 +144,8 @@ class WarmTrainers:
             refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
         else:
             try:
-                spec = parse_job(msg.spec, source=f"job {msg.job}")
+                # The job's paths where this node holds its staged files, as a group start writes them.
+                spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
                 text = dump_job(spec)
                 self.kinds[msg.job] = spec.model.kind
                 job_dir = self.state_dir / "jobs" / msg.job

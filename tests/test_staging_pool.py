@@ -104,7 +104,7 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
     pool.wait_status(job_id, "the job running on two nodes", lambda s: s.state == "running" and s.step >= 3, JOB_TIMEOUT)
-    pool.start_daemon("n2")  # its HOME has no corpus: it fetches the job's files from the others
+    pool.start_daemon("n2", env={"DPOOL_WARM": "1"})  # its HOME has no corpus: it fetches the job's files from the others
     grown = pool.wait_status(job_id, "the job running on three nodes", lambda s: s.state == "running" and s.world_size == 3, JOB_TIMEOUT)
     pool.wait_status(job_id, "steps on three nodes", lambda s: s.step >= grown.step + 20, JOB_TIMEOUT)
     assert pool.dpctl("cancel", job_id).returncode == 0
@@ -114,6 +114,9 @@ def test_a_node_without_the_data_joins_a_running_job_stages_and_takes_part_with_
     (resumed,) = [e for e in events if e["kind"] == "group.resumed"]
     assert resumed["cause"] == "membership" and resumed["steps_recomputed"] == 0, resumed
     assert not [e for e in events if e["kind"] == "worker.failed"], events
+    # n2's warm trainer read the files where n2 staged them, not the path of the submitting machine
+    warmed = [e for e in events if e["kind"] == "group.warmed" and e["node"] == "n2"]
+    assert warmed and not [e for e in warmed if e.get("error")], warmed
     pooled = [r for r in pool.dpctl_json("metrics", job_id) if r["kind"] == "train"]
     steps = len(pooled)
     assert [r["step"] for r in pooled] == list(range(1, steps + 1)) and {r["world_size"] for r in pooled} == {2, 3}
