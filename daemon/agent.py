@@ -57,7 +57,7 @@ from tenacity import (
 
 from dpool.daemon.childenv import StartedZygote, die_with_parent, trainer_command, trainer_env
 from dpool.daemon.children import clean, error_message, is_alive, is_stopped
-from dpool.daemon.exporter import Exporter, ExportError
+from dpool.daemon.exporter import SUBMITTED_JOB, Exporter, ExportError
 from dpool.daemon.forkserver import ForkedProcess, ForkServer, ForkServerError, modules_for
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.nodestage import NodeStaging
@@ -558,7 +558,8 @@ class Agent(WarmTrainers):
     async def _start(self, msg: m.GroupStart) -> None:
         job_dir = self.state_dir / "jobs" / msg.job
         try:
-            spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
+            given = parse_job(msg.spec, source=f"job {msg.job}")
+            spec = self.staging.localize(msg.job, given)
             text = dump_job(spec)
             self.kinds[msg.job] = spec.model.kind
         except (JobFileError, ValueError, TypeError) as e:
@@ -571,6 +572,7 @@ class Agent(WarmTrainers):
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
             write_file(job_file, text.encode())
+            write_file(job_dir / SUBMITTED_JOB, dump_job(given).encode())
             if world > 1:
                 write_file(hostfile, orjson.dumps(msg.hostfile))
         except OSError as e:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import re
 import shutil
 import signal
 import threading
 import time
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,9 @@ MAX_FILES = 1000
 ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JOB_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,127}$")
 HASH_BLOCK = 1 << 20
+# The job as submitted, beside the job.toml a node's trainers run (whose paths may be this node's
+# staged copies): an export says where the model came from as the user named it.
+SUBMITTED_JOB = "submitted.toml"
 
 
 class ExportError(Exception):
@@ -103,6 +108,7 @@ class Exporter:
             out = folder / "out"
             flags = ["--fuse"] * bool(msg.fuse) + ["--dequantize"] * bool(msg.dequantize)
             await self._run_trainer(job_file, run_dir, out, step, folder / "trainer.log", flags, test=bool(msg.test))
+            await asyncio.to_thread(as_submitted, out, job_file.parent / SUBMITTED_JOB)
             files = await asyncio.to_thread(_manifest, out)
             if not files:
                 raise ExportError(ErrorCode.EXPORT_FAILED, f"node {self.node}: the trainer's export of step {step} wrote no files")
@@ -212,6 +218,21 @@ class Exporter:
     def close(self) -> None:
         for export_id in list(self.ready):
             self.release(export_id, wait=True)
+
+
+def as_submitted(out: Path, submitted: Path) -> None:
+    """An adapter directory's `model` as the job named it, not this node's staged copy of it (a
+    cache folder that means nothing on the machine the adapters are exported to)."""
+    config = out / "adapter_config.json"
+    if not (config.is_file() and submitted.is_file()):
+        return
+    try:
+        given = tomllib.loads(submitted.read_text()).get("model", {}).get("path")
+        body = json.loads(config.read_text())
+    except (OSError, ValueError, AttributeError):
+        return  # the trainer's own file stands
+    if isinstance(given, str) and isinstance(body, dict) and body.get("model") != given:
+        config.write_text(json.dumps({**body, "model": given}, indent=4) + "\n")
 
 
 def _manifest(out: Path) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpool.daemon.children import clean
+from dpool.daemon.exporter import SUBMITTED_JOB
 from dpool.daemon.forkserver import ForkedProcess
 from dpool.daemon.worker import Worker, write_file
 from dpool.protocol import messages as m
@@ -145,12 +146,14 @@ class WarmTrainers:
         else:
             try:
                 # The job's paths where this node holds its staged files, as a group start writes them.
-                spec = self.staging.localize(msg.job, parse_job(msg.spec, source=f"job {msg.job}"))
+                given = parse_job(msg.spec, source=f"job {msg.job}")
+                spec = self.staging.localize(msg.job, given)
                 text = dump_job(spec)
                 self.kinds[msg.job] = spec.model.kind
                 job_dir = self.state_dir / "jobs" / msg.job
                 job_dir.mkdir(parents=True, exist_ok=True)
                 write_file(job_dir / "job.toml", text.encode())
+                write_file(job_dir / SUBMITTED_JOB, dump_job(given).encode())
                 deadline = time.monotonic() + spec.recovery.start_timeout_s  # what the coordinator waits at most
             except (JobFileError, ValueError, TypeError, OSError) as e:
                 refused = clean(f"cannot prepare job {msg.job} on node {self.name}: {e}")

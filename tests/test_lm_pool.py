@@ -147,6 +147,8 @@ def test_a_model_and_data_only_on_the_submitting_machine_train_on_three_nodes_an
     out = tmp_path / "adapters"
     r = pool.dpctl("export", job, str(out), timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
+    # the base as the job named it, not the exporting node's staged copy in its cache
+    assert json.loads((out / "adapter_config.json").read_text())["model"] == "~/models/tiny"
     from mlx_lm import load
 
     model, _ = load(str(assets / "model"), adapter_path=str(out))
