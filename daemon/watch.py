@@ -65,6 +65,10 @@ RECENT = 32  # step intervals kept for the median
 STOP_MARGIN_S = 10.0
 UNMEASURED = frozenset({"split", "gather"})  # kinds whose cost varies from one time to the next: never measured
 ETA_MAX_S = 1e11  # a status row's bound on eta_s (3,000 years): a longer estimate is none
+# The ETA's pace: steps over wall time in this generation's last ETA_WINDOW_S, once the window
+# spans ETA_MIN_SPAN_S. Per-step intervals are no pace: reports that arrive together (a busy
+# coordinator, fast steps) read as intervals of 0, and their median as a job about to end.
+ETA_WINDOW_S, ETA_MIN_SPAN_S = 30.0, 1.0
 
 
 @dataclass(slots=True)
@@ -85,6 +89,7 @@ class StepWatch:
     gather_at: int | None = None  # diloco: the step whose outer step gathers replica states (rank 0's word)
     gather_ratio: float = 0.0  # diloco: a gather's bytes over the outer all_sum's
     stopping: bool = False  # asked to checkpoint and stop
+    marks: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)  # (when, step): the ETA's window
 
     @classmethod
     def start(cls, spec: JobSpec, now: float, previous: StepWatch | None = None) -> StepWatch:
@@ -147,6 +152,9 @@ class StepWatch:
             elif not kinds:
                 self.recent.append(interval)
         self.last_step, self.last_at = step, now
+        self.marks.append((now, step))
+        while len(self.marks) > 2 and now - self.marks[0][0] > ETA_WINDOW_S:
+            self.marks.popleft()
         if resplit:
             self.resplit_at = step
 
@@ -178,12 +186,20 @@ class StepWatch:
         return self.factor * self.gather_ratio * scale + self.floor_s
 
     def eta(self, now: float) -> float | None:
-        """Seconds until the last step at the recent median step interval (None before one is
-        measured, or when it is beyond ETA_MAX_S: 100,000 steps left at a valid step time of
-        1e7 s would be 1e12 s, a value no status row can carry)."""
-        if self.last_step is None or not self.recent:
+        """Seconds until the last step at this generation's pace over its last ETA_WINDOW_S (until
+        that spans ETA_MIN_SPAN_S: the recent median step interval). None before either is
+        measured, or when it is beyond ETA_MAX_S: 100,000 steps left at a valid step time of 1e7 s
+        would be 1e12 s, a value no status row can carry."""
+        if self.last_step is None:
             return None
-        eta = max(0.0, (self.steps - self.last_step) * statistics.median(self.recent) - (now - self.last_at))
+        (t0, s0), (t1, s1) = (self.marks[0], self.marks[-1]) if self.marks else ((0.0, 0), (0.0, 0))
+        if t1 - t0 >= ETA_MIN_SPAN_S and s1 > s0:
+            per_step = (t1 - t0) / (s1 - s0)
+        elif self.recent:
+            per_step = statistics.median(self.recent)
+        else:
+            return None
+        eta = max(0.0, (self.steps - self.last_step) * per_step - (now - self.last_at))
         return eta if eta <= ETA_MAX_S else None
 
     def deadline(self) -> float:

@@ -639,6 +639,24 @@ def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
     assert w.allowance() == 4.0 + 8 * 2.0 + 3.0
 
 
+def test_the_eta_comes_from_the_pace_not_from_reports_that_arrive_together() -> None:
+    """Steps of 10 ms whose reports reach the coordinator 25 at a time (fast steps, a busy
+    coordinator): the intervals between reports are mostly 0, and their median once made a job of
+    3,000 steps left look 0.5 s from its end. The pace over the window says 30 s."""
+    from dpool.daemon.watch import StepWatch
+
+    w = StepWatch(steps=4000, eval_every=1000, sample_every=1000, floor_s=3.0, factor=8.0, start_s=120.0, started_at=0.0)
+    step, t = 0, 100.0
+    while step < 1000:
+        t += 0.25
+        for _ in range(25):
+            step += 1
+            w.observe(step, t, 0.01)
+    eta = w.eta(t)
+    assert eta is not None and 29.0 <= eta <= 31.0, eta
+    assert w.eta(t + 5.0) == pytest.approx(eta - 5.0)  # time since the last report counts down
+
+
 def test_after_the_last_step_a_rank_is_allowed_its_end_of_run_work() -> None:
     """After the last step a rank drains its checkpoint writer and may evaluate a test set: the
     start-up deadline, not a stop's margin (CI once saw a rank stalled 12.2 s after its last step,
