@@ -63,6 +63,7 @@ from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.nodestage import NodeStaging
 from dpool.daemon.owner import OwnerWatch
 from dpool.daemon.power import SleepGuard
+from dpool.daemon.replay import RowReplay
 from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
 from dpool.daemon.worker import EarlyReports, Worker, write_file
@@ -166,6 +167,7 @@ class Agent(WarmTrainers):
         self.registered = False
         self.dropped = 0
         self.held: collections.deque[Message] = collections.deque(maxlen=HELD_MAX)  # reports kept while away
+        self.replay = RowReplay()  # rows sent lately, again after a re-registration (daemon/replay.py)
         self._last_sent = 0.0
         self.exporter = Exporter(self.state_dir, name)
         self.export_tasks: set[asyncio.Task[Any]] = set()
@@ -326,7 +328,7 @@ class Agent(WarmTrainers):
             if isinstance(msg, m.NodeRegistered):
                 self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
                 self.registered = True
-                held, self.held = list(self.held), collections.deque(maxlen=HELD_MAX)
+                held, self.held = [*self.replay.again(), *self.held], collections.deque(maxlen=HELD_MAX)
                 for h in held:
                     self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers), heartbeat_s=self.heartbeat_s)
@@ -353,6 +355,7 @@ class Agent(WarmTrainers):
                     while (got := self._recv()) is not None:
                         msg, msg_id = got
                         expiry = time.monotonic() + self.heartbeat_s * self.liveness
+                        self.replay.on_heard(time.monotonic())
                         if isinstance(msg, m.Error) and msg.code == ErrorCode.NOT_REGISTERED:
                             self.log.warning("coordinator.forgot_us")  # it restarted: register again
                             return
@@ -418,6 +421,7 @@ class Agent(WarmTrainers):
         try:
             self.craw.send_multipart(msg.to_frames(msg_id), flags=zmq.NOBLOCK)
             self._last_sent = time.monotonic()
+            self.replay.on_sent(msg, self._last_sent)
         except zmq.Again:
             self.dropped += 1  # the coordinator is gone or slow; progress must not wait for it
         except ProtocolError as e:

@@ -219,6 +219,26 @@ def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool,
     assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
 
 
+def test_a_group_that_trains_through_a_coordinator_restart_keeps_every_metrics_row(pool: Pool, tmp_path: Path) -> None:
+    """The serving dpd runs no trainer (drained), so its death stops no group: the group trains on
+    while the coordinator is away and after it is back. The rows its rank 0 sent in the second or
+    so before its dpd noticed the silence went into a connection that was then closed; they are
+    sent again after the re-registration, and the record has every step (it once lost 100-170)."""
+    pool.start(3)
+    assert pool.dpctl("drain", "n0").returncode == 0
+    job = pool.submit(job_file(tmp_path, "coordinator-away", lo=2, hi=2, steps=100_000, constant=True))
+    mid_run(pool, job)
+    pool.daemons["n0"].proc.send_signal(signal.SIGKILL)
+    pool.daemons["n0"].proc.wait()
+    time.sleep(3.0)  # away for longer than the other daemons take to notice (6 heartbeats of 0.25 s)
+    pool.start_daemon("n0", serve=True)
+    back = pool.wait_status(job, "the job reported again", lambda s: s.state == "running", timeout=60, every=0.05)
+    pool.wait_status(job, "steps after the restart", lambda s: s.step >= back.step + 10, timeout=120, every=0.05)
+    alone = lambda steps: trained_alone(job_file(tmp_path, "alone", steps=steps, constant=True), tmp_path / "alone", JOB_TIMEOUT)  # noqa: E731
+    events = pool.cancelled_on_curve(job, alone, TOL, JOB_TIMEOUT)
+    assert not kinds(events, "group.resumed"), events  # one group throughout: nothing was recomputed to fill a gap
+
+
 def test_a_fourth_node_joins_mid_run_without_recomputing(pool: Pool, tmp_path: Path) -> None:
     pool.start(3)
     job = pool.submit(job_file(tmp_path, "grow", hi=4, steps=100_000, constant=True))
