@@ -510,6 +510,11 @@ class JobMachine:
                 self.state, self.phase = JobState.RECOVERING, Phase.STOPPED
             return []
         self.world_size, self.live = e.launched, set(range(e.launched))
+        if s.state is JobState.RUNNING:
+            # Rank 0's hello, which said where this generation started, went to the coordinator
+            # that died: the newest step it saved stands for it, so that the group counts as
+            # resizable once it reports a step past it (a growth onto a freed slot waited forever).
+            self.from_step = s.step
         if s.state is JobState.STARTING:
             self.deadline = e.start_deadline
         elif s.state is JobState.RECOVERING:

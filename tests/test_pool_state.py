@@ -941,6 +941,23 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_p
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
 
 
+def test_after_a_coordinator_restart_a_running_group_grows_onto_a_free_slot(tmp_path: Path) -> None:
+    """Rank 0's hello (where the generation started) went to the coordinator that died; the group
+    must still count as resizable once it reports a step, or a freed slot waits for a failure."""
+    pool = running_pool(("a", "b"), hi=3)
+    restarted = reloaded(pool, tmp_path, 10.0)
+    for r, n in enumerate(("a", "b")):
+        refusal, _ = restarted.registered(10.5, n, f"inc-{n}", NodeInfo(slots=1, advertise="127.0.0.1"),
+                                          [RunningWorker(job="j", generation=1, rank=r, slot=0, pid=100 + r)], [], [])
+        assert refusal is None
+    join(restarted, "c", 1, now=11.0)
+    for r in range(2):
+        restarted.progress(11.5, "j", 1, r, 8, 192, 0.05)
+    out = restarted.schedule(12.0)  # as the coordinator runs it after each batch of messages
+    assert restarted.jobs["j"].state is JobState.RUNNING
+    assert [s.node for s in sends(out, m.JobWarm)] == ["c"] and records(out, "group.warming"), out  # the growth onto c begins
+
+
 # -- who writes what ---------------------------------------------------------------------------
 
 
