@@ -440,6 +440,11 @@ class JobMachine:
             return []
         gone = [r for r in e.ranks if r in self.live]
         self.live.difference_update(e.ranks)
+        if gone and self.phase is Phase.STOPPING and self.cause is Cause.FAILURE:
+            # Stopping after a failure that may have been this node's: a dpd killed takes its
+            # trainers along unreported, and their peers' "connection lost" (exit 1) reached the
+            # pool first. Said, so the record names the node that went, not only its peers.
+            return [Emit("worker.failed", {"rank": r, "node": e.node, "reason": "heartbeat"}) for r in gone]
         if not gone or self.phase in (Phase.STOPPING, Phase.STOPPED):
             return []  # nothing of this generation there, or stopping anyway: accounted for
         # STARTING|RUNNING|RECOVERING (checkpointing, restarting) -> RECOVERING: a node with ranks

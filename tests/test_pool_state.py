@@ -941,6 +941,17 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_p
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
 
 
+def test_a_node_lost_while_its_failed_group_stops_is_named_in_the_record() -> None:
+    """A dpd SIGKILLed takes its trainer along unreported; a peer's "connection lost" (exit 1)
+    stops the group first. The node that went is then named too, not its peer alone."""
+    pool = running_pool(("a", "b", "c"))
+    out = pool.worker_exited(2.0, "b", "j", 1, 1, 0, 1, False, "[ring] connection to a peer was lost")
+    assert records(out, "worker.failed") == [{"rank": 1, "node": "b", "reason": "exit", "code": 1, "error": "[ring] connection to a peer was lost"}]
+    out = pool.bye(2.1, "c")
+    assert records(out, "worker.failed") == [{"rank": 2, "node": "c", "reason": "heartbeat"}]
+    assert pool.jobs["j"].machine.restarts == 1  # one failure, one restart of the budget
+
+
 def test_after_a_coordinator_restart_a_running_group_grows_onto_a_free_slot(tmp_path: Path) -> None:
     """Rank 0's hello (where the generation started) went to the coordinator that died; the group
     must still count as resizable once it reports a step, or a freed slot waits for a failure."""
