@@ -216,7 +216,7 @@ class TrainSpec:
         "auto",
     )
     lr: float = _spec(_float(0.0, 10.0, lo_open=True), "peak learning rate", 3e-4)
-    warmup_steps: int = _spec(_int(0), "linear warm-up steps", 100)
+    warmup_steps: int = _spec(_int(0), "linear warm-up steps (unset: 100, or a tenth of train.steps where those are fewer)", 100)
     weight_decay: float = _spec(_float(0.0, 10.0), "AdamW decoupled weight decay", 0.1)
     grad_clip: float = _spec(_float(0.0), "clip the global gradient norm to this (0: off)", 1.0)
     seed: int = _spec(_int(0, 2**31 - 1), "seeds weights, data order and sampling", 1234)
@@ -642,6 +642,8 @@ def _check_optimizer(t: TrainSpec, given: dict[str, Any], source: str) -> TrainS
                     "not used with train.lr_schedule: the schedule's first argument is the peak learning rate, "
                     "and train.lr_schedule.warmup its warm-up",
                 )
+    if "warmup_steps" not in given and t.lr_schedule is None and t.steps < t.warmup_steps:
+        t = dataclasses.replace(t, warmup_steps=t.steps // 10)  # a short run is not all warm-up (nor refused for a default)
     try:
         config = None if t.optimizer is None else optimizer_config(t.optimizer, given.get("optimizer_config", {}))
         schedule = None if t.lr_schedule is None else lr_schedule(given["lr_schedule"])

@@ -270,3 +270,14 @@ def test_an_empty_file_is_not_the_document_held_out_when_none_falls_below_val_fr
         (tmp_path / "d" / n).write_text(n * 200)
     corpus = load_corpus(spec, tmp_path / "cache")
     assert bytes(corpus.val).count(names[1].encode()) == 200  # the lowest-scoring document with text
+
+
+def test_an_unset_warm_up_fits_a_short_run_and_a_given_one_is_checked():
+    """The default warm-up (100 steps) is a tenth of a run shorter than that, not a refusal of a
+    value the user never wrote; a warm-up the user gives longer than the run is still refused."""
+    short = parse_job({"name": "short", "train": {"steps": 40}})
+    assert short.train.warmup_steps == 4
+    assert parse_job({"name": "long", "train": {"steps": 5000}}).train.warmup_steps == 100
+    assert parse_job(short.to_dict()).train.warmup_steps == 4  # as written out and read back by the pool
+    with pytest.raises(JobFileError, match=r"train\.warmup_steps = 50: must be <= train\.steps = 40"):
+        parse_job({"name": "given", "train": {"steps": 40, "warmup_steps": 50}})
