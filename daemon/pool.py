@@ -587,7 +587,9 @@ class Pool:
             ranks = [RankSlot(slot=s.index, rank=r) for r, s in plan.ranks_on(node)]
             actions.append(Send(node, GroupStart(job=job.id, generation=plan.generation, spec=doc, ranks=ranks, shares=shares, hostfile=hostfile, resume_max=resume_max)))
         actions.append(
-            Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(), "shares": list(shares)})
+            # nodes: each once; ranks: the node of each rank, in rank order, as shares are
+            Record(job.id, "group.starting", now, {"generation": plan.generation, "world_size": plan.world_size, "nodes": plan.nodes(),
+                                                   "ranks": [s.node for s in plan.ranks], "shares": list(shares)})
         )
         if previous_shares is not None and previous_shares != plan.shares:
             actions.append(Record(job.id, "rebalanced", now, {"generation": plan.generation, "shares": list(shares), "previous": list(previous_shares), "cause": "membership"}))

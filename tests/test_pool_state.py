@@ -941,6 +941,17 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_p
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
 
 
+def test_group_starting_says_the_node_of_each_rank_in_rank_order() -> None:
+    """`nodes` names each node once (in the order the plan met them); `ranks` pairs with `shares`."""
+    pool = Driven(heartbeat_s=0.5, liveness=6)
+    join(pool, "a", 1)
+    join(pool, "b", 2)
+    (starting,) = records(prepare_all(pool, pool.submit(0.0, "j", spec(lo=3, hi=3))), "group.starting")
+    plan = pool.jobs["j"].plan
+    assert plan is not None and len(starting["ranks"]) == len(starting["shares"]) == 3
+    assert starting["ranks"] == [s.node for s in plan.ranks] and sorted(starting["nodes"]) == ["a", "b"]
+
+
 def test_a_node_lost_while_its_failed_group_stops_is_named_in_the_record() -> None:
     """A dpd SIGKILLed takes its trainer along unreported; a peer's "connection lost" (exit 1)
     stops the group first. The node that went is then named too, not its peer alone."""
