@@ -517,6 +517,8 @@ class Pool:
     def set_priority(self, now: float, job: Job, priority: int) -> list[Action]:
         """`dpctl priority JOB N` (daemon/sharing.py): the scheduler's next round acts on it."""
         was = job.spec.priority
+        if priority == was:
+            return []  # nothing changed: no event, no new round
         job.spec, job._doc = dataclasses.replace(job.spec, priority=priority), None
         return [Record(job.id, "job.priority", now, {"priority": priority, "previous": was}), JobChanged(job.id)]
 

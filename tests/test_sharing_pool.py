@@ -144,6 +144,7 @@ def test_a_priority_raised_moves_a_queued_job_ahead() -> None:
     out = pool.set_priority(2.0, pool.jobs["third"], 3)
     assert records(out, "job.priority") == [{"priority": 3, "previous": 0}]
     assert pool.jobs["third"].spec.priority == 3 and pool.jobs["third"].doc["priority"] == 3
+    assert pool.set_priority(2.0, pool.jobs["third"], 3) == []  # the same again: nothing to record
     out = pool.schedule(2.0)
     assert [r.id for r in queue_rows(pool.live.values(), pool.decision)] == ["third", "first", "second"]
     # first (priority 0) is preempted for third: it runs at its minimum of 1.
