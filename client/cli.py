@@ -724,6 +724,7 @@ def completer(query: str) -> Any:
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
     """The read-only web dashboard of the pool at --coordinator, until Ctrl-C (dashboard/cli.py)."""
+    a.timeout = timeout_s(a.timeout)  # a local command: resolved here (the others' is in main)
     return dashboard_cli.start(a, coordinator_address(a.coordinator), client_keys.configured_keys_dir(a.keys, DEFAULT_CONFIG))
 
 

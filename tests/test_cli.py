@@ -210,6 +210,9 @@ def test_a_bad_config_file_flag_or_address_is_exit_2_naming_it(tmp_path: Path, c
     env = dict(f.split("=", 1) for f in flags if "=" in f)
     r = dpctl("status", "--json", *(f for f in flags if "=" not in f), env=env_without_pool(HOME=str(tmp_path), **env), timeout=60)
     assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    if "--timeout" in flags:  # the dashboard, a command of its own, reads it too
+        r = dpctl("dashboard", *flags, env=env_without_pool(HOME=str(tmp_path)), timeout=60)
+        assert r.returncode == 2 and said in r.stderr, r.stderr
 
 
 def test_set_reaches_keys_tables_deep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
