@@ -229,7 +229,7 @@ def test_test_without_a_test_jsonl_is_refused_at_start_naming_it(assets, tmp_pat
     assert f"data.source = '{data}'" in done.stderr and "test.jsonl" in done.stderr and "does not exist" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("base", ["llama", "llama-4bit"])
+@pytest.mark.parametrize("base", ["llama-4bit"])  # the quantized base: fusing dequantizes, requantizes (a plain base: tests/test_lm_mlxlm_pool.py)
 def test_fused_export_loads_without_adapters_generates_and_computes_the_adapter_models_logits(assets, tmp_path, base):
     from mlx_lm import generate, load
 
