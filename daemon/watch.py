@@ -192,7 +192,7 @@ class StepWatch:
         would be 1e12 s, a value no status row can carry."""
         if self.last_step is None:
             return None
-        (t0, s0), (t1, s1) = (self.marks[0], self.marks[-1]) if self.marks else ((0.0, 0), (0.0, 0))
+        (t0, s0), (t1, s1) = self.marks[0], self.marks[-1]  # observed since last_step is set
         if t1 - t0 >= ETA_MIN_SPAN_S and s1 > s0:
             per_step = (t1 - t0) / (s1 - s0)
         elif self.recent:
