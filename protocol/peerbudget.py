@@ -164,8 +164,9 @@ def _rss_reader() -> Callable[[], int]:
 @dataclasses.dataclass(slots=True)
 class Conn:
     """One accepted connection, by its file descriptor. The loop's counts of bytes read and sent
-    are per descriptor over its whole life: a connection's are those less what they were when it
-    was accepted."""
+    are per descriptor over its whole life: a connection's are those less what they were when the
+    descriptor's previous connection closed (not when the accept was seen: the loop may have read
+    its first messages before the monitor's event reached the guard, and they are this one's)."""
 
     fd: int
     peer: str
@@ -198,6 +199,8 @@ class PeerBudget:
         self.read_bytes: dict[int, int] = collections.defaultdict(int)  # fd -> bytes of whole messages read (the loop's thread)
         self.sent_bytes: dict[int, int] = collections.defaultdict(int)  # fd -> bytes of messages queued (the loop's thread)
         self.routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # routing id -> fd (the loop's thread)
+        self.closed: dict[int, tuple[int, int]] = {}  # fd -> (read, sent) when its last connection closed (the guard's thread)
+        self.uncounted: set[int] = set()  # fds of accepted connections it does not count (the guard's thread)
         self.dropped = 0
         self.off: set[str] = set()  # "inbound", "outbound": the kernel's counts proved unusable here
         self.freed = threading.Event()  # a drop, or a connection gone with much queued: give memory back
@@ -315,9 +318,16 @@ class PeerBudget:
         if event["event"] == zmq.EVENT_ACCEPTED:
             peer = peer_of(fd)
             if peer is not None:
-                self.conns[fd] = Conn(fd, peer, self.read_bytes.get(fd, 0), self.sent_bytes.get(fd, 0))
+                read0, sent0 = self.closed.get(fd, (0, 0))
+                self.conns[fd] = Conn(fd, peer, read0, sent0)
+            else:
+                self.uncounted.add(fd)  # not TCP (ipc): its bytes are not the next connection's either
             return False
         conn = self.conns.pop(fd, None)
+        if conn is None and fd not in self.uncounted:
+            return False  # its second event (disconnected, then closed)
+        self.uncounted.discard(fd)
+        self.closed[fd] = (self.read_bytes.get(fd, 0), self.sent_bytes.get(fd, 0))  # where a later connection on it starts
         if conn is None:
             return False
         queued = self.sent_bytes.get(fd, 0) - conn.sent0 - conn.taken

@@ -17,6 +17,8 @@ its resident memory sampled while the attack runs; meanwhile and afterwards ever
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -236,6 +238,41 @@ def test_only_a_dropped_connections_own_routing_ids_are_refused() -> None:
         assert budget.send(Raw(), [b"new", b"h", b"b"])  # type: ignore[arg-type]
         assert sent == [[b"new", b"h", b"b"]]
     finally:
+        budget.close()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_messages_read_before_the_accept_event_count_for_that_connection() -> None:
+    """The loop can read a new connection's first messages before the socket monitor's accept
+    event reaches the guard's thread: they are that connection's bytes (counting them as an
+    earlier one's once showed 5,880 bytes "in flight" that the coordinator had read), and the
+    next connection that gets the same descriptor starts where this one ended."""
+    ctx: zmq.Context[bytes] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    budget = PeerBudget(ctx, router, structlog.get_logger(), curve=False)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    fd = server.fileno()
+
+    def event(kind: int) -> list[bytes]:  # as libzmq's monitor frames it: event, value; endpoint
+        return [struct.pack("=HI", kind, fd), b"tcp://127.0.0.1:1"]
+
+    try:
+        assert budget.read(b"first", fd, 5_880)  # read before the accept was seen
+        budget._event(event(zmq.EVENT_ACCEPTED))
+        assert budget.read(b"first", fd, 120)
+        assert budget.read_bytes[fd] - budget.conns[fd].read0 == 6_000  # all of it this connection's
+        budget._event(event(zmq.EVENT_DISCONNECTED))
+        budget._event(event(zmq.EVENT_CLOSED))  # its second event: changes nothing
+        assert budget.read(b"next", fd, 70)  # the next connection on the descriptor, read before its accept
+        budget._event(event(zmq.EVENT_ACCEPTED))
+        assert budget.read_bytes[fd] - budget.conns[fd].read0 == 70
+    finally:
+        for s in (client, server, listener):
+            s.close()
         budget.close()
         router.close(linger=0)
         ctx.term()
