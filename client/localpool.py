@@ -150,6 +150,20 @@ class Processes:
             yield f"----- {self.labels[p.pid]} (pid {p.pid}, exit {p.returncode}): last {min(lines, len(text))} of {len(text)} lines of {log}"
             yield from text[-lines:]
 
+    def _stacks(self, p: subprocess.Popen[bytes]) -> None:
+        """Have a stuck dpd write every thread's stack into its log (`dpd run` dumps them on
+        SIGUSR1): what it was waiting on. The dump is written in the signal handler; the log's
+        growth says it is there (2 s at most)."""
+        log = self.logs.get(p.pid)
+        if log is None or "dpd" not in self.labels.get(p.pid, ""):
+            return
+        size = log.stat().st_size if log.exists() else 0
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and log.exists() and log.stat().st_size == size:
+            time.sleep(0.05)
+
     def stop_all(self, timeout: float = STOP_TIMEOUT_S, report: Callable[[str], None] | None = None) -> list[subprocess.Popen[bytes]]:
         """End every process started here and every leftover under `root`; the ones that had to be
         killed are returned, each also told to `report` in a line."""
@@ -164,7 +178,8 @@ class Processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.05, deadline - time.monotonic()))
             if p.poll() is None:
-                say(f"{self.labels[p.pid]} (pid {p.pid}) did not stop in time: SIGKILL")
+                say(f"{self.labels[p.pid]} (pid {p.pid}) did not stop in time: SIGKILL (its stacks, SIGUSR1, end its log)")
+                self._stacks(p)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)  # it and anything it forked in its session
                 p.wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import fcntl
 import importlib.metadata
 import ipaddress
@@ -465,6 +466,9 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     log = get_logger(node=s.name)
     log.info("dpd.starting", serve=s.serve, join=s.join, slots=s.workers, advertise=s.advertise, interface=netif.interface_of(s.advertise), state_dir=str(s.state_dir))
     say_ring_link(log, s.advertise)
+    # `kill -USR1 <pid>`: every thread's Python stack on stderr (the journal, launchd's log), for
+    # a dpd that does not stop or answer; it runs on.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return asyncio.run(serve_and_run(s, zygote))
     finally:

@@ -84,7 +84,7 @@ def processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proces
         said: list[str] = []
         killed = procs.stop_all(report=said.append)
         if said:
-            warnings.warn("\n".join([request.node.nodeid, *said, *procs.log_tails(12, killed)]), pytest.PytestWarning, stacklevel=1)
+            warnings.warn("\n".join([request.node.nodeid, *said, *procs.log_tails(150, killed)]), pytest.PytestWarning, stacklevel=1)
         if request.node.stash.get(FAILED, None) is not None:
             for line in procs.log_tails(LOG_TAIL):
                 print(line)

@@ -143,7 +143,13 @@ def test_a_busy_coordinator_never_loses_its_own_serving_node(processes: Processe
 
 
 def test_sigterm_stops_a_serving_dpd_cleanly(processes: Processes, tmp_path: Path) -> None:
+    """SIGUSR1 first: every thread's stack in its log (what a dpd that will not stop waits on), and
+    it runs on; then SIGTERM stops it."""
     _, daemon = serving(processes, tmp_path)
+    os.kill(daemon.pid, signal.SIGUSR1)
+    wait_for("its stacks in its log", lambda: "most recent call first" in daemon.log.read_text(errors="replace"), 10)
+    assert f"daemon{os.sep}cli.py" in daemon.log.read_text(errors="replace")  # its main thread, in asyncio.run
+    assert daemon.proc.poll() is None
     os.kill(daemon.pid, signal.SIGTERM)
     assert daemon.proc.wait(30) == 0, daemon.log.read_text()[-3000:]
     assert not alive(daemon.pid)
