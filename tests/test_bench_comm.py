@@ -22,6 +22,7 @@ METHODS = {"bucketed fp32", "bucketed bf16", "fused fp32 (before)", "mlx-lm aver
 STEPS, H = 8, 2
 
 
+@pytest.mark.long
 def test_the_smallest_form_measures_every_figure_and_removes_its_links(tmp_path: Path) -> None:
     require_shaped_links("dpcmprobe")
     out = tmp_path / "comm.json"

@@ -51,6 +51,7 @@ def check_figures(doc: dict[str, Any], printed: str) -> None:
     assert processes_with(f"{root}{os.sep}") == []
 
 
+@pytest.mark.long
 def test_the_smallest_form_on_loopback_measures_every_figure_and_leaves_nothing(tmp_path: Path) -> None:
     """The form for machines without root. Where namespaces can be built, the form below runs
     instead: it measures every figure through the same code (only the hosts' addresses and link
@@ -62,6 +63,7 @@ def test_the_smallest_form_on_loopback_measures_every_figure_and_leaves_nothing(
     assert doc["figures"]["3"]["data"]["second_link_bytes"] is None  # no per-host links on loopback
 
 
+@pytest.mark.long
 @pytest.mark.netns
 def test_the_smallest_form_in_namespaces_shapes_the_links_and_removes_them(tmp_path: Path) -> None:
     require_shaped_links("dpsbprobe")

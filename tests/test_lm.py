@@ -149,7 +149,7 @@ def test_one_rank_and_three_unequal_ranks_agree(assets, env, tmp_path, fine_tune
     assert row["tokens"] == ring.metrics(one)[1]["tokens"]
 
 
-@pytest.mark.parametrize("fine_tune", ["lora", "full"])
+@pytest.mark.parametrize("fine_tune", [pytest.param("lora", marks=pytest.mark.long), "full"])
 def test_diloco_on_one_worker_and_on_two_gives_the_same_curve_and_exports(assets, env, tmp_path, fine_tune):
     """The low-communication mode fine-tunes mlx-lm models too: 3 virtual replicas on 1 and on 2
     workers, the same curve; the export of its last outer step loads in mlx-lm."""

@@ -158,6 +158,7 @@ def test_a_model_and_data_only_on_the_submitting_machine_train_on_three_nodes_an
     pool.dpctl("cancel", again.stdout.strip())
 
 
+@pytest.mark.long
 def test_adapters_to_start_from_travel_with_the_job_like_the_model(pool: HomePool, assets: Path, tmp_path: Path) -> None:
     """`model.adapters` on the submitting machine only: the nodes fetch them with the model and the
     data, and the job starts from them (its first step is the one a trainer beside the files takes)."""

@@ -99,6 +99,7 @@ def test_a_host_whose_link_is_cut_is_left_behind(hosts: dict[str, str], processe
     assert pool.stop(timeout=30) == []
 
 
+@pytest.mark.long
 def test_a_host_cut_off_past_its_heartbeats_and_back_rejoins_without_blame(hosts: dict[str, str], processes: Processes, tmp_path: Path, reference: Any) -> None:
     """n2's link goes down long enough for the coordinator to lose it (1.5 s of silence), then
     comes back: the same dpd, alive all along, registers again. Its loss was a membership change:

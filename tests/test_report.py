@@ -241,6 +241,7 @@ def _cwd(p: psutil.Process) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_pool_job_killed_mid_run_leaves_one_wandb_run_written_by_rank_0_alone(processes: Processes, tmp_path: Path) -> None:
     """Two ranks on one dpd with a shared WANDB_DIR: rank 0's trainer and its W&B writer are
     killed together (their process group, as the machine would lose them), the job restarts from

@@ -104,6 +104,7 @@ def flood(addr: str, seconds: float) -> dict[str, float]:
             p.close()
 
 
+@pytest.mark.long
 def test_a_busy_coordinator_never_loses_its_own_serving_node(processes: Processes, tmp_path: Path) -> None:
     pool, daemon = serving(processes, tmp_path, "--heartbeat-interval", str(HB_S), "--liveness", str(LIVENESS))
     rows: list[Any] = []  # n0's row in every `nodes` answer during the flood

@@ -147,6 +147,7 @@ def test_a_higher_priority_job_shrinks_a_running_one_which_grows_back_after(pool
     )
 
 
+@pytest.mark.long
 def test_two_equal_jobs_split_four_slots_two_and_two(pool: Pool, tmp_path: Path) -> None:
     pool.start(2, 2)
     first = pool.submit(job_file(tmp_path, "first", 1, 4, 100_000))
