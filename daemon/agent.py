@@ -57,7 +57,7 @@ from tenacity import (
 
 from dpool.daemon.childenv import StartedZygote, die_with_parent, trainer_command, trainer_env
 from dpool.daemon.children import clean, error_message, is_alive, is_stopped
-from dpool.daemon.exporter import SUBMITTED_JOB, Exporter, ExportError
+from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.forkserver import ForkedProcess, ForkServer, ForkServerError, modules_for
 from dpool.daemon.memstore import MemoryStore, default_root
 from dpool.daemon.nodestage import NodeStaging
@@ -69,8 +69,7 @@ from dpool.daemon.sysinfo import node_info
 from dpool.daemon.worker import EarlyReports, Worker, write_file
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
-from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.jobspec import JobFileError
 from dpool.protocol.link_messages import NodeLink, WorkerLink
 from dpool.protocol.logs import RotatingFile, Throttle, get_logger
 from dpool.protocol.messages import ErrorCode, Message, ProtocolError
@@ -561,24 +560,17 @@ class Agent(WarmTrainers):
 
     async def _start(self, msg: m.GroupStart) -> None:
         job_dir = self.state_dir / "jobs" / msg.job
+        world = len(msg.hostfile)
+        job_file, hostfile = job_dir / "job.toml", job_dir / f"hostfile-g{msg.generation}.json"
         try:
-            given = parse_job(msg.spec, source=f"job {msg.job}")
-            spec = self.staging.localize(msg.job, given)
-            text = dump_job(spec)
-            self.kinds[msg.job] = spec.model.kind
+            self._job_files(msg.job, msg.spec)
+            if world > 1:
+                write_file(hostfile, orjson.dumps(msg.hostfile))
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
             for r in msg.ranks:
                 self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, clean(str(e)))
             return
-        world = len(msg.hostfile)
-        job_file, hostfile = job_dir / "job.toml", job_dir / f"hostfile-g{msg.generation}.json"
-        try:
-            job_dir.mkdir(parents=True, exist_ok=True)
-            write_file(job_file, text.encode())
-            write_file(job_dir / SUBMITTED_JOB, dump_job(given).encode())
-            if world > 1:
-                write_file(hostfile, orjson.dumps(msg.hostfile))
         except OSError as e:
             # This machine's fault (a full disk, a read-only folder): each of its ranks fails with
             # the reason and EXIT_DISK, so the pool blames this node, not the group's others.

@@ -33,7 +33,7 @@ from dpool.daemon.forkserver import ForkedProcess
 from dpool.daemon.worker import Worker, write_file
 from dpool.protocol import messages as m
 from dpool.protocol.jobfile import dump_job
-from dpool.protocol.jobspec import JobFileError, parse_job
+from dpool.protocol.jobspec import JobFileError, JobSpec, parse_job
 
 SPARE_IDLE_S = 120.0  # a spare with no worker of its job on this node for this long is stopped
 # A worker's spare starts once it has completed this many steps: not while its group starts, when
@@ -135,6 +135,21 @@ class WarmTrainers:
         self.log.info("spare.started", job=job, slot=slot, pid=proc.pid, forked=isinstance(proc, ForkedProcess))
         self._recorded(w)  # a worker.ready read before this record counts now
 
+    def _job_files(self, job: str, submitted: dict[str, Any]) -> JobSpec:
+        """Write the job's files into this node's folder of it, for its trainers and spares:
+        job.toml with the job's paths where this node holds its staged files, and the job as it was
+        submitted (an export names the submitted paths). The job as this node runs it. Raises
+        JobFileError, ValueError or TypeError for the job, OSError for the folder."""
+        given = parse_job(submitted, source=f"job {job}")
+        spec = self.staging.localize(job, given)
+        text, as_given = dump_job(spec), dump_job(given)
+        self.kinds[job] = spec.model.kind
+        job_dir = self.state_dir / "jobs" / job
+        job_dir.mkdir(parents=True, exist_ok=True)
+        write_file(job_dir / "job.toml", text.encode())
+        write_file(job_dir / SUBMITTED_JOB, as_given.encode())
+        return spec
+
     def _warm_job(self, msg: m.JobWarm) -> None:
         """job.warm: a spare of the job in each of these free slots, ahead of a group that will
         include them. Each slot is answered by node.warmed: the ready ones now, the others as each
@@ -145,15 +160,7 @@ class WarmTrainers:
             refused = f"warm trainers are off on node {self.name} ({ENV_WARM}=0)"
         else:
             try:
-                # The job's paths where this node holds its staged files, as a group start writes them.
-                given = parse_job(msg.spec, source=f"job {msg.job}")
-                spec = self.staging.localize(msg.job, given)
-                text = dump_job(spec)
-                self.kinds[msg.job] = spec.model.kind
-                job_dir = self.state_dir / "jobs" / msg.job
-                job_dir.mkdir(parents=True, exist_ok=True)
-                write_file(job_dir / "job.toml", text.encode())
-                write_file(job_dir / SUBMITTED_JOB, dump_job(given).encode())
+                spec = self._job_files(msg.job, msg.spec)  # as a group start writes them
                 deadline = time.monotonic() + spec.recovery.start_timeout_s  # what the coordinator waits at most
             except (JobFileError, ValueError, TypeError, OSError) as e:
                 refused = clean(f"cannot prepare job {msg.job} on node {self.name}: {e}")

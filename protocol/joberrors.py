@@ -1,5 +1,6 @@
 """The error of a job file that cannot be used, shared by the TOML job file (jobspec.py) and the
-mlx-lm config it may be made from (mlxlm_config.py)."""
+mlx-lm config it may be made from (mlxlm_config.py); and `one_line`, for the libraries' errors
+that such a message quotes."""
 
 from __future__ import annotations
 
@@ -21,3 +22,8 @@ class JobFileError(ValueError):
         self.source, self.key, self.given, self.allowed = source, key, given, allowed
         shown = "missing" if given is MISSING else f"= {given!r}"
         super().__init__(f"{source}: {key} {shown}: {allowed}")
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (a tokenizer's or YAML's error runs over several)."""
+    return " ".join(str(e).split())

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from dpool.protocol.joberrors import JobFileError
+from dpool.protocol.joberrors import JobFileError, one_line
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -115,7 +115,7 @@ def read_config(path: str) -> dict[str, Any]:
     try:
         config = yaml.load(text, _Loader)
     except yaml.YAMLError as e:
-        raise JobFileError(path, "yaml", " ".join(str(e).split()), "must be valid YAML (an mlx_lm lora config)") from None
+        raise JobFileError(path, "yaml", one_line(e), "must be valid YAML (an mlx_lm lora config)") from None
     if config is None:
         config = {}
     if not isinstance(config, dict):

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, lora_blocks, model_location
 from dpool.trainer.data import DataError, ExampleOrder
 from dpool.trainer.lm_data import load_lm_data
@@ -100,11 +101,6 @@ def load_base(spec: JobSpec):
 
     model_dir = Path(path) if where == "dir" else hf_repo_to_path(path)
     return model, tokenizer, config, model_dir
-
-
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (a tokenizer's error runs over several)."""
-    return " ".join(str(e).split())
 
 
 class LMTask:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, data_location
 from dpool.trainer.data import DataError, is_validation
 
@@ -175,7 +176,7 @@ def tokenize(
         try:
             tokens, offset = dataset.process(rows[i])
         except Exception as e:  # a template that raises on this example (e.g. a role it does not know)
-            raise DataError(f"{where}: the tokenizer could not render it ({type(e).__name__}: {' '.join(str(e).split())})") from None
+            raise DataError(f"{where}: the tokenizer could not render it ({type(e).__name__}: {one_line(e)})") from None
         if len(tokens) < 2:
             raise DataError(f"{where}: fewer than 2 tokens")
         out.append((list(tokens), int(offset)))
