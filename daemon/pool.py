@@ -449,6 +449,8 @@ class Pool:
                 # Being prepared there: start again elsewhere (nothing ran yet).
                 actions += self._abort_start(job, now, why)
             elif job.plan is not None and job.machine.live and job.plan.ranks_on(name):
+                if job.resize is None:  # its next group's size, smaller or not, says what the move cost
+                    job.resize = sched.Note(sched.How.SHRINK, job.plan.world_size, (), now, cause=why)
                 actions += self._reshape(job, now, why)
         return actions
 

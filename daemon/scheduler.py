@@ -281,6 +281,7 @@ class Note:
     world_size: int  # before
     by: tuple[str, ...]
     at: float
+    cause: str | None = None  # a shrink no job asked for: the node that left (a drain, its owner)
 
 
 def resumed_event(note: Note, world_size: int, resumed: dict[str, object]) -> tuple[str, dict[str, object]] | None:
@@ -292,6 +293,8 @@ def resumed_event(note: Note, world_size: int, resumed: dict[str, object]) -> tu
     fields: dict[str, object] = {"from": note.world_size, "to": world_size}
     if kind == "job.shrunk":
         fields["by"] = list(note.by)
+        if note.cause is not None:
+            fields["cause"] = note.cause
     fields["steps_lost"] = resumed.get("steps_recomputed", 0)
     fields["restart_s"] = resumed.get("seconds_since_failure")
     return kind, fields

@@ -851,6 +851,8 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     assert (row.state, row.reason) == ("idle", "drained")
     out = restart(pool, out, 3.0, resume=8)
     assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
+    (shrunk,) = records(out, "job.shrunk")  # no job took c's slot: the drain is the cause
+    assert (shrunk["from"], shrunk["to"], shrunk["by"], shrunk["cause"], shrunk["steps_lost"]) == (3, 2, [], "node c is being drained", 0)
     out = pool.undrain(6.0, "c")
     # The job grows back onto c at the next checkpoint boundary, once c has a warm trainer.
     assert [s.node for s in sends(out, m.JobWarm)] == ["c"] and sends(out, m.GroupStop) == []
