@@ -154,9 +154,9 @@ class Processes:
         """Have a stuck dpd write every thread's stack into its log (`dpd run` dumps them on
         SIGUSR1): what it was waiting on. The dump is written in the signal handler; the log's
         growth says it is there (2 s at most)."""
-        log = self.logs.get(p.pid)
-        if log is None or "dpd" not in self.labels.get(p.pid, ""):
-            return
+        log = self.logs[p.pid]
+        if "dpd" not in self.labels[p.pid]:
+            return  # another process has no such handler: SIGUSR1 would only end it
         size = log.stat().st_size if log.exists() else 0
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGUSR1)

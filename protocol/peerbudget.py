@@ -200,7 +200,6 @@ class PeerBudget:
         self.sent_bytes: dict[int, int] = collections.defaultdict(int)  # fd -> bytes of messages queued (the loop's thread)
         self.routes: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # routing id -> fd (the loop's thread)
         self.closed: dict[int, tuple[int, int]] = {}  # fd -> (read, sent) when its last connection closed (the guard's thread)
-        self.uncounted: set[int] = set()  # fds of accepted connections it does not count (the guard's thread)
         self.dropped = 0
         self.off: set[str] = set()  # "inbound", "outbound": the kernel's counts proved unusable here
         self.freed = threading.Event()  # a drop, or a connection gone with much queued: give memory back
@@ -320,14 +319,10 @@ class PeerBudget:
             if peer is not None:
                 read0, sent0 = self.closed.get(fd, (0, 0))
                 self.conns[fd] = Conn(fd, peer, read0, sent0)
-            else:
-                self.uncounted.add(fd)  # not TCP (ipc): its bytes are not the next connection's either
             return False
+        # Any connection's end (TCP or not, counted or not): where a later one on this fd starts.
+        self.closed[fd] = (self.read_bytes.get(fd, 0), self.sent_bytes.get(fd, 0))
         conn = self.conns.pop(fd, None)
-        if conn is None and fd not in self.uncounted:
-            return False  # its second event (disconnected, then closed)
-        self.uncounted.discard(fd)
-        self.closed[fd] = (self.read_bytes.get(fd, 0), self.sent_bytes.get(fd, 0))  # where a later connection on it starts
         if conn is None:
             return False
         queued = self.sent_bytes.get(fd, 0) - conn.sent0 - conn.taken
