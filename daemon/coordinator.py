@@ -93,8 +93,11 @@ def steady_clock() -> Callable[[], float]:
 
     Liveness and every deadline are differences of this clock, so a step of the system clock (NTP
     correcting it, a user setting the date, a laptop waking) can neither mark every node lost at
-    once nor stop the ticks. Records (events, job times) read like wall time; they drift from it only
-    by a step the system clock took after the coordinator started."""
+    once nor stop the ticks. It drifts from wall time by every such step, and by the time the
+    machine sleeps (the monotonic clock does not count it), so what people read as times (events,
+    a job's submitted, started and finished times, its output lines) is stamped in wall time
+    instead: the pool's `wall(now)`, from the offset the coordinator gives it each time it reads
+    its clock (Coordinator._now)."""
     wall, mono = time.time(), time.monotonic()
     return lambda: wall + (time.monotonic() - mono)
 
@@ -109,11 +112,12 @@ class Coordinator:
         heartbeat_s: float = 0.25,
         liveness: int = 6,
         clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] = time.time,
         keys: ServerKeys | None = None,
         stage_rate_bps: float = TRAINING_RATE_BPS,
         heartbeat_rate: float = HEARTBEAT_RATE,
     ) -> None:
-        self.ctx, self.addr, self.clock = ctx, addr, clock or steady_clock()
+        self.ctx, self.addr, self.clock, self.wall = ctx, addr, clock or steady_clock(), wall
         self.keys = keys  # CURVE with an allow-list when given
         self.sender_key, self.sender_name = "", ""  # the key and name that sent the message being served
         self.curve: CurveServer | None = None
@@ -161,7 +165,7 @@ class Coordinator:
         sock.bind(self.addr)
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        now = self.clock()
+        now = self._now()
         self.pool.remembered = self.store.held_nodes()
         self.pool.known_nodes = len(self.store.node_names())
         for job, saved in self.store.load_jobs():
@@ -198,13 +202,13 @@ class Coordinator:
                         self.read_to = self.clock()
                 else:
                     self.read_to = self.clock()  # nothing came: every message sent before now was read
-                now = self.clock()
+                now = self._now()
                 if now >= next_tick:
                     self._unit("tick", functools.partial(self._tick, now))
                     next_tick, self.to_schedule = now + self.heartbeat_s, True
                 if self.to_schedule and now >= self.scheduled_at + SCHEDULE_S:
                     self.scheduled_at, self.to_schedule = now, False
-                    self._unit("schedule", lambda: self._run(self.pool.schedule(self.clock())))
+                    self._unit("schedule", lambda: self._run(self.pool.schedule(self._now())))
                 self._commit_and_send()
         finally:
             self.store.close()
@@ -214,6 +218,12 @@ class Coordinator:
             if self.curve is not None:
                 await self.curve.stop()
             self.log.info("coordinator.stopped")
+
+    def _now(self) -> float:
+        """The clock (deadlines, liveness), the pool told how far wall time is from it (records)."""
+        now = self.clock()
+        self.pool.wall_offset = self.wall() - now
+        return now
 
     def _tick(self, now: float) -> None:
         # Silence is judged up to when the input was last read to its end, at most READ_LAG_S back
@@ -346,7 +356,7 @@ class Coordinator:
         self.peer_of.pop(name, None)
         node = self.pool.nodes.get(name)
         if node is not None and not node.lost:
-            self._run(self.pool._node_gone(node, self.clock(), "its key was removed from the pool's allow-list"))
+            self._run(self.pool._node_gone(node, self._now(), "its key was removed from the pool's allow-list"))
 
     def _reject(self, peer: bytes, err: ProtocolError) -> None:
         self.stats["rejected"] += 1
@@ -406,7 +416,7 @@ class Coordinator:
         self._outbox.append([peer, *frames])
 
     def _run(self, actions: list[Any]) -> None:
-        now, saved = self.clock(), set()
+        now, saved = self._now(), set()
         for a in actions:
             if isinstance(a, JobChanged | NodeChanged):
                 if a in saved:
@@ -419,7 +429,7 @@ class Coordinator:
             elif isinstance(a, Refused):
                 self._refused(a)
             elif isinstance(a, Record):
-                self.store.add_event(a.job, a.t, a.kind, a.fields)
+                self.store.add_event(a.job, self.pool.wall(a.t), a.kind, a.fields)
                 self.log.info(a.kind, job=a.job, **a.fields)
             elif isinstance(a, JobChanged):
                 job = self.pool.jobs.get(a.job)
@@ -451,7 +461,7 @@ class Coordinator:
     def _dispatch(self, peer: bytes, msg: Message, msg_id: int = 0, *, bound: bool = False) -> tuple[Message | None, list[Any]]:
         """The reply to a message (None: answered later, or not at all) and the pool's actions.
         `bound`: the peer's key is bound to the name it registers under (checked before)."""
-        now = self.clock()
+        now = self._now()
         match msg:
             case m.Submit():
                 return self._submit(msg, now)
@@ -465,7 +475,7 @@ class Coordinator:
                 job = self.pool.jobs.get(ref_.id)
                 if job is None:
                     return m.StatusReply(jobs=self.store.statuses(1, only=ref_.id)), []
-                status = dataclasses.replace(job.status(now), staging=self.pool.staging_rows(job.id, now), **self.pool.comm_fields(job))
+                status = dataclasses.replace(job.status(now, self.pool.wall(now)), staging=self.pool.staging_rows(job.id, now), **self.pool.comm_fields(job))
                 return m.StatusReply(jobs=[status]), []
             case StageOffer(digests=wanted, exclude=exclude):
                 offer = self.pool.fitness.offer(wanted, [n.name for n in self.pool.nodes.values() if not n.lost], exclude)
@@ -567,7 +577,7 @@ class Coordinator:
                 return []
             case m.NodeLogs(job=job, generation=g, rank=r, lines=lines):
                 if job in self.pool.jobs:
-                    self.store.add_logs(job, now, r, g, lines)
+                    self.store.add_logs(job, self.pool.wall(now), r, g, lines)
                 return []
             case m.NodeExportReady() | m.NodeExportData():
                 self._relay(self.exports.from_node(now, name, msg_id, msg))
@@ -611,7 +621,7 @@ class Coordinator:
         limit, cursor = _page(msg.limit or 0), before or statuspage.FIRST
         # the status of the jobs in memory that can be on this page, and no more (it is not free)
         held = sorted((j for j in self.pool.jobs.values() if (j.submitted_at, j.id) < cursor), key=lambda j: (j.submitted_at, j.id), reverse=True)
-        memory = [dataclasses.replace(j.status(now), **self.pool.comm_fields(j)) for j in held[: limit + 1]]
+        memory = [dataclasses.replace(j.status(now, self.pool.wall(now)), **self.pool.comm_fields(j)) for j in held[: limit + 1]]
 
         def stored(cursor: statuspage.Key, n: int, skip: set[str]) -> list[JobStatus]:
             return self.store.statuses(n, skip=skip, before=cursor)

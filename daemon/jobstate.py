@@ -278,6 +278,10 @@ class JobMachine:
     interrupted_at: float | None = None  # when the failure or change that led here was seen
     cause: Cause | None = None
     lost_to: set[str] = field(default_factory=set)  # nodes whose loss used a restart (refunded if they come back)
+    # The wall time of the event being handled (`handle` sets it): started_at and finished_at are
+    # records, read by people as wall time; deadlines stay on the clock of `now`, which no step of
+    # the system clock moves (daemon/coordinator.py's steady_clock).
+    wall: float = 0.0
 
     @property
     def terminal(self) -> bool:
@@ -305,9 +309,10 @@ class JobMachine:
             return False
         return not self.live or (self.settle_by is not None and now >= self.settle_by)
 
-    def handle(self, event: Event, now: float) -> list[Action]:
+    def handle(self, event: Event, now: float, wall: float | None = None) -> list[Action]:
         """Apply one event; the actions it calls for. An event that does not apply in this state
-        changes nothing and returns []."""
+        changes nothing and returns []. `wall`: the wall time of `now` (None: `now` is wall time)."""
+        self.wall = now if wall is None else wall
         return _HANDLERS[type(event)](self, event, now)
 
     # -- one method per event ------------------------------------------------------------------
@@ -343,7 +348,7 @@ class JobMachine:
         self.generation, self.deadline, self.nodes = e.generation, e.deadline, e.nodes
         self.live, self.high_water, self.from_step = set(range(self.world_size)), self.step, None
         if self.started_at is None:
-            self.started_at = now
+            self.started_at = self.wall
         return []
 
     def _rank_up(self, e: RankUp, now: float) -> list[Action]:
@@ -587,7 +592,7 @@ class JobMachine:
         return [*emits, *blames, *self._stop_group(now, StopMode.NOW, Cause.FAILURE, error)]
 
     def _finish(self, state: JobState, error: str | None, now: float, actions: list[Action]) -> list[Action]:
-        self.state, self.phase, self.error, self.finished_at, self.deadline = state, None, error, now, None
+        self.state, self.phase, self.error, self.finished_at, self.deadline = state, None, error, self.wall, None
         self.settle_by, self.stop_by = None, None
         return [*actions, Emit(f"job.{state}", {"error": error} if error else {})]
 

@@ -106,6 +106,15 @@ class Pool:
         self.links = Links()  # the links groups measured, and each running job's share of a step in all_sum
         self.policy = policy  # sharing the pool (daemon/scheduler.py)
         self.decision: sched.Decision | None = None  # the scheduler's newest, for `dpctl queue`
+        # Wall time less `now`, as of the unit of work being handled (the coordinator sets it from
+        # its clocks). Records, which people read as wall time, are stamped `wall(now)`: a job's
+        # submitted, started and finished times here, events (Record.t) where they are written.
+        # Deadlines and liveness stay on `now`, which a step of the system clock does not move.
+        self.wall_offset = 0.0
+
+    def wall(self, now: float) -> float:
+        """The wall time of `now` (the pool's clock)."""
+        return now + self.wall_offset
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -510,7 +519,7 @@ class Pool:
     # -- jobs ----------------------------------------------------------------------------------
 
     def submit(self, now: float, job_id: str, spec: JobSpec) -> list[Action]:
-        job = Job(id=job_id, name=spec.name, spec=spec, submitted_at=now, machine=JobMachine(max_restarts=spec.recovery.max_restarts))
+        job = Job(id=job_id, name=spec.name, spec=spec, submitted_at=self.wall(now), machine=JobMachine(max_restarts=spec.recovery.max_restarts))
         self.jobs[job_id] = self.live[job_id] = job
         self.fitness.track(job_id, spec, job.doc)
         w = spec.workers
@@ -889,7 +898,7 @@ class Pool:
     def _feed(self, job: Job, event: js.Event, now: float) -> list[Action]:
         before = job.state
         out: list[Action] = []
-        for action in job.machine.handle(event, now):
+        for action in job.machine.handle(event, now, self.wall(now)):
             if isinstance(action, js.StopGroup):
                 out += self._stop(job, action, now)
             elif isinstance(action, js.Unfit):
@@ -989,7 +998,7 @@ class Pool:
         reconcile_by = now + 2 * self.liveness * self.cadence.period_for(max(self.known_nodes, len(self.nodes))) + 2.0
         launched = job.plan is not None and job.plan.generation == saved.generation
         world = job.plan.world_size if launched and job.plan is not None else None
-        job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by), now)  # acts on nothing
+        job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by), now, self.wall(now))  # acts on nothing
         if job.state in js.ACTIVE and launched and job.plan is not None:
             job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(job.plan.ranks)}
             job.reconcile_by = reconcile_by

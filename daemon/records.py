@@ -238,8 +238,10 @@ class Job:
         m = self.machine
         return JobRef(id=self.id, name=self.name, state=m.state, submitted_at=self.submitted_at, finished_at=m.finished_at)
 
-    def status(self, now: float) -> JobStatus:
-        """The `dpctl status JOB --json` object (INTERFACE.md), as of `now` (the coordinator's clock)."""
+    def status(self, now: float, wall: float | None = None) -> JobStatus:
+        """The `dpctl status JOB --json` object (INTERFACE.md), as of `now` (the coordinator's clock;
+        `wall`: the wall time of `now`, what the job's times are in; None: `now` is wall time)."""
+        wall = now if wall is None else wall
         plan = self.plan
         workers = []
         if plan is not None and self.state not in js.TERMINAL:
@@ -271,7 +273,7 @@ class Job:
             submitted=self.submitted_at,
             started=(started := self.machine.started_at),
             finished=(finished := self.machine.finished_at),
-            elapsed_s=None if started is None else round(max(0.0, (finished if finished is not None else now) - started), 3),
+            elapsed_s=None if started is None else round(max(0.0, (finished if finished is not None else wall) - started), 3),
             eta_s=round(eta, 1) if self.state is JobState.RUNNING and self.watch and (eta := self.watch.eta(now)) is not None else None,
             priority=self.spec.priority or None,
             waiting=self.waiting if self.state in (JobState.QUEUED, JobState.RECOVERING) else None,

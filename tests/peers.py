@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -118,9 +119,10 @@ class Peer:
 class Running:
     """A Coordinator on loopback, its loop in a thread; `logs` holds what it logged."""
 
-    def __init__(self, state: Path, *, keys: ServerKeys | None = None, client: ClientKeys | None = None) -> None:
-        """`keys`: CURVE with this pair and allow-list; `client`: the keys `call` uses."""
-        self.keys, self.client = keys, client
+    def __init__(self, state: Path, *, keys: ServerKeys | None = None, client: ClientKeys | None = None, wall: Callable[[], float] = time.time) -> None:
+        """`keys`: CURVE with this pair and allow-list; `client`: the keys `call` uses; `wall`: the
+        coordinator's wall clock (a test steps it)."""
+        self.keys, self.client, self.wall = keys, client, wall
         self.logs: list[Any] = []  # structlog's captured events
         self.stopping = threading.Event()
         self.ready = threading.Event()
@@ -133,7 +135,7 @@ class Running:
             ctx = zmq.asyncio.Context()
             stop = asyncio.Event()
             with structlog.testing.capture_logs() as self.logs:
-                self.coord = Coordinator(ctx, "tcp://127.0.0.1:*", state, heartbeat_s=0.1, keys=self.keys)
+                self.coord = Coordinator(ctx, "tcp://127.0.0.1:*", state, heartbeat_s=0.1, keys=self.keys, wall=self.wall)
                 self.addr = self.coord.bind()
                 task = asyncio.create_task(self.coord.run(stop))
                 self.ready.set()
