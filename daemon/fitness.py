@@ -230,6 +230,8 @@ class Fitness:
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
+        if state is FitState.READY and old is not None and old.state is FitState.STAGING and not fit.rate and now > fit.started > 0:
+            fit.rate = msg.total_bytes / (now - fit.started)  # a fetch done: its row shows the pace it kept, not 0
         fits[node] = fit
         data = msg.found_data if spec.content.data is None else None
         model = msg.found_model if spec.content.model is None and spec.model.kind == "mlx_lm" else None

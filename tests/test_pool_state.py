@@ -1415,6 +1415,8 @@ def test_unfit_about_the_job_before_it_named_its_content_does_not_count() -> Non
     assert pool.fitness.fits["j"]["b"].state.value == "staging"
     out = staged(pool, 0.4, "b", "ready", total_bytes=10, done_bytes=10, holds=["a" * 64], asked=["a" * 64])
     assert records(out, "node.staged") == [{"node": "b", "bytes": 10, "seconds": 0.05}]
+    (row,) = [r for r in pool.staging_rows("j", 0.4) if r.node == "b"]
+    assert (row.state, row.bytes, row.total, row.eta_s) == ("ready", 10, 10, None) and row.rate_bps == pytest.approx(200.0)  # 10 bytes in 0.05 s
     assert pool.fitness.eligible("j", pool.jobs["j"].spec, "b")  # 0.3 s after it lacked the files, not 30
 
 
