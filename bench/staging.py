@@ -72,8 +72,8 @@ import psutil
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError, free_port, wait_for
 from dpool.client.rpc import pages
 from dpool.daemon.fitness import TRAINING_RATE_BPS
-from dpool.daemon.nodestage import parse_size
 from dpool.protocol import messages as m
+from dpool.protocol.config import parse_size
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply

@@ -35,13 +35,14 @@ from dpool.client import plot as client_plot
 from dpool.client import queue as client_queue
 from dpool.client import stage
 from dpool.client import watch as client_watch
+from dpool.client.errors import BadInput, Failed
 from dpool.client.jobtimes import JobTimes, status_object
 from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, all_jobs, pages
 from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
 from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
-from dpool.protocol.config import DEFAULT_CONFIG, ConfigError, load_config
+from dpool.protocol.config import DEFAULT_CONFIG, MAX_TIMEOUT_S, ConfigError, load_config
 from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import (
@@ -74,18 +75,9 @@ SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
-class Failed(Exception):
-    """The command ran but what it asked for failed (exit 1)."""
-
-
-class BadInput(Exception):
-    """Exit 2: the message names what was wrong."""
-
-
 DEFAULT_TIMEOUT_S = 5.0
 
 
-MAX_TIMEOUT_S = 86400.0  # a day: past it a --timeout is a typo (or inf), not a wait anyone means
 
 
 def configured() -> dict[str, Any]:
@@ -101,7 +93,7 @@ def configured() -> dict[str, Any]:
 def coordinator_address(flag: str | None) -> str:
     """flag > $DPOOL_COORDINATOR > the config file's `coordinator`, else its `join` or `serve` > default;
     BadInput naming where it came from when it is no ZeroMQ address."""
-    if flag:
+    if flag is not None:  # an empty one is an address that is wrong, not none given
         addr, where = flag, "--coordinator"
     elif os.environ.get("DPOOL_COORDINATOR"):
         addr, where = os.environ["DPOOL_COORDINATOR"], "$DPOOL_COORDINATOR"
@@ -323,6 +315,8 @@ def wanted_states(given: Iterable[str] | None) -> set[str] | None:
         return None
     out: set[str] = set()
     for item in given:
+        if not item.strip(", "):
+            raise BadInput(f"--state {item!r}: names no state; allowed: {', '.join(STATES)}, or {' / '.join(STATE_GROUPS)}")
         for word in filter(None, (w.strip() for w in item.split(","))):
             if word in STATE_GROUPS:
                 out.update(STATE_GROUPS[word])
@@ -591,7 +585,13 @@ def cmd_test(c: Client, a: argparse.Namespace) -> int:
     job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]
     if not a.json and sys.stderr.isatty():
         print(f"computing the test loss of job {job.id}" + (f" step {a.step}" if a.step is not None else "") + " on a node holding it ...", file=sys.stderr)
-    ready = c.call(m.Export(job=job.id, step=a.step, test=True), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+    try:
+        ready = c.call(m.Export(job=job.id, step=a.step, test=True), m.ExportReply, timeout_s=m.EXPORT_PREPARE_TIMEOUT_S + 30)
+    except RemoteError as e:
+        if e.code != m.ErrorCode.FORBIDDEN:
+            raise
+        # the coordinator names the request (an export run as a test), not this command
+        raise Failed(f"test: a node runs the checkpoint for it, which this key may not ask for ({e.message})") from None
     reachable = True
     try:
         files = _checked_manifest(ready)
@@ -737,7 +737,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpctl", description="Submit jobs to a dpool and watch them. --coordinator, --timeout, --keys and --json go anywhere on the line.")
     p.add_argument("--version", action="version", version=f"dpctl {version()}")
     add_globals(p, top=True)
-    p.add_argument("--json", action="store_true", help="JSON on stdout (every command but demo, keys and completion)")
+    as_json = p.add_argument("--json", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("submit", help="validate and queue a job; prints its id")
@@ -840,6 +840,8 @@ def parser() -> argparse.ArgumentParser:
                 sp.set_defaults(takes_json=True)
             elif action.dest in ("job", "node") and not action.option_strings and name != "submit":
                 action.completer = completer(action.dest)  # type: ignore[attr-defined]
+    without = [name for name, sp in sub.choices.items() if not any(s.get_default("takes_json") for _, s in [(name, sp), *subcommands(sp)])]
+    as_json.help = f"JSON on stdout (every command but {', '.join(without)})"
     return p
 
 

@@ -48,6 +48,7 @@ from dpool.client.demo_lm import (
     export_and_generate,
     lm_spec,
     make_assets,
+    with_steps,
 )
 from dpool.client.localpool import STOP_TIMEOUT_S, LocalPool, LocalPoolError
 from dpool.client.plot import JobRecord, fetch_job, plot
@@ -98,10 +99,7 @@ def blas_note() -> str | None:
 
 
 def demo_spec(steps: int | None) -> JobSpec:
-    data = tomllib.loads(demo_job_text())
-    if steps is not None:
-        data["train"]["steps"] = steps
-    return parse_job(data, source="demo.toml")
+    return parse_job(with_steps(tomllib.loads(demo_job_text()), steps), source="demo.toml")
 
 
 # -- showing it ----------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import sys
 import tomllib
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from dpool.protocol.jobspec import JobSpec, parse_job
 
@@ -54,11 +55,19 @@ def lm_job_text() -> str:
     return resources.files("dpool.client").joinpath("demo-lm.toml").read_text(encoding="utf-8")
 
 
+def with_steps(doc: dict[str, Any], steps: int | None) -> dict[str, Any]:
+    """A demo job file with `--steps N`: its warm-up scaled with it (the same share of the run,
+    rounded down), so that a short demo is not refused for a warm-up longer than itself."""
+    if steps is not None:
+        train = doc["train"]
+        train["warmup_steps"] = min(train.get("warmup_steps", 0), train.get("warmup_steps", 0) * steps // max(1, train["steps"]))
+        train["steps"] = steps
+    return doc
+
+
 def lm_spec(steps: int | None, model: Path | None = None, data: Path | None = None) -> JobSpec:
     """The demo's LoRA job; the model and data paths are filled in once they exist."""
-    doc = tomllib.loads(lm_job_text())
-    if steps is not None:
-        doc["train"]["steps"] = steps
+    doc = with_steps(tomllib.loads(lm_job_text()), steps)
     if model is not None and data is not None:
         doc["model"]["path"], doc["data"]["source"] = str(model), str(data)
     return parse_job(doc, source="demo-lm.toml")

@@ -236,6 +236,9 @@ def _issue(make: Callable[[], tuple[list[Path], str]]) -> int:
     except (ValueError, KeysError) as e:
         print(f"dpctl: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file where a folder must be, a read-only place, a full disk
+        print(f"dpctl: cannot write the keys: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeysExist as e:
         print(f"dpctl: {e}", file=sys.stderr)
         return 1

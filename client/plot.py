@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from dpool.client.errors import BadInput
 from dpool.client.rpc import Client, pages
 from dpool.protocol import messages as m
 from dpool.protocol.payloads import EvalRow, EventRow, JobStatus, MetricRow, SampleRow, TrainRow
@@ -91,8 +92,27 @@ def centred_mean(xs: list[Any], ys: list[float]) -> tuple[list[Any], list[float]
     return [xs[i] for i in inner], [sum(ys[i - h : i + h + 1]) / (2 * h + 1) for i in inner], 2 * h + 1
 
 
+FORMATS = ("png", "pdf", "svg", "jpg", "jpeg", "webp")  # what `-o FILE`'s suffix may be (Agg and its vector backends write them)
+
+
+def output_path(name: str) -> Path:
+    """`-o FILE` as a path the figure can be written to (".png" added when it has no suffix);
+    BadInput naming the problem when it cannot be, before anything is fetched or drawn."""
+    out = Path(name).expanduser()
+    if out.is_dir():
+        raise BadInput(f"-o {name}: is a folder; name a file in it, e.g. {out / 'loss.png'}")
+    if not out.suffix:
+        out = out.with_suffix(".png")
+    if out.suffix[1:].lower() not in FORMATS:
+        raise BadInput(f"-o {name}: cannot write a {out.suffix!r} figure; name a file ending in " + ", ".join(f".{f}" for f in FORMATS))
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise BadInput(f"-o {name}: {parent} is not a folder")
+    return out
+
+
 def plot(rec: JobRecord, path: str | Path) -> Path:
-    """Write the figure to `path` (PNG) and return it."""
+    """Write the figure to `path` (its suffix names the format) and return it."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display, no GUI toolkit
@@ -202,23 +222,28 @@ def plot(rec: JobRecord, path: str | Path) -> Path:
         ax_loss.text(0.5, 0.5, "no metrics yet", transform=ax_loss.transAxes, ha="center", va="center", color="#888888")
 
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=120)
+    except OSError as e:  # a read-only place, a full disk
+        raise BadInput(f"-o {path}: cannot write the figure: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
     return out
 
 
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("plot", help="loss (train and validation) and tokens/s against step, restarts marked, as a PNG")
     s.add_argument("job", help="a job id, unique id prefix or name")
-    s.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the figure")
+    s.add_argument("-o", "--output", required=True, metavar="FILE.png", help="where to write the figure (.png, .pdf, .svg, .jpg or .webp; .png when it has none)")
     s.add_argument("--json", action="store_true", help='print {"file", "job", "state", "steps", "evaluations", "restarts"}')
     s.set_defaults(fn=cmd_plot)
 
 
 def cmd_plot(c: Client, a: Any) -> int:
+    out = output_path(a.output)
     rec = fetch_job(c, a.job)
-    out = plot(rec, a.output)
+    out = plot(rec, out)
     n = len(restarts(rec))
     if getattr(a, "json", False):
         print(orjson.dumps({"file": str(out), "job": rec.status.id, "state": rec.status.state, "steps": len(rec.train), "evaluations": len(rec.evals), "restarts": n}, option=orjson.OPT_INDENT_2).decode())

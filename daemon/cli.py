@@ -37,7 +37,16 @@ from dpool.daemon.childenv import UMASK, StartedZygote
 from dpool.daemon.conditions import Condition, parse_yield_when
 from dpool.daemon.fitness import TRAINING_RATE_BPS
 from dpool.daemon.owner import OwnerWatch
-from dpool.protocol.config import DAEMON_KEYS, DEFAULT_CONFIG, ConfigError
+from dpool.protocol.config import (
+    DAEMON_KEYS,
+    DEFAULT_CONFIG,
+    LOG_LEVELS,
+    MAX_HEARTBEAT_S,
+    MAX_LIVENESS,
+    MAX_STOP_GRACE_S,
+    ConfigError,
+    parse_size,
+)
 from dpool.protocol.config import load_config as shared_config
 from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
@@ -52,8 +61,6 @@ from dpool.protocol.security import (
 
 DEFAULT_SERVE = "tcp://127.0.0.1:7340"
 DEFAULT_DASHBOARD = "127.0.0.1:7341"
-# Bounds of the timing flags: beyond them a value is a typo (or inf), not a setting.
-MAX_HEARTBEAT_S, MAX_LIVENESS, MAX_STOP_GRACE_S = 60.0, 1000, 3600.0
 CONFIG_KEYS = DAEMON_KEYS  # the flags' keys in the config file (protocol/config.py)
 LOCK_FILE = "dpd.lock"
 
@@ -144,11 +151,16 @@ def _advertise_for(join: str) -> str:
 
 
 def settings(args: argparse.Namespace) -> Settings:
-    cfg = load_config(Path(args.config).expanduser() if args.config else DEFAULT_CONFIG, required=bool(args.config))
+    path = Path(args.config).expanduser() if args.config else DEFAULT_CONFIG
+    cfg = load_config(path, required=bool(args.config))
 
     def pick(flag: str, default: Any) -> Any:
         v = getattr(args, flag)
         return v if v is not None else cfg.get(flag, default)
+
+    def where(flag: str) -> str:
+        """Where `pick(flag)` came from, for a message: the flag, or the config file's key."""
+        return f"{path}: {flag} =" if getattr(args, flag) is None and flag in cfg else "--" + flag.replace("_", "-")
 
     serve = pick("serve", None)
     serve = DEFAULT_SERVE if serve is True else None if serve is False else serve  # config: `serve = true`, as a bare --serve
@@ -169,20 +181,21 @@ def settings(args: argparse.Namespace) -> Settings:
             )
     workers = int(pick("workers", 1))
     if workers < 1:
-        raise UsageError(f"--workers {workers}: must be an integer >= 1")
+        raise UsageError(f"{where('workers')} {workers}: must be an integer >= 1")
     hb, liveness = float(pick("heartbeat_interval", 0.25)), int(pick("liveness", 6))
-    if not 0 < hb <= MAX_HEARTBEAT_S or not 2 <= liveness <= MAX_LIVENESS:
-        raise UsageError(f"--heartbeat-interval {hb:g} / --liveness {liveness}: must be seconds in (0, {MAX_HEARTBEAT_S:g}] and a count of "
-                         f"heartbeats from 2 to {MAX_LIVENESS}")
+    if not 0 < hb <= MAX_HEARTBEAT_S:
+        raise UsageError(f"{where('heartbeat_interval')} {hb:g}: must be seconds in (0, {MAX_HEARTBEAT_S:g}]")
+    if not 2 <= liveness <= MAX_LIVENESS:
+        raise UsageError(f"{where('liveness')} {liveness}: must be a count of heartbeats from 2 to {MAX_LIVENESS}")
     stop_grace = float(pick("stop_grace", 10.0))
     if not 0 <= stop_grace <= MAX_STOP_GRACE_S:
-        raise UsageError(f"--stop-grace {stop_grace:g}: must be seconds from 0 to {MAX_STOP_GRACE_S:g} (default 10)")
+        raise UsageError(f"{where('stop_grace')} {stop_grace:g}: must be seconds from 0 to {MAX_STOP_GRACE_S:g} (default 10)")
     rate = float(pick("heartbeat_rate", HEARTBEAT_RATE))
     if not 0 < rate < float("inf"):
-        raise UsageError(f"--heartbeat-rate {rate:g}: must be a number of heartbeats a second > 0 (default {HEARTBEAT_RATE:g})")
+        raise UsageError(f"{where('heartbeat_rate')} {rate:g}: must be a number of heartbeats a second > 0 (default {HEARTBEAT_RATE:g})")
     name = pick("name", None) or socket.gethostname().split(".")[0].lower()
     if not name or len(name) > 63 or any(c.isspace() for c in name):
-        raise UsageError(f"--name {name!r}: must be 1-63 characters without spaces")
+        raise UsageError(f"{where('name')} {name!r}: must be 1-63 characters without spaces")
     try:
         node_keys = client_keys(kdir, "node", name) if kdir else None
         coord_keys = server_keys(kdir) if kdir and serve else None
@@ -194,8 +207,8 @@ def settings(args: argparse.Namespace) -> Settings:
         _check_dashboard(dashboard, serve, kdir, insecure)
     log_file = pick("log_file", None)
     level = str(pick("log_level", "info"))
-    if level not in ("debug", "info", "warning", "error"):
-        raise UsageError(f"--log-level {level!r}: must be one of debug, info, warning, error")
+    if level not in LOG_LEVELS:
+        raise UsageError(f"{where('log_level')} {level!r}: must be one of {', '.join(LOG_LEVELS)}")
     advertise = pick("advertise", None)
     if advertise:
         try:
@@ -217,10 +230,10 @@ def settings(args: argparse.Namespace) -> Settings:
         log_file=Path(log_file).expanduser().absolute() if log_file else None,
         keys=node_keys,
         server_keys=coord_keys,
-        cache_max=_cache_max(pick("cache_max", None)),
-        stage_rate=_stage_rate(pick("stage_rate", None)),
+        cache_max=_cache_max(pick("cache_max", None), where("cache_max")),
+        stage_rate=_stage_rate(pick("stage_rate", None), where("stage_rate")),
         heartbeat_rate=rate,
-        yield_when=_yield_when(pick("yield_when", None)),
+        yield_when=_yield_when(pick("yield_when", None), where("yield_when")),
         dashboard=dashboard,
         keys_dir=kdir,
     )
@@ -238,20 +251,18 @@ def _check_dashboard(listen: str, serve: str | None, kdir: Path | None, insecure
         raise UsageError(str(e)) from None
 
 
-def _yield_when(value: object) -> tuple[Condition, ...]:
+def _yield_when(value: object, where: str = "--yield-when") -> tuple[Condition, ...]:
     if value is None:
         return ()
     try:
         conditions = parse_yield_when(str(value))
         OwnerWatch.from_env(conditions, None)  # its test settings ($DPOOL_YIELD_*), checked now
     except ValueError as e:
-        raise UsageError(f"--yield-when {value!r}: {e}") from None
+        raise UsageError(f"{where} {value!r}: {e}") from None
     return conditions
 
 
-def _stage_rate(value: object) -> float:
-    from dpool.daemon.nodestage import parse_size
-
+def _stage_rate(value: object, where: str = "--stage-rate") -> float:
     if value is None:
         return TRAINING_RATE_BPS
     if str(value).strip() in ("0", "off"):
@@ -259,16 +270,14 @@ def _stage_rate(value: object) -> float:
     try:
         return float(parse_size(str(value)) or 0)
     except ValueError:
-        raise UsageError(f"--stage-rate {value!r}: expected bytes a second such as 25MB or 100MiB, or 0 (never paced)") from None
+        raise UsageError(f"{where} {value!r}: expected bytes a second such as 25MB or 100MiB, or 0 (never paced)") from None
 
 
-def _cache_max(value: object) -> int | None:
-    from dpool.daemon.nodestage import parse_size
-
+def _cache_max(value: object, where: str = "--cache-max") -> int | None:
     try:
         return parse_size(None if value is None else str(value))
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{where} {value!r}: {e}") from None
 
 
 COORDINATOR_STOP_S = 10.0  # after the agent has stopped: the coordinator's batch in hand, then its exit
@@ -458,7 +467,15 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
         print(f"dpd: cannot use the state dir {s.state_dir}: {e}", file=sys.stderr)
         return 1
     if s.log_file is not None:
-        configure_logging(s.log_level, json=True, stream=RotatingFile(s.log_file, quiet=True))
+        log_file = RotatingFile(s.log_file, quiet=True)
+        try:
+            s.log_file.parent.mkdir(parents=True, exist_ok=True)
+            log_file.open()  # now, so that a path it cannot write is refused, not a daemon without a log
+        except OSError as e:
+            print(f"dpd: --log-file {s.log_file}: cannot write there: {e.strerror or e}", file=sys.stderr)
+            os.close(lock)
+            return 2
+        configure_logging(s.log_level, json=True, stream=log_file)
     elif sys.stderr.isatty():
         configure_logging(s.log_level)
     else:

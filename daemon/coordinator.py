@@ -85,6 +85,7 @@ TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the ot
 HEARTBEAT = m.CoordHeartbeat().to_frames()
 SCHEDULE_S = 0.05  # admission at most this often (a pass over 2,000 nodes costs ms, a batch of reports less), after what was read
 READ_LAG_S = 10.0  # a node's silence is judged at most this far behind the clock (Pool.tick's read_to)
+AMBIGUOUS_SHOWN = 5  # ids named when a prefix matches several jobs
 STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
 
 
@@ -162,7 +163,18 @@ class Coordinator:
         # past PEER_BYTES. Before bind: its monitor sees every connection.
         handshakes = {"events": HANDSHAKE_EVENTS, "on_event": self.curve.handshake_event} if self.curve is not None else {}
         self.peers = PeerBudget(self.ctx, sock, self.log, curve=self.keys is not None, name_of=self.node_of.get, **handshakes)
-        sock.bind(self.addr)
+        try:
+            sock.bind(self.addr)
+        except zmq.ZMQError:  # the address is taken (or not this machine's): undo what was started, quietly
+            self.peers.close()
+            self.peers = None
+            if self.curve is not None:
+                for t in self.curve.tasks:
+                    t.cancel()
+                self.curve.zap.close(linger=0)
+                self.curve = None
+            sock.close(linger=0)
+            raise
         self.sock, self.raw = sock, zmq.Socket.shadow(sock.underlying)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         now = self._now()
@@ -608,6 +620,10 @@ class Coordinator:
     def _job(self, ref: str) -> JobRef:
         found = self.store.find_job(ref)
         if found is None:
+            several = self.store.ids_with_prefix(ref, AMBIGUOUS_SHOWN + 1) if ref else []
+            if len(several) > 1:
+                shown = ", ".join(several[:AMBIGUOUS_SHOWN]) + (", ..." if len(several) > AMBIGUOUS_SHOWN else "")
+                raise ProtocolError(ErrorCode.NOT_FOUND, f"{ref!r} is the start of several jobs' ids ({shown}); give more of the id, or a job name")
             raise ProtocolError(ErrorCode.NOT_FOUND, f"no job {ref!r} (an id, a unique id prefix, or a job name)")
         job = self.pool.jobs.get(found.id)
         return job.ref() if job is not None else found

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -393,20 +392,3 @@ class NodeStaging:
                 f"model.path: training it ({spec.model.fine_tune}) needs about {need / gb:.1f} GiB "
                 f"(weights {weights / gb:.1f} GiB), this machine has {self.memory_bytes / gb:.1f} GiB"
             )
-
-
-def parse_size(text: str | None) -> int | None:
-    """A size flag (`--cache-max`, `--stage-rate`): '50GB', '500MB', '1.5TiB' or bytes; None: no budget but the disk."""
-    if text is None:
-        return None
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-    t = text.strip().lower().replace(" ", "")
-    num = t.rstrip("kmgtib")
-    unit = t[len(num):]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0 or not math.isfinite(value):
-        raise ValueError(f"--cache-max {text!r}: expected a size such as 50GB, 500MB or 2TiB")
-    return int(value * units[unit])

@@ -309,6 +309,12 @@ class Store:
         jid, name, state, submitted, finished = found[0]
         return JobRef(id=jid, name=name, state=JobState(state), submitted_at=submitted, finished_at=finished)
 
+    def ids_with_prefix(self, prefix: str, limit: int) -> list[str]:
+        """At most `limit` job ids that start with `prefix`, newest first."""
+        self._see_writes()
+        rows = self.db.execute("SELECT id FROM jobs WHERE substr(id, 1, ?) = ? ORDER BY submitted_at DESC LIMIT ?", (len(prefix), prefix, limit))
+        return [r[0] for r in rows]
+
     def job_count(self) -> int:
         """Every job the database holds (live, finished, in memory or not)."""
         self._see_writes()

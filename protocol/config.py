@@ -9,6 +9,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from dpool.protocol.endpoints import endpoint_problem
+
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
 
 # dpd's keys: the `dpd run` flags, spelled with underscores. A switch-like flag that takes an
@@ -38,9 +40,79 @@ DAEMON_KEYS: dict[str, tuple[type, ...]] = {
 CLIENT_KEYS: dict[str, tuple[type, ...]] = {"coordinator": (str,), "timeout": (float,)}
 KEYS = DAEMON_KEYS | CLIENT_KEYS
 
+MAX_TIMEOUT_S = 86400.0  # a day: past it a timeout is a typo (or inf), not a wait anyone means
+MAX_HEARTBEAT_S, MAX_LIVENESS, MAX_STOP_GRACE_S = 60.0, 1000, 3600.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
 
 class ConfigError(ValueError):
     """The config file cannot be used: which file, which key, what it holds and what is allowed."""
+
+
+def parse_size(text: str | None) -> int | None:
+    """A size (`--cache-max`, `--stage-rate`): '50GB', '500MB', '1.5TiB' or bytes; None: none given.
+    ValueError saying what a size looks like."""
+    if text is None:
+        return None
+    t = text.strip().lower().replace(" ", "")
+    num = t.rstrip("kmgtib")
+    unit = t[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in SIZE_UNITS or value <= 0 or not math.isfinite(value):
+        raise ValueError("expected a size such as 50GB, 500MB or 2TiB")
+    return int(value * SIZE_UNITS[unit])
+
+
+def _size(v: Any) -> str | None:
+    try:
+        parse_size(str(v))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _rate(v: Any) -> str | None:
+    return None if str(v).strip() in ("0", "off") or _size(v) is None else "expected bytes a second such as 25MB or 100MiB, or 0 (never paced)"
+
+
+def _within(lo: float, hi: float, what: str, *, lo_open: bool = False) -> Any:
+    def check(v: Any) -> str | None:
+        ok = (lo < v if lo_open else lo <= v) and v <= hi
+        return None if ok else f"must be {what} in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+    return check
+
+
+def _name(v: Any) -> str | None:
+    return None if 0 < len(v) <= 63 and not any(c.isspace() for c in v) else "must be 1-63 characters without spaces"
+
+
+def _endpoint(v: Any) -> str | None:
+    return None if isinstance(v, bool) else endpoint_problem(v)
+
+
+# What a value may be, beyond its type: the same rule as the flag's (daemon/cli.py, client/cli.py
+# use these bounds), checked whatever flag overrides the key, so that a file one program refuses
+# the other refuses too. (yield_when and dashboard are read by dpd alone, which names the key.)
+VALUES: dict[str, Any] = {
+    "timeout": _within(0, MAX_TIMEOUT_S, "seconds", lo_open=True),
+    "workers": _within(1, 1 << 16, "a number of slots"),
+    "heartbeat_interval": _within(0, MAX_HEARTBEAT_S, "seconds", lo_open=True),
+    "liveness": _within(2, MAX_LIVENESS, "a count of heartbeats"),
+    "stop_grace": _within(0, MAX_STOP_GRACE_S, "seconds"),
+    "heartbeat_rate": _within(0, 1e9, "heartbeats a second", lo_open=True),
+    "cache_max": _size,
+    "stage_rate": _rate,
+    "log_level": lambda v: None if v in LOG_LEVELS else "must be one of " + ", ".join(LOG_LEVELS),
+    "name": _name,
+    "coordinator": _endpoint,
+    "join": _endpoint,
+    "serve": _endpoint,
+}
 
 
 def _fits(value: Any, kinds: tuple[type, ...]) -> bool:
@@ -76,4 +148,7 @@ def load_config(path: Path, required: bool = False) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r}; allowed: {', '.join(KEYS)}")
         if not _fits(value, kinds):
             raise ConfigError(f"{path}: {key} = {value!r}: must be {_names(kinds)}")
+        problem = VALUES[key](value) if key in VALUES else None
+        if problem:
+            raise ConfigError(f"{path}: {key} = {value!r}: {problem}")
     return data

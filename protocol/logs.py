@@ -93,6 +93,11 @@ class RotatingFile:
         self._size = 0
         self._lock = threading.Lock()  # structlog may log from several threads
 
+    def open(self) -> None:
+        """Open (create) the file now: OSError when it cannot be written."""
+        with self._lock:
+            self._open()
+
     def _open(self) -> int:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)

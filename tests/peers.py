@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -153,6 +155,10 @@ class Running:
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [e for e in list(self.logs) if e["event"] == name]
+
+    def dpctl(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """dpctl as users run it, against this coordinator."""
+        return subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", self.addr, *args], capture_output=True, text=True, timeout=60)
 
     def stop(self) -> None:
         self.stopping.set()

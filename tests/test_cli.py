@@ -195,8 +195,14 @@ def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color
     ("coordinator = 5\n", [], "config.toml: coordinator = 5: must be a string"),
     ('timeout = "soon"\n', [], "config.toml: timeout = 'soon': must be a finite number"),
     ("timeout = 0\n", [], "config.toml: timeout = 0: must be seconds in (0, 86400]"),
-    ('coordinator = "tcp://pool"\n', [], "config.toml: coordinator 'tcp://pool': a tcp address is tcp://HOST:PORT"),
+    ('coordinator = "tcp://pool"\n', [], "config.toml: coordinator = 'tcp://pool': a tcp address is tcp://HOST:PORT"),
+    # a key of dpd's, refused by dpctl too (the same file, the same rules), and a value that a flag
+    # overrides: the file is wrong all the same
+    ('cache_max = "lots"\n', [], "config.toml: cache_max = 'lots': expected a size such as 50GB"),
+    ("timeout = -3\n", ["--timeout", "2"], "config.toml: timeout = -3: must be seconds in (0, 86400]"),
     ("", ["--coordinator", "pool:7340"], "--coordinator 'pool:7340': must be a ZeroMQ address"),
+    ("", ["--coordinator", ""], "--coordinator '': must be a ZeroMQ address"),
+    ("", ["--state", ""], "--state '': names no state"),
     ("", ["--timeout", "nan"], "--timeout nan: must be seconds"),
     ("", ["--timeout", "inf"], "--timeout inf: must be seconds"),
     ("", ["--timeout", "1e7"], "--timeout 1e+07: must be seconds"),

@@ -213,6 +213,13 @@ def test_watch_follows_a_job_to_the_end_and_plot_draws_it(processes: Processes, 
     assert "12 steps, 3 evaluations, 0 restarts" in r.stdout
     width, height = png_size(out)
     assert width > 400 and height > 300
+    # -o without a suffix is a PNG and says the file it wrote; one it cannot write is exit 2, naming why
+    r = pool.dpctl("plot", job, "-o", str(tmp_path / "plots" / "bare"), timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"{tmp_path / 'plots' / 'bare.png'}: ") and png_size(tmp_path / "plots" / "bare.png")[0] > 400, (r.stdout, r.stderr)
+    (tmp_path / "afile").write_text("")
+    for where, said in ((tmp_path / "plots" / "x.txt", "cannot write a '.txt' figure"), (tmp_path / "plots", "is a folder"), (tmp_path / "afile" / "x.png", "is not a folder")):
+        r = pool.dpctl("plot", job, "-o", str(where), timeout=60)
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, (where, r.stderr)
 
     # A job that cannot start (it needs 2 workers, the pool has 1), then cancelled: watch exits 1.
     queued = submit(pool, "needs-two", workers=2)
@@ -258,3 +265,14 @@ def test_the_terminal_view_shows_workers_and_recent_events() -> None:
     assert re.search(r"1 +node-1 +8 +4410", text)
     assert "worker.failed" in text and "steps_recomputed=3" in text
     assert "checkpoint.saved" not in text  # frequent events do not push the interesting ones out
+
+
+def test_a_short_demo_scales_its_warm_up_instead_of_being_refused() -> None:
+    """`dpctl demo --steps 5` is a valid job: its warm-up keeps its share of the run (20 of 200
+    steps), rounded down, rather than the 20 steps that made a job of 5 invalid."""
+    from dpool.client.demo import demo_spec
+    from dpool.client.demo_lm import lm_spec
+
+    assert [demo_spec(n).train.warmup_steps for n in (2, 19, 100, 200, 1000)] == [0, 1, 10, 20, 20]
+    assert [lm_spec(n).train.warmup_steps for n in (2, 30, 60, 600)] == [0, 2, 5, 5]
+    assert demo_spec(None).train.steps == 200 and demo_spec(7).train.steps == 7

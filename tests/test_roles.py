@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -264,3 +266,13 @@ def test_a_viewer_reads_the_queue_and_cannot_change_a_priority(coord: Running, c
     forbidden(viewer.message(SetPriority(job="x", priority=3)), "priority", "viewer key (viewer:dash)")
     reply = connect("client").message(SetPriority(job="x", priority=3))
     assert isinstance(reply, m.Error) and reply.code == "not_found"  # a client may; there is no job x
+
+
+def test_dpctl_test_with_a_viewer_key_is_refused_naming_the_command(coord: Running, keys: Path) -> None:
+    """`dpctl test` asks a node for the checkpoint through the export relay; refused for a viewer,
+    it says so about `test` (the coordinator names the request it refused: an export)."""
+    job = coord.call(m.Submit(job=JOB, source="two.toml"), m.Submitted).job_id
+    r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", coord.addr, "--keys", str(keys / "bundles" / "dash"), "test", job],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.startswith("dpctl: test: a node runs the checkpoint for it, which this key may not ask for"), r.stderr
+    assert "viewer key (viewer:dash)" in r.stderr, r.stderr

@@ -43,6 +43,13 @@ def nodes(addr: str, keys: Path) -> list[dict[str, object]]:
 # -- keys init ---------------------------------------------------------------------------------
 
 
+def test_keys_init_where_no_folder_can_be_is_exit_2_naming_the_path(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    for where, said in ((tmp_path / "afile", "File exists"), (tmp_path / "afile" / "sub", "Not a directory")):
+        r = keys_init(where)
+        assert r.returncode == 2 and r.stderr.startswith("dpctl: cannot write the keys: ") and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_keys_init_writes_private_secrets_an_allow_list_by_role_and_a_bundle_per_machine(tmp_path: Path) -> None:
     d = tmp_path / "keys"
     r = keys_init(d, "--node", "mac1", "--node", "mac2", "--client", "alice")

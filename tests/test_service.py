@@ -548,6 +548,26 @@ def test_the_config_file_dpctl_shares_is_read_by_dpd_too(tmp_path: Path) -> None
     config.write_text("heartbeat_interval = inf\n")
     with pytest.raises(cli.UsageError, match="heartbeat_interval = inf: must be a finite number"):
         cli.load_config(config, required=True)
+    # A value out of its range names the file and the key, whatever flag would override it
+    for text, said in (('cache_max = "lots"', "cache_max = 'lots': expected a size such as 50GB"), ("timeout = -3", r"timeout = -3: must be seconds in \(0, 86400\]"),
+                       ("liveness = 1", r"liveness = 1: must be a count of heartbeats in \[2, 1000\]"), ('log_level = "loud"', "log_level = 'loud': must be one of debug")):
+        config.write_text(text + "\n")
+        with pytest.raises(cli.UsageError, match=f"{config}: {said}"):
+            cli.load_config(config, required=True)
+
+
+def test_a_bad_value_in_the_config_file_is_refused_naming_the_file_and_the_key(tmp_path: Path) -> None:
+    """`dpd run --config FILE`: exit 2 and one line that names FILE and the key (not the flag the
+    user never passed); a bad --log-file is refused the same way, not a daemon with no log."""
+    config = tmp_path / "c.toml"
+    config.write_text('yield_when = "sometimes"\n')
+    base = [sys.executable, "-m", "dpool.daemon.boot", "run", "--serve", "tcp://127.0.0.1:7398", "--state-dir", str(tmp_path / "sd")]
+    r = subprocess.run([*base, "--config", str(config)], capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+    assert r.returncode == 2 and f"{config}: yield_when = 'sometimes'" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    (tmp_path / "afile").write_text("")
+    for bad in (tmp_path, tmp_path / "afile" / "dpd.log"):
+        r = subprocess.run([*base, "--log-file", str(bad)], capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
+        assert r.returncode == 2 and f"--log-file {bad}: cannot write there" in r.stderr, r.stderr
 
 
 def test_every_flag_has_a_spelling_in_the_config_file(tmp_path: Path) -> None:

@@ -175,6 +175,7 @@ def test_an_address_in_use_is_refused_before_the_agent_starts(tmp_path: Path, ca
     assert f"dpd: cannot serve on {addr}: " in capsys.readouterr().err
     events = [e["event"] for e in logs]
     assert "coordinator.bind_failed" in events and "node.registered" not in events, events
+    assert "peer_budget.failed" not in events, events  # the socket's guard was stopped with it, not left to a terminated context
 
 
 def test_a_coordinator_that_dies_ends_the_dpd_with_code_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
