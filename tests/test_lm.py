@@ -362,6 +362,44 @@ def test_without_valid_jsonl_examples_are_held_out_by_a_seeded_hash(assets, tmp_
     assert all(0 < o < len(t) for t, o in zip(a.train.tokens, a.train.offsets, strict=True)), "prompts are masked"
 
 
+def test_examples_with_nothing_to_train_within_the_context_are_left_out_or_refused(assets, tmp_path):
+    """With data.mask_prompt, a prompt as long as model.context cuts the example before its answer:
+    no trained token (mlx-lm trains it with a NaN loss; a batch of only those divided by zero).
+    They are left out with a warning; a split of nothing else is refused, naming the setting."""
+    from mlx_lm.utils import load_tokenizer
+
+    from dpool.protocol.jobspec import parse_job
+    from dpool.trainer.data import DataError
+    from dpool.trainer.lm_data import load_lm_data, trainable
+
+    tokenizer = load_tokenizer(assets / "llama")
+    spec = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")},
+                      "data": {"source": str(assets / "chat"), "mask_prompt": True}})
+    data = load_lm_data(spec, tokenizer, [], tmp_path / "cache")
+    offsets = sorted(int(o) for o in data.train.offsets)
+    width = offsets[len(offsets) // 2]  # half the prompts reach it
+    kept, dropped = trainable(data, width, "chat")
+    assert dropped["train"] == sum(o >= width for o in offsets) > 0 and len(kept.train) == len(data.train) - dropped["train"]
+    assert all(o < width for o in kept.train.offsets) and all(o < width for o in kept.val.offsets)
+    assert trainable(data, offsets[-1] + 1, "chat") == (data, {})  # nothing to leave out: the same data
+    with pytest.raises(DataError, match=r"every training example's prompt is \d+ tokens or longer.*model.context \(max_seq_length\) = 1"):
+        trainable(data, 1, "chat")
+
+
+def test_tools_null_is_no_tools_as_mlx_lm_reads_it(tmp_path):
+    from dpool.trainer.data import DataError
+    from dpool.trainer.lm_data import read_jsonl
+
+    path = tmp_path / "train.jsonl"
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps({**chat, "tools": None}) + "\n" + json.dumps(chat) + "\n")
+    fmt, rows = read_jsonl(path)
+    assert fmt == "chat" and len(rows) == 2
+    path.write_text(json.dumps({**chat, "tools": "search"}) + "\n")
+    with pytest.raises(DataError, match=r"train.jsonl:1: 'tools' must be a list"):
+        read_jsonl(path)
+
+
 def test_pack_groups_by_length_and_pads_as_mlx_lm():
     import numpy as np
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ from mlx.utils import tree_flatten
 
 from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, lora_blocks, model_location
+from dpool.protocol.logs import get_logger
 from dpool.trainer.data import DataError, ExampleOrder
-from dpool.trainer.lm_data import load_lm_data
+from dpool.trainer.lm_data import load_lm_data, trainable
 from dpool.trainer.task import Example
 
 DEFAULT_PROMPT = "Hello"
@@ -103,6 +105,9 @@ def load_base(spec: JobSpec):
     return model, tokenizer, config, model_dir
 
 
+BLOCK_PATH = re.compile(r"(^|\.)layers\.\d+(\.|$)")
+
+
 class LMTask:
     pad_to = 32  # as mlx-lm's iterate_batches pads
 
@@ -123,7 +128,12 @@ class LMTask:
         if not with_data:
             return
         files = [self.model_dir / f for f in TOKENIZER_FILES if (self.model_dir / f).is_file()]
-        self.data = load_lm_data(spec, tokenizer, files, cache_dir)
+        self.data, dropped = trainable(load_lm_data(spec, tokenizer, files, cache_dir), self.width_cap, spec.data.source)
+        if dropped:
+            get_logger().warning(
+                "data.untrainable", left_out=dropped, context=self.width_cap,
+                why="each prompt is as long as model.context (max_seq_length) with data.mask_prompt: nothing of its answer would be trained",
+            )
         lengths = np.array([len(t) for t in self.data.train.tokens], dtype=np.int64)
         self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
         self.val_count = len(self.data.val) if spec.eval.batches == -1 else min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
@@ -176,7 +186,8 @@ class LMTask:
             return hasattr(module, "to_lora") or isinstance(module, kinds)
 
         inside = {k for block in model.layers for k, mod in block.named_modules() if convertible(mod)}
-        outside = {k for k, mod in model.named_modules() if convertible(mod) and not k.startswith(("layers.", "model.layers."))}
+        # the model's own layers, not the blocks' (under layers.N, model.layers.N, language_model.model.layers.N, ...)
+        outside = {k for k, mod in model.named_modules() if convertible(mod) and not BLOCK_PATH.search(k)}
         for key in keys:
             if key not in inside and key not in outside:
                 raise ModelError(

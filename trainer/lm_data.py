@@ -17,6 +17,7 @@ cached under the worker's cache dir (a restart loads them in milliseconds).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -101,7 +102,7 @@ def _check_row(row: dict[str, Any], fmt: str) -> str | None:
                 return f"messages[{i}] must be an object with a 'role' string"
             if "content" in msg and not isinstance(msg["content"], str | list | type(None)):
                 return f"messages[{i}].content must be a string"
-    if "tools" in row and not isinstance(row["tools"], list):
+    if row.get("tools") is not None and not isinstance(row["tools"], list):  # null: none (as datasets' to_json writes it)
         return "'tools' must be a list"
     return None
 
@@ -200,6 +201,34 @@ class LMData:
     fingerprint: int
     key: str
     test: Split | None = None  # the test examples, where the data has them
+
+
+def trainable(data: LMData, width: int, source: str) -> tuple[LMData, dict[str, int]]:
+    """The data without the examples that have no trained token within `width` tokens (a prompt,
+    masked by data.mask_prompt, as long as the context: the example is cut before its answer
+    starts; mlx-lm trains on them with a NaN loss), and how many each split left out. DataError
+    when the training or validation examples are all of that kind."""
+    dropped: dict[str, int] = {}
+    kept: dict[str, Split | None] = {}
+    for name in ("train", "val", "test"):
+        split: Split | None = getattr(data, name)
+        keep = [] if split is None else [i for i in range(len(split)) if split.offsets[i] < width]
+        if split is None or len(keep) == len(split):
+            kept[name] = split
+            continue
+        dropped[name] = len(split) - len(keep)
+        if not keep and name != "test":
+            raise DataError(
+                f"data.source = {source!r}: every {'training' if name == 'train' else 'validation'} example's prompt is "
+                f"{width} tokens or longer, so data.mask_prompt leaves nothing of it to train within model.context "
+                f"(max_seq_length) = {width}; raise it, or shorten the prompts"
+            )
+        kept[name] = Split([split.tokens[i] for i in keep], split.offsets[keep])
+    if not dropped:
+        return data, {}
+    train, val = kept["train"], kept["val"]
+    assert train is not None and val is not None
+    return dataclasses.replace(data, train=train, val=val, test=kept["test"]), dropped
 
 
 def _cache_key(spec: JobSpec, files: list[Path], tokenizer_files: list[Path]) -> str:
