@@ -24,7 +24,7 @@ import orjson
 from dpool.protocol import mlxlm_config
 from dpool.protocol.hf_dataset import HFDatasetSpec, parse_hf_datasets
 from dpool.protocol.joberrors import MISSING as _MISSING
-from dpool.protocol.joberrors import JobFileError
+from dpool.protocol.joberrors import JobFileError, read_job_file
 from dpool.protocol.optimizers import (
     OPTIMIZERS,
     LrSchedule,
@@ -796,15 +796,9 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
 
 def read_toml(path: str) -> dict[str, Any]:
     """A job file's TOML document, unvalidated; JobFileError (naming the file) when it cannot be read."""
+    data = read_job_file(path)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise JobFileError(path, "file", path, "no such file") from None
-    except IsADirectoryError:
-        raise JobFileError(path, "file", path, "is a directory; give the job file (a .toml, or an mlx_lm .yaml config)") from None
-    except OSError as e:
-        raise JobFileError(path, "file", path, f"cannot be read ({e.strerror or e})") from None
+        return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise JobFileError(path, "toml", f"byte {e.start}", "must be UTF-8 text (TOML)") from None
     except tomllib.TOMLDecodeError as e:

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from dpool.protocol.joberrors import JobFileError, one_line
+from dpool.protocol.joberrors import JobFileError, one_line, read_job_file
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -107,10 +107,8 @@ _Loader.add_implicit_resolver(
 def read_config(path: str) -> dict[str, Any]:
     """The YAML file's mapping; JobFileError for a file that is missing, unreadable or not a mapping."""
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise JobFileError(path, "file", path, "no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
+        text = read_job_file(path).decode("utf-8")
+    except UnicodeDecodeError as e:
         raise JobFileError(path, "file", path, f"cannot be read ({e})") from None
     try:
         config = yaml.load(text, _Loader)

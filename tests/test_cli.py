@@ -142,6 +142,13 @@ def test_flags_after_the_subcommand_are_read_and_json_where_it_does_not_apply_is
     assert cli.main(["status", "some-job", "--state", "running"]) == 2
     assert cli.main(["submit", str(tmp_path / "missing.toml"), "--dry-run"]) == 2
     assert "no such file" in capsys.readouterr().err
+    # What is no job file is refused at once, not read forever (a device, a FIFO) or whole (1 MiB+)
+    os.mkfifo(tmp_path / "fifo.toml")
+    (tmp_path / "big.toml").write_bytes(b"#" * (2 << 20))
+    for given, said in (("/dev/zero", "is not a regular file"), (str(tmp_path / "fifo.toml"), "is not a regular file"),
+                        (str(tmp_path / "big.toml"), "is larger than 1 MiB"), (str(tmp_path), "is a directory")):
+        assert cli.main(["submit", given, "--dry-run"]) == 2
+        assert said in capsys.readouterr().err, given
     # A follower waits out a coordinator that answered once, not one that never did: exit 3 at once.
     nowhere = f"tcp://127.0.0.1:{free_port()}"
     for follower in (["watch", "some-job"], ["logs", "some-job", "-f"]):
