@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +34,7 @@ import psutil
 
 from dpool.client.rpc import Client
 from dpool.protocol import messages as m
+from dpool.protocol.checkpoints import memory_root
 from dpool.protocol.payloads import JobStatus, NodeRow
 
 STOP_GRACE_S = 5.0  # each daemon's SIGTERM -> SIGKILL grace for its trainers (dpd --stop-grace)
@@ -358,6 +360,8 @@ class LocalPool:
         whatever is left, then any trainer that outlived its daemon; returns the daemons that had
         to be killed (each also told to `report`)."""
         killed = self.procs.stop_all(timeout, report)
+        for d in self.started:  # state kept in RAM for its state dirs (daemon/memstore.py) ends with the pool
+            shutil.rmtree(memory_root(d.state_dir), ignore_errors=True)
         return [d for d in self.started if d.proc in killed]
 
     def __enter__(self) -> LocalPool:

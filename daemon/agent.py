@@ -59,7 +59,7 @@ from dpool.daemon.childenv import StartedZygote, die_with_parent, trainer_comman
 from dpool.daemon.children import clean, error_message, is_alive, is_stopped
 from dpool.daemon.exporter import Exporter, ExportError
 from dpool.daemon.forkserver import ForkedProcess, ForkServer, ForkServerError, modules_for
-from dpool.daemon.memstore import MemoryStore, default_root
+from dpool.daemon.memstore import MemoryStore
 from dpool.daemon.nodestage import NodeStaging
 from dpool.daemon.owner import OwnerWatch
 from dpool.daemon.power import SleepGuard
@@ -68,7 +68,7 @@ from dpool.daemon.spares import ENV_WARM, SPARE_AFTER_STEPS, WarmTrainers
 from dpool.daemon.sysinfo import node_info
 from dpool.daemon.worker import EarlyReports, Worker, write_file
 from dpool.protocol import messages as m
-from dpool.protocol.checkpoints import EXIT_DISK, newest_step, valid_job_id
+from dpool.protocol.checkpoints import EXIT_DISK, memory_root, newest_step, valid_job_id
 from dpool.protocol.jobspec import JobFileError
 from dpool.protocol.link_messages import NodeLink, WorkerLink
 from dpool.protocol.logs import RotatingFile, Throttle, get_logger
@@ -183,7 +183,7 @@ class Agent(WarmTrainers):
         self.closing = False  # stopping every worker: no more spares
         self.warm = os.environ.get(ENV_WARM, "1") != "0"
         self.stopped_s = _seconds(os.environ.get(ENV_STOPPED), STOPPED_S)
-        self.memory = MemoryStore(default_root(self.state_dir))
+        self.memory = MemoryStore(memory_root(self.state_dir))
         self.forks = ForkServer(zygote)  # trainers forked pre-imported (`zygote`: one started before the daemon's imports)
         self.kinds: dict[str, str] = {}  # job -> its model kind (what its trainers import)
         host = f"[{advertise}]" if ":" in advertise else advertise
@@ -216,6 +216,7 @@ class Agent(WarmTrainers):
             code = await self._control_loop(stopping)
         finally:
             await self._stop_all("dpd stopping")
+            self.memory.close()
             self.staging.stop()
             await self.forks.close()
             self.awake.close()

@@ -2,7 +2,8 @@
 
 One folder per job and slot, `ROOT/JOB/slot-K/checkpoints/step-N/`, handed to the trainer in
 `DPOOL_MEMORY_DIR`. ROOT is on a RAM file system where the machine has one the user may write
-(Linux: `/dev/shm/dpool-UID-HASH`, HASH naming the state dir, so two dpds never share it), else
+(Linux: `/dev/shm/dpool-UID-HASH`, HASH naming the state dir, so two dpds never share it:
+protocol/checkpoints.memory_root), else
 `STATE/memory` (macOS: written without fsync, it stays in the page cache). It outlives the trainers
 and the dpd (a restarted dpd offers what it finds as holdings), not the machine.
 
@@ -15,23 +16,13 @@ become paths (`valid_job_id`).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
 from dpool.protocol.checkpoints import newest_step, valid_job_id
 
-RAM_ROOT = Path("/dev/shm")
 IDLE_S = 600.0
-
-
-def default_root(state_dir: Path) -> Path:
-    tag = hashlib.sha256(str(state_dir.absolute()).encode()).hexdigest()[:12]
-    if sys.platform.startswith("linux") and RAM_ROOT.is_dir() and os.access(RAM_ROOT, os.W_OK | os.X_OK):
-        return RAM_ROOT / f"dpool-{os.getuid()}-{tag}"
-    return state_dir / "memory"
 
 
 class MemoryStore:
@@ -42,6 +33,12 @@ class MemoryStore:
     def prepare(self) -> None:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)  # this user's alone, as the state dir
+
+    def close(self) -> None:
+        """The dpd is stopping: an empty root goes (nothing in it to offer after a restart, which
+        makes it again); one that holds state stays for the next dpd on this state dir."""
+        with contextlib.suppress(OSError):
+            self.root.rmdir()
 
     def folder(self, job: str, slot: int) -> Path:
         assert valid_job_id(job), job

@@ -118,9 +118,11 @@ class Node:
             return NodeState.LOST
         if self.hold is Hold.YIELDING:
             return NodeState.YIELDING  # its workers leave, or have left, for its owner
-        if self.hold is not None and self.used:
-            return NodeState.DRAINING  # its workers are checkpointing and leaving
-        return NodeState.BUSY if self.used else NodeState.IDLE  # drained: idle, `reason` says why
+        if self.hold is not None:
+            # drained or set aside: its workers checkpoint and leave, and it takes no work until
+            # `dpctl undrain` (`reason` says which); "idle" would say it is free for work
+            return NodeState.DRAINING
+        return NodeState.BUSY if self.used else NodeState.IDLE
 
     def free(self) -> list[int]:
         if self.lost or self.hold is not None:

@@ -13,8 +13,10 @@ matches JOB_ID_RE (`<job name>-<6 hex digits>`, as the coordinator makes them): 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
 import orjson
@@ -24,6 +26,19 @@ import orjson
 # dpd reports a job folder it cannot write at a group start the same way. The pool blames the node
 # (exit 1 is what a rank's peers exit with, and is not blamed), so a full disk sets it aside.
 EXIT_DISK = 74
+
+RAM_ROOT = Path("/dev/shm")
+
+
+def memory_root(state_dir: Path) -> Path:
+    """Where the dpd of `state_dir` keeps its trainers' state in memory (daemon/memstore.py): on a
+    RAM file system where the machine has one this user may write, named after the state dir, else
+    under the state dir. Known here so that a local pool can free it with its state dirs."""
+    tag = hashlib.sha256(str(state_dir.absolute()).encode()).hexdigest()[:12]
+    if sys.platform.startswith("linux") and RAM_ROOT.is_dir() and os.access(RAM_ROOT, os.W_OK | os.X_OK):
+        return RAM_ROOT / f"dpool-{os.getuid()}-{tag}"
+    return state_dir / "memory"
+
 
 STEP_DIR_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")  # as step_dir names them: "step-08" is none
 JOB_ID_RE = re.compile(r"[a-z0-9-]{1,63}-[0-9a-f]{6}")

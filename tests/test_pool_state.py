@@ -848,7 +848,7 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     assert records(out, "node.drained") == [{"node": "c"}]
     assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
     row = pool.node_rows(2.2)[2]
-    assert (row.state, row.reason) == ("idle", "drained")
+    assert (row.state, row.reason, row.busy_slots) == ("draining", "drained", 0)  # out of service until undrained: not "idle"
     out = restart(pool, out, 3.0, resume=8)
     assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
     (shrunk,) = records(out, "job.shrunk")  # no job took c's slot: the drain is the cause

@@ -26,6 +26,7 @@ from dpool.client.localpool import Daemon
 from dpool.daemon import cli
 from dpool.daemon.coordinator import Coordinator
 from dpool.protocol import messages as m
+from dpool.protocol.checkpoints import memory_root
 from dpool.protocol.payloads import NodeInfo
 
 # A short heartbeat interval makes the coordinator's work between two of its ticks (a batch of
@@ -148,14 +149,17 @@ def test_sigterm_stops_a_serving_dpd_cleanly(processes: Processes, tmp_path: Pat
     it runs on; then SIGTERM stops it."""
     _, daemon = serving(processes, tmp_path)
     os.kill(daemon.pid, signal.SIGUSR1)
-    wait_for("its stacks in its log", lambda: "most recent call first" in daemon.log.read_text(errors="replace"), 10)
-    assert f"daemon{os.sep}cli.py" in daemon.log.read_text(errors="replace")  # its main thread, in asyncio.run
+    # every thread's stack, its main thread's too (in asyncio.run, from daemon/cli.py); written a
+    # thread at a time, so the test waits for that one rather than for the dump's first line
+    wait_for("its stacks in its log", lambda: f"daemon{os.sep}cli.py" in daemon.log.read_text(errors="replace"), 10)
+    assert "most recent call first" in daemon.log.read_text(errors="replace")
     assert daemon.proc.poll() is None
     os.kill(daemon.pid, signal.SIGTERM)
     assert daemon.proc.wait(30) == 0, daemon.log.read_text()[-3000:]
     assert not alive(daemon.pid)
     assert pids_with(f"{tmp_path}{os.sep}") == []  # nothing it started outlives it
     assert logged(daemon, "node.stopped") and logged(daemon, "coordinator.stopped")
+    assert not memory_root(daemon.state_dir).exists()  # it kept nothing in RAM: no empty folder left there
 
 
 def settings(tmp_path: Path, serve: str) -> cli.Settings:
