@@ -258,6 +258,10 @@ def _broken_model(assets: Path, folder: Path, how: str) -> Path:
         config = json.loads((dst / "config.json").read_text())
         config["model_type"] = "nosuchformer"
         (dst / "config.json").write_text(json.dumps(config))
+    elif how == "no-tokenizer":
+        for f in dst.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+                f.unlink()
     elif how == "no-template":
         tok = json.loads((dst / "tokenizer_config.json").read_text())
         tok.pop("chat_template", None)
@@ -270,6 +274,7 @@ BAD = [
     ("no-config", "chat", "config.json"),
     ("unknown-arch", "chat", "nosuchformer"),
     ("no-template", "chat", "chat template"),
+    ("no-tokenizer", "chat", "has no tokenizer (tokenizer.json, tokenizer.model, vocab.json"),
     ("bad-line", "chat", "train.jsonl:3"),
     ("full-on-quantized", "chat", "quantized"),
 ]
@@ -278,7 +283,7 @@ BAD = [
 @pytest.mark.parametrize(("how", "data", "says"), BAD, ids=[b[0] for b in BAD])
 def test_bad_model_or_data_is_one_line_and_exit_2(assets, tmp_path, how, data, says):
     model, fine_tune, data_dir = assets / "llama", "lora", assets / data
-    if how in ("no-config", "unknown-arch", "no-template"):
+    if how in ("no-config", "unknown-arch", "no-template", "no-tokenizer"):
         model = _broken_model(assets, tmp_path, how)
     elif how == "bad-line":
         data_dir = tmp_path / "data"

@@ -30,6 +30,7 @@ from dpool.trainer.lm_data import load_lm_data, trainable
 from dpool.trainer.task import Example
 
 DEFAULT_PROMPT = "Hello"
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")  # a folder with none of these has no tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
@@ -95,9 +96,12 @@ def load_base(spec: JobSpec):
             raise ModelError(f"{shown}: {folder} has no *.safetensors weights")
     try:
         model, tokenizer, config = load(path, return_config=True)
-    except ValueError as e:  # e.g. "Model type foo not supported."
-        raise ModelError(f"{shown}: {one_line(e)}") from None
-    except (OSError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: MLX's, e.g. weights cut short
+    except (ValueError, OSError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: MLX's, e.g. weights cut short
+        if where == "dir" and not any((Path(path) / f).is_file() for f in TOKENIZER_NAMES):
+            # transformers' own message runs to a paragraph and never names the files it looked for
+            raise ModelError(f"{shown}: {path} has no tokenizer ({', '.join(TOKENIZER_NAMES)}); copy the model's tokenizer files beside its weights") from None
+        if isinstance(e, ValueError):  # e.g. "Model type foo not supported."
+            raise ModelError(f"{shown}: {one_line(e)}") from None
         raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {one_line(e)})") from None
     from mlx_lm.utils import hf_repo_to_path
 
