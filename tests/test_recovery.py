@@ -272,7 +272,7 @@ def test_drain_moves_work_off_a_node_without_recomputing(pool: Pool, tmp_path: P
     assert kinds(events, "node.drained") and kinds(events, "worker.failed") == [], events
     assert any(e["world_size"] == 2 for e in kinds(events, "group.started"))
     n2 = next(n for n in pool.nodes() if n.name == "n2")
-    assert (n2.state, n2.reason) == ("idle", "drained")
+    assert (n2.state, n2.reason, n2.busy_slots) == ("draining", "drained", 0)  # out of service until undrained, not idle
     assert pool.dpctl("undrain", "n2").returncode == 0
     n2 = next(n for n in pool.nodes() if n.name == "n2")
     assert n2.reason is None
