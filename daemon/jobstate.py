@@ -174,6 +174,8 @@ class Saved:
     error: str | None
     started_at: float | None
     finished_at: float | None
+    interrupted_at: float | None = None  # wall time of the failure or change being recovered from
+    cause: str | None = None  # and its Cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +278,7 @@ class JobMachine:
     high_water: int = 0  # `step` when the current generation launched
     from_step: int | None = None  # the current generation's resume step (rank 0's hello)
     interrupted_at: float | None = None  # when the failure or change that led here was seen
+    interrupted_wall: float | None = None  # the same in wall time (kept by the store across a coordinator restart)
     cause: Cause | None = None
     lost_to: set[str] = field(default_factory=set)  # nodes whose loss used a restart (refunded if they come back)
     # The wall time of the event being handled (`handle` sets it): started_at and finished_at are
@@ -377,7 +380,7 @@ class JobMachine:
             "steps_recomputed": max(0, self.high_water - start),
             "cause": str(self.cause),
         }
-        self.interrupted_at, self.cause = None, None
+        self.interrupted_at, self.interrupted_wall, self.cause = None, None, None
         return [Emit("group.resumed", fields)]
 
     def _rank_exited(self, e: RankExited, now: float) -> list[Action]:
@@ -512,6 +515,11 @@ class JobMachine:
         self.error, self.started_at, self.finished_at = s.error, s.started_at, s.finished_at
         if s.state not in ACTIVE:
             return []
+        if s.interrupted_at is not None and s.cause in {c.value for c in Cause}:
+            # A recovery under way when the coordinator stopped: the next group's first step is
+            # still its group.resumed, timed from the interruption (the coordinator's downtime
+            # included: it was part of the wait).
+            self.interrupted_at, self.interrupted_wall, self.cause = now - max(0.0, self.wall - s.interrupted_at), s.interrupted_at, Cause(s.cause)
         if e.launched is None:
             # A start (or restart) being prepared: nothing of it ran; admit it again.
             if s.state is JobState.STARTING:
@@ -579,7 +587,7 @@ class JobMachine:
         self.state, self.deadline = JobState.RECOVERING, None
         self.phase = Phase.STOPPING if mode is StopMode.NOW else Phase.CHECKPOINTING
         self.settle_by = now + SETTLE_S if settle else None
-        self.interrupted_at, self.cause = now, cause
+        self.interrupted_at, self.interrupted_wall, self.cause = now, self.wall, cause
         return [StopGroup(self.generation, mode), Emit("group.stopped", {"generation": self.generation, "reason": reason, "mode": str(mode)})]
 
     def _fail(self, now: float, emits: list[Action], nodes: list[str], error: str) -> list[Action]:

@@ -246,7 +246,8 @@ class Job:
         wall = now if wall is None else wall
         plan = self.plan
         workers = []
-        if plan is not None and self.state not in js.TERMINAL:
+        queued = self.state is JobState.QUEUED  # sent back to wait: its old group runs no more
+        if plan is not None and self.state not in js.TERMINAL and not queued:
             for r, slot in enumerate(plan.ranks):
                 run = self.ranks.get(r)
                 workers.append(
@@ -265,7 +266,7 @@ class Job:
             step=self.step,
             steps=self.steps,
             generation=self.machine.generation,
-            world_size=plan.world_size if plan else 0,
+            world_size=plan.world_size if plan and not queued else 0,
             workers=workers,
             checkpoint_step=self.checkpoint_step,
             loss=self.loss,

@@ -127,6 +127,9 @@ class Store:
             self.db.execute("ALTER TABLE jobs ADD COLUMN restarts INTEGER NOT NULL DEFAULT 0")
         if "test_loss" not in columns:  # written before [eval] test existed
             self.db.execute("ALTER TABLE jobs ADD COLUMN test_loss REAL")
+        if "interrupted_at" not in columns:  # written before a recovery outlived a coordinator restart
+            self.db.execute("ALTER TABLE jobs ADD COLUMN interrupted_at REAL")
+            self.db.execute("ALTER TABLE jobs ADD COLUMN cause TEXT")
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
         if "hold" not in columns:  # written when a hold was only its reason's text
             self.db.execute("ALTER TABLE nodes ADD COLUMN hold TEXT")
@@ -263,9 +266,10 @@ class Store:
                 {"generation": p.generation, "ranks": [[s.node, s.index] for s in p.ranks], "shares": list(p.shares), "hostfile": [list(h) for h in p.hostfile]}
             )
         self._write(
-            "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts, job.test_loss),
+            "INSERT OR REPLACE INTO jobs (id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss, "
+            "interrupted_at, cause) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.name, job.submitted_at, str(m.state), _json(job.doc), m.generation, m.error, m.started_at, m.finished_at, plan, job.step, job.loss, job.val_loss, job.checkpoint_step, m.restarts, job.test_loss,
+             m.interrupted_wall, None if m.cause is None else str(m.cause)),
         )
 
     def load_jobs(self) -> list[tuple[Job, Saved]]:
@@ -274,9 +278,10 @@ class Store:
         self._see_writes()
         jobs = []
         rows = self.db.execute(
-            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss FROM jobs ORDER BY submitted_at"
+            "SELECT id, name, submitted_at, state, spec, generation, error, started_at, finished_at, plan, step, loss, val_loss, checkpoint_step, restarts, test_loss, "
+            "interrupted_at, cause FROM jobs ORDER BY submitted_at"
         )
-        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts, test_loss) in rows:
+        for (jid, name, submitted, state, spec, gen, error, started, finished, plan, step, loss, val_loss, ckpt, restarts, test_loss, interrupted, cause) in rows:
             try:
                 parsed = parse_job(orjson.loads(spec), source=f"stored job {jid}")
             except (JobFileError, orjson.JSONDecodeError) as e:
@@ -293,7 +298,7 @@ class Store:
                     shares=tuple(p["shares"]),
                     hostfile=tuple(tuple(h) for h in p["hostfile"]),
                 )
-            jobs.append((job, Saved(JobState(state), gen, restarts, step, error, started, finished)))
+            jobs.append((job, Saved(JobState(state), gen, restarts, step, error, started, finished, interrupted, cause)))
         return jobs
 
     def find_job(self, ref: str) -> JobRef | None:

@@ -37,7 +37,7 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-NODE_STATES = ("idle", "busy", "draining", "lost")  # always exposed, 0 when none: a series that exists
+NODE_STATES = ("idle", "busy", "draining", "lost", "yielding")  # always exposed, 0 when none: a series that exists
 JOB_STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled")
 ENDED = frozenset({"succeeded", "failed", "cancelled"})
 CAUSES = ("failure", "membership")  # group.resumed's cause (daemon/jobstate.py Cause); absent: failure
@@ -114,7 +114,7 @@ class PoolCollector(Collector):
             (GaugeMetricFamily("dpool_job_loss", "The job's newest training loss.", labels=["job"]), lambda j: j.get("loss")),
             (GaugeMetricFamily("dpool_job_val_loss", "The job's newest validation loss.", labels=["job"]), lambda j: j.get("val_loss")),
             (GaugeMetricFamily("dpool_job_tokens_per_second", "Tokens a second the job's workers train, together.", labels=["job"]), _tokens_per_s),
-            (GaugeMetricFamily("dpool_job_world_size", "Workers in the job's running group.", labels=["job"]), lambda j: j.get("world_size")),
+            (GaugeMetricFamily("dpool_job_world_size", "Workers in the job's running group.", labels=["job"]), lambda j: 0 if j.get("state") in ENDED else j.get("world_size")),
             (GaugeMetricFamily("dpool_job_generation", "Groups the job has started (1: never restarted).", labels=["job"]), lambda j: j.get("generation")),
             (GaugeMetricFamily("dpool_job_eta_seconds", "Seconds the running job has left at its recent pace.", labels=["job"], unit="seconds"), lambda j: j.get("eta_s")),
             (GaugeMetricFamily("dpool_job_comm_share", "Predicted share of a step the running group spends in all_sum (the ring model on its probe).",
@@ -147,8 +147,9 @@ class PoolCollector(Collector):
             for cause, values in seconds.items():
                 restarts.add_metric([job, cause], len(values))
                 timed = [v for v in values if not math.isnan(v)]
-                if timed:
-                    recovery.add_metric([job, cause], _buckets(timed), sum(timed))
+                # every job and cause, 0 before the first: a series that appears at 1 is a
+                # recovery that increase() and rate() never count
+                recovery.add_metric([job, cause], _buckets(timed), sum(timed))
         yield restarts
         yield recovery
 

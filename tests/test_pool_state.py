@@ -943,6 +943,26 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_p
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
 
 
+def test_a_recovery_under_way_when_the_coordinator_restarts_still_ends_in_group_resumed(tmp_path: Path) -> None:
+    """The serving dpd stopped while a job was recovering: the next coordinator reads the
+    interruption (wall time, its cause) back from the store, so the new group's first step is a
+    group.resumed timed from the failure, the coordinator's downtime included."""
+    pool = running_pool(("a", "b"))
+    pool.worker_exited(2.0, "b", "j", 1, 1, 0, 1, False)  # rank 1 failed: a restart of the budget
+    assert pool.jobs["j"].state is JobState.RECOVERING
+    restarted = reloaded(pool, tmp_path, 10.0)  # down from 2 s to 10 s
+    out: list[Any] = []
+    for n in ("a", "b"):  # both dpds come back, running nothing of the job
+        refusal, got = restarted.registered(10.5, n, f"inc-{n}2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
+        assert refusal is None
+        out += got
+    out += restarted.tick(11.0) + restarted.schedule(11.0)
+    out = restart(restarted, out, 11.0, resume=5)
+    (resumed,) = records(out, "group.resumed")
+    assert (resumed["generation"], resumed["from_step"], resumed["cause"]) == (2, 5, "failure")
+    assert resumed["seconds_since_failure"] == pytest.approx(13.0 - 2.0)
+
+
 def test_group_starting_says_the_node_of_each_rank_in_rank_order() -> None:
     """`nodes` names each node once (in the order the plan met them); `ranks` pairs with `shares`."""
     pool = Driven(heartbeat_s=0.5, liveness=6)

@@ -145,7 +145,8 @@ def test_values_that_are_not_numbers_are_left_out_and_label_values_are_escaped()
     assert got["dpool_job_tokens_per_second", (("job", "gpt-dddddd"),)] == 0
     # both resumptions count; neither has seconds to put in the histogram
     assert got["dpool_job_restarts_total", (("cause", "failure"), ("job", "gpt-dddddd"))] == 2
-    assert not any(name.startswith("dpool_recovery_seconds") for name, _ in got)
+    # the histogram's series are there, at 0 (an increase() from them counts the first recovery)
+    assert got["dpool_recovery_seconds_count", (("cause", "failure"), ("job", "gpt-dddddd"))] == 0
 
 
 def test_a_scraper_that_asks_for_openmetrics_gets_it() -> None:
@@ -193,7 +194,9 @@ def test_a_scrape_of_a_pool_holds_its_nodes_and_job_and_counts_the_restart_after
         assert before["dpool_node_heartbeat_age_seconds", (("node", node),)] >= 0
     assert before["dpool_job_step", label] >= 5 and before["dpool_job_tokens_per_second", label] > 0
     assert before["dpool_job_restarts_total", failure] == 0
-    assert not any(name.startswith("dpool_recovery_seconds") and dict(labels).get("job") == job for name, labels in before)
+    # the recovery histogram is there before any recovery, at 0: a series that first appeared at
+    # 1 would be a recovery Prometheus' increase() and rate() never count
+    assert before["dpool_recovery_seconds_count", failure] == 0 and before["dpool_recovery_seconds_bucket", (*failure, ("le", "+Inf"))] == 0
 
     (victim,) = pool.trainer_pids("n1", job)
     os.kill(victim, signal.SIGKILL)
