@@ -477,6 +477,9 @@ class Coordinator:
         match msg:
             case m.Submit():
                 return self._submit(msg, now)
+            case m.Status(job=None, active=True):
+                live = sorted(self.pool.live.values(), key=lambda j: (j.submitted_at, j.id), reverse=True)
+                return m.StatusReply(jobs=[dataclasses.replace(j.status(now, self.pool.wall(now)), **self.pool.comm_fields(j)) for j in live]), []
             case m.Status(job=None, limit=int()):
                 return self._status_page(msg, now), []
             case m.Status(job=None):

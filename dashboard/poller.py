@@ -129,6 +129,8 @@ class Poller:
         self._failed_said = -1e9
         self._rendered: dict[str, tuple[Any, views.Rendered]] = {}
         self._nodes_version = 0
+        self.active: list[JobStatus] = []  # the jobs not finished, for the pool's page
+        self._active_version = 0
         self._all_jobs: list[JobStatus] = []  # the whole job list, for /metrics
         self._all_wire: dict[str, dict[str, Any]] = {}  # the same, as `status --json` prints them
         self._all_read_at = -METRICS_LIST_S
@@ -221,6 +223,11 @@ class Poller:
                     self.nodes, self._nodes_version = nodes, self._nodes_version + 1
             if {"pool", "jobs", "metrics"} & set(wanted):
                 self.read_list(self.first, force=True)
+            if "pool" in wanted:
+                # the first page holds them all unless there are older jobs; then ask for them
+                active = self.call(m.Status(active=True), m.StatusReply).jobs if self.first.more else [j for j in self.first.jobs if j.state in views.ACTIVE]
+                if active != self.active:
+                    self.active, self._active_version = active, self._active_version + 1
             for view in wanted:
                 if view.startswith("jobs?"):
                     self.read_list(self.list_page(view), force=False)
@@ -400,7 +407,7 @@ class Poller:
         conn = self.conn
         said = (conn.ok, conn.error, conn.since)
         if view == "pool":
-            return (said, self._nodes_version, self.first.version), lambda: views.pool_view(self.nodes, self.first.jobs, conn)
+            return (said, self._nodes_version, self._active_version), lambda: views.pool_view(self.nodes, self.active, conn)
         if view == "jobs" or view.startswith("jobs?"):
             page = self.first if view == "jobs" else self.pages.get(view)
             if page is None:

@@ -414,6 +414,7 @@ class Status(Message):
     job: JobRef | None = None
     limit: Limit | None = field(default=None, metadata=OMIT_NONE)
     before: JobRef | None = field(default=None, metadata=OMIT_NONE)
+    active: bool | None = field(default=None, metadata=OMIT_NONE)  # true (and no job): every job not finished, newest first
 
 
 @message

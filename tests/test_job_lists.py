@@ -1,6 +1,6 @@
-"""How dpctl names a job: an id, a unique id prefix, or a name (its newest job). A prefix that
-starts several jobs' ids is refused naming them, not reported as "no job" (a real Coordinator in
-this process, `peers.Running`, and dpctl as users run it)."""
+"""Naming and listing jobs against a real Coordinator in this process (`peers.Running`): an id, a
+unique id prefix or a name (its newest job), a prefix that starts several ids refused naming
+them, not reported as "no job"; and the active jobs, however many ended since."""
 
 from __future__ import annotations
 
@@ -40,3 +40,22 @@ def test_a_prefix_of_several_ids_is_refused_naming_them_and_a_unique_one_is_take
     assert r.returncode == 0 and first in r.stdout, (unique, r.stdout, r.stderr)
     r = coordinator.dpctl("status", "nothing-like-it")
     assert r.returncode == 2 and "no job 'nothing-like-it'" in r.stderr, r.stderr
+
+
+def test_the_pool_page_lists_every_active_job_however_many_ended_since(coordinator: Running) -> None:
+    """The pool's page showed the active jobs of the job list's first page (the 50 newest): one
+    submitted before 50 others that ended was missing, and the count said 50. Status(active=True)
+    gives every job not finished; the page asks for it when the first page has older jobs."""
+    from dpool.dashboard.poller import Poller
+
+    waiting = submit(coordinator, "waiting")  # no node: it stays queued
+    for _ in range(55):
+        coordinator.call(m.Cancel(job=submit(coordinator, "gone")), m.CancelReply)
+    active = coordinator.call(m.Status(active=True), m.StatusReply).jobs
+    assert [(j.id, j.state) for j in active] == [(waiting, "queued")]
+    published: dict[str, object] = {}
+    p = Poller(coordinator.addr, None, lambda view, rendered: published.__setitem__(view, rendered), poll_s=1.0, timeout_s=5.0)
+    p.round(["pool"])
+    assert p.conn.ok and p.first.more and [j.id for j in p.active] == [waiting]
+    page = published["pool"]
+    assert "<b>1</b> active job" in str(page.fragments) and waiting in str(page.fragments)  # type: ignore[attr-defined]
