@@ -182,6 +182,10 @@ def jobs_view(page: ListPage, offset: int, conn: Conn) -> Rendered:
         body = f'<p class="error">{escape(page.missing)}</p><p><a href="{root}jobs">newest jobs</a></p>'
         return Rendered.of("Jobs", {"conn": conn_text(conn), "jobs": body}, root=root, nav="jobs", status=404)
     total = f" of {page.total}" if page.total is not None else ""
+    if page.total is not None:
+        # `n` comes from the link that led here (or a hand-made URL): the last page's place is
+        # known exactly, any other's is at most what leaves the rest room
+        offset = page.total - len(page.jobs) if not page.more else max(0, min(offset, page.total - len(page.jobs) - 1))
     first, last = offset + 1, offset + len(page.jobs)
     pager = []
     if page.before is not None:
@@ -189,8 +193,9 @@ def jobs_view(page: ListPage, offset: int, conn: Conn) -> Rendered:
     if page.more and page.jobs:
         older = urlencode({"before": page.jobs[-1].id, "n": last})
         pager.append(f'<a class="older" href="{root}jobs?{older}">older →</a>')
-    head = f'<p class="figures"><span>jobs <b>{first if page.jobs else 0}–{last}</b>{total}, newest first</span>{"".join(f"<span>{p}</span>" for p in pager)}</p>'
-    body = jobs_table(root, page.jobs, now) if page.jobs else "<p>no jobs</p>"
+    shown = f"jobs <b>{first}–{last}</b>{total}, newest first" if page.jobs else f"no jobs here ({page.total} in all)" if page.total is not None else "no jobs here"
+    head = f'<p class="figures"><span>{shown}</span>{"".join(f"<span>{p}</span>" for p in pager)}</p>'
+    body = jobs_table(root, page.jobs, now) if page.jobs else ("<p>no older jobs</p>" if page.before is not None else "<p>no jobs</p>")
     return Rendered.of("Jobs", {"conn": conn_text(conn), "jobs": head + body}, root=root, nav="jobs")
 
 

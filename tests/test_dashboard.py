@@ -81,6 +81,25 @@ def test_status_pages_list_every_job_once_newest_first_with_fresh_rows_from_memo
     assert [j.id for j in seen] == [j.id for j in stored_rows]
 
 
+def test_a_page_of_the_list_numbers_its_jobs_whatever_the_url_says() -> None:
+    """`?n=` comes from the link to an older page, or from a hand-made URL: the last page's place
+    is known from the total, another's is kept within what leaves the rest room."""
+    from dpool.dashboard.poller import ListPage
+    from dpool.dashboard.views import jobs_view
+
+    def heading(page: ListPage, n: int) -> str:
+        return re.sub(r"<[^>]+>", "", jobs_view(page, n, _conn()).fragments["jobs"].split("</p>")[0])  # type: ignore[arg-type]
+
+    last = ListPage("j-0010", jobs=[js(i, 1.0) for i in range(10)], more=False, total=60)
+    for n in (0, 5, 50, 10**9):
+        assert heading(last, n).startswith("jobs 51–60 of 60"), n
+    middle = ListPage("j-0050", jobs=[js(i, 1.0) for i in range(50)], more=True, total=160)
+    assert heading(middle, 50).startswith("jobs 51–100 of 160")
+    assert heading(middle, 10**9).startswith("jobs 110–159 of 160")  # at most: one older job follows
+    empty = ListPage("j-0000", jobs=[], more=False, total=60)
+    assert heading(empty, 7).startswith("no jobs here (60 in all)") and "no older jobs" in jobs_view(empty, 7, _conn()).fragments["jobs"]  # type: ignore[arg-type]
+
+
 def test_a_dashboard_beyond_loopback_needs_tokens_or_insecure(tmp_path: Path) -> None:
     with pytest.raises(options.OptionsError, match="viewer tokens"):
         options.check("0.0.0.0:7341", "tcp://127.0.0.1:7340", keys=None, tokens=None, insecure=False)
