@@ -51,12 +51,13 @@ ACTIVE_ORDER = {"running": 0, "recovering": 1, "starting": 2, "queued": 3}
 
 def render(
     nodes: Sequence[Mapping[str, Any]], jobs: Sequence[Mapping[str, Any]], events: Mapping[str, Sequence[Mapping[str, Any]]],
-    accept: str = "",
+    accept: str = "", *, up: bool = True, answered_at: float | None = None,
 ) -> tuple[bytes, str]:
     """The exposition body of the snapshot and its content type (`accept`: the scraper's Accept
-    header; OpenMetrics when it asks for it, else Prometheus' text format)."""
+    header; OpenMetrics when it asks for it, else Prometheus' text format). `up`: whether the
+    coordinator answered the dashboard's newest poll; `answered_at`: the unix time it last did."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PoolCollector(nodes, jobs, events))
+    registry.register(PoolCollector(nodes, jobs, events, up=up, answered_at=answered_at))
     encode, content_type = choose_encoder(accept)
     return encode(registry), content_type
 
@@ -75,10 +76,19 @@ def series_jobs(jobs: Sequence[Mapping[str, Any]]) -> list[str]:
 class PoolCollector(Collector):
     """The metric families of one snapshot of the pool."""
 
-    def __init__(self, nodes: Sequence[Mapping[str, Any]], jobs: Sequence[Mapping[str, Any]], events: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+    def __init__(self, nodes: Sequence[Mapping[str, Any]], jobs: Sequence[Mapping[str, Any]], events: Mapping[str, Sequence[Mapping[str, Any]]],
+                 *, up: bool = True, answered_at: float | None = None) -> None:
         self.nodes, self.jobs, self.events = nodes, jobs, events
+        self.up, self.answered_at = up, answered_at
 
     def collect(self) -> Iterator[Metric]:
+        # Whether the rest is the pool as it is: a dashboard that lost its coordinator serves the
+        # last snapshot it had (or none), which alone reads as a pool that went quiet.
+        yield GaugeMetricFamily("dpool_up", "1 when the coordinator answered the dashboard's newest poll, else 0 (the rest is then its last snapshot).", value=1 if self.up else 0)
+        answered = GaugeMetricFamily("dpool_coordinator_answered_timestamp_seconds", "Unix time the coordinator last answered the dashboard.", unit="seconds")
+        if self.answered_at is not None:
+            answered.add_metric([], self.answered_at)
+        yield answered
         yield from self._nodes()
         shown = set(series_jobs(self.jobs))
         yield from self._jobs([j for j in self.jobs if j.get("id") in shown])

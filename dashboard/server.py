@@ -202,13 +202,17 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
         return resp
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        await first_load("metrics")  # a snapshot at most a poll period old
+        if poller.conn.ok or poller.conn.since is None:
+            await first_load("metrics")  # a snapshot at most a poll period old
+        else:
+            interest.ask("metrics")  # the coordinator does not answer: say so now (dpool_up 0), not after a poll's timeout
         try:
             render = render_metrics()
         except ImportError as e:
             return _plain(501, f"501: /metrics is not available in this version ({e}).\n")
         nodes, jobs_, events = poller.metrics_snapshot
-        body, content_type = render(nodes, jobs_, events, request.headers.get("Accept", ""))
+        conn = poller.conn
+        body, content_type = render(nodes, jobs_, events, request.headers.get("Accept", ""), up=conn.ok, answered_at=conn.polled)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def static(request: web.Request) -> web.StreamResponse:

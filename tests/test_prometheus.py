@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,7 @@ def test_values_that_are_not_numbers_are_left_out_and_label_values_are_escaped()
     job = status("gpt-dddddd", "running", step="many", loss=float("nan"), workers=[{"tokens_per_s": None}, "junk"])
     events = {"gpt-dddddd": [{"kind": "group.resumed", "seconds_since_failure": "soon"}, "junk", {"kind": "group.resumed", "cause": "failure", "seconds_since_failure": -1}]}
     got = scrape(odd, [job], events)
+    assert got["dpool_up", ()] == 1 and ("dpool_coordinator_answered_timestamp_seconds", ()) not in got  # no answer time given
     assert got["dpool_node_heartbeat_age_seconds", (("node", 'a"b\\c\nd'),)] == 2
     assert ("dpool_node_memory_bytes", (("node", 'a"b\\c\nd'),)) not in got
     assert ("dpool_node_slots", (("node", 'a"b\\c\nd'),)) not in got
@@ -207,4 +209,13 @@ def test_a_scrape_of_a_pool_holds_its_nodes_and_job_and_counts_the_restart_after
     assert after["dpool_recovery_seconds_sum", failure] > 0
     assert after["dpool_recovery_seconds_bucket", (*failure, ("le", "+Inf"))] == 1
     assert after["dpool_job_generation", label] == 2
+    assert after["dpool_up", ()] == 1 and after["dpool_coordinator_answered_timestamp_seconds", ()] > time.time() - 60
     pool.dpctl("cancel", job)
+    # The coordinator gone (both dpds stopped, the dashboard runs on): /metrics says so, with the
+    # last snapshot it had and when the coordinator last answered
+    for daemon in pool.started:
+        os.kill(daemon.pid, signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+    down = wait_for("dpool_up 0", lambda: (got := scrape_url(d.url + "metrics"))[("dpool_up", ())] == 0 and got, 60)
+    assert after["dpool_coordinator_answered_timestamp_seconds", ()] <= down["dpool_coordinator_answered_timestamp_seconds", ()] <= time.time()
+    assert down["dpool_nodes", (("state", "busy"),)] >= 0
