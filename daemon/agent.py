@@ -91,6 +91,7 @@ LOG_LINE_MAX = 8192
 IPC_PATH_MAX = 100  # sun_path is 104-108 bytes depending on the OS
 EXITS_KEPT = 64
 HELD_MAX = 20_000  # reports kept while the coordinator is away
+HELD_LOG_BYTES = 8 << 20  # and workers' output lines, apart (chatty output never pushes a report out), the newest this much
 # Kept while away, sent once registered again: the job's record (metrics, samples, checkpoints), and
 # what the coordinator waits on: a rank's hello (its group counts as started only once every rank
 # said it) and a warm trainer's readiness (a growth waits for it); and the group's link probe (said
@@ -166,6 +167,8 @@ class Agent(WarmTrainers):
         self.registered = False
         self.dropped = 0
         self.held: collections.deque[Message] = collections.deque(maxlen=HELD_MAX)  # reports kept while away
+        self.held_logs: collections.deque[m.NodeLogs] = collections.deque()  # output lines kept while away (HELD_LOG_BYTES)
+        self.held_log_bytes = 0
         self.replay = RowReplay()  # rows sent lately, again after a re-registration (daemon/replay.py)
         self._last_sent = 0.0
         self.exporter = Exporter(self.state_dir, name)
@@ -329,6 +332,8 @@ class Agent(WarmTrainers):
                 self.heartbeat_s, self.liveness = msg.heartbeat_s, msg.liveness
                 self.registered = True
                 held, self.held = [*self.replay.again(), *self.held], collections.deque(maxlen=HELD_MAX)
+                held += self.held_logs
+                self.held_logs, self.held_log_bytes = collections.deque(), 0
                 for h in held:
                     self._send(h)
                 self.log.info("node.registered", coordinator=self.join, slots=self.slots, workers=len(self.workers), heartbeat_s=self.heartbeat_s)
@@ -411,10 +416,21 @@ class Agent(WarmTrainers):
         if held is not None:
             self.log.warning("frame.rejected", source=source, code=str(e.code), error=e.message[:500], repeated=held)
 
+    def _hold_logs(self, msg: m.NodeLogs) -> None:
+        """Keep a batch of output lines for the coordinator's return; the oldest go past HELD_LOG_BYTES."""
+        self.held_logs.append(msg)
+        self.held_log_bytes += sum(len(line) for line in msg.lines)
+        while self.held_log_bytes > HELD_LOG_BYTES and self.held_logs:
+            gone = self.held_logs.popleft()
+            self.held_log_bytes -= sum(len(line) for line in gone.lines)
+            self.dropped += 1
+
     def _send(self, msg: Message, msg_id: int = 0) -> None:
         if self.craw is None or (not self.registered and not isinstance(msg, m.NodeRegister)):
             if isinstance(msg, KEPT_WHILE_AWAY):
                 self.held.append(msg)  # sent once registered again: the job's record stays whole
+            elif isinstance(msg, m.NodeLogs):
+                self._hold_logs(msg)  # `dpctl logs` without a hole where the coordinator was away
             else:
                 self.dropped += 1
             return

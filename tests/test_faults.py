@@ -44,7 +44,7 @@ from dpool.protocol.checkpoints import (
     valid_job_id,
 )
 from dpool.protocol.logs import RotatingFile
-from dpool.protocol.payloads import RankSlot
+from dpool.protocol.payloads import RankSlot, TrainRow
 from dpool.trainer import checkpoint as ckpt
 
 HASH = "job-hash-1"
@@ -626,3 +626,18 @@ def test_a_full_disk_fails_that_rank_and_the_job_resumes_once_space_returns(proc
             filler.stop()
         pool.stop()
         subprocess.run(["umount", "-l", str(job_dir)], capture_output=True)
+
+
+def test_output_lines_while_the_coordinator_is_away_are_kept_apart_and_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sent while the agent is not registered: `dpctl logs` had a hole for the whole outage. The
+    lines are kept (sent on the next registration), apart from the reports, which a chatty
+    trainer's output can never push out; past HELD_LOG_BYTES the oldest go, counted as dropped."""
+    monkeypatch.setattr(agent_mod, "HELD_LOG_BYTES", 1000)
+    a = _agent(tmp_path / "state")
+    assert not a.registered
+    a._send(m.NodeMetric(job="j-abcdef", generation=1, row=TrainRow(kind="train", step=1, loss=2.0, lr=1e-3, tokens=64, tokens_per_s=1.0, world_size=1)))
+    for i in range(30):
+        a._send(m.NodeLogs(job="j-abcdef", generation=1, rank=0, lines=[f"line {i:02d} " + "x" * 92]))  # 100 characters each
+    assert [type(h).__name__ for h in a.held] == ["NodeMetric"]
+    assert [h.lines[0][:7] for h in a.held_logs] == [f"line {i:02d}" for i in range(20, 30)] and a.held_log_bytes == 1000
+    assert a.dropped == 20
