@@ -211,6 +211,7 @@ class Pool:
                 node.reason = None
             if returned:
                 actions += self._returned(now, node)
+            actions += self._prepare_again(name)
         else:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
@@ -236,6 +237,18 @@ class Pool:
         kind = "node.rejoined" if rejoin else "node.joined"
         self.cadence.registered(name, now)
         return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
+
+    def _prepare_again(self, name: str) -> list[Action]:
+        """The same dpd registered again (on a new connection: it gave up waiting on the old one): a
+        group.prepare sent to the old connection may be lost with it, and the start would wait out
+        its timeout. Each one it has not answered is sent again (a second prepare only replaces
+        the first one's ports)."""
+        out: list[Action] = []
+        for job in self.live.values():
+            pend = job.pending
+            if pend is not None and name in pend.nodes and name not in pend.answered:
+                out.append(Send(name, GroupPrepare(job=job.id, generation=pend.generation, slots=[s.index for s in pend.nodes[name]])))
+        return out
 
     def _returned(self, now: float, node: Node) -> list[Action]:
         """A node declared lost is back under the same dpd process: it was alive. What its missing

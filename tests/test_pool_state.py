@@ -256,6 +256,24 @@ def prepare_all(pool: Driven, actions: list[Any], now: float = 1.0) -> list[Any]
     return out
 
 
+def test_a_dpd_that_registers_again_is_sent_the_prepare_it_has_not_answered() -> None:
+    """A dpd that gave up waiting on a restarted coordinator registers again on a new connection:
+    the group.prepare sent to the first one was lost with it, and the start waited out its
+    timeout (5 s, then group.aborted). It is sent again; an answered one is not."""
+    pool = Driven()
+    join(pool, "a", 1)
+    join(pool, "b", 1)
+    first = sends(pool.submit(0.5, "j", spec(lo=2, hi=2)), m.GroupPrepare)
+    assert sorted(s.node for s in first) == ["a", "b"]
+    a_prep = next(s for s in first if s.node == "a").msg
+    pool.prepared(0.6, "a", "j", a_prep.generation, "127.0.0.1", [5000], None)  # a answered; b's answer never came
+    out = join(pool, "b", 1, now=0.7)  # the same dpd (incarnation), again
+    (again,) = sends(out, m.GroupPrepare)
+    b_prep = next(s for s in first if s.node == "b").msg
+    assert again.node == "b" and (again.msg.job, again.msg.generation, again.msg.slots) == ("j", b_prep.generation, b_prep.slots)
+    assert sends(join(pool, "a", 1, now=0.8), m.GroupPrepare) == []  # a answered: nothing to send again
+
+
 def test_admission_two_phase_start_and_success_free_the_slots() -> None:
     pool = Driven()
     join(pool, "a", 1)
