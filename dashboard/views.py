@@ -325,6 +325,7 @@ def page(view: str, r: Rendered) -> str:
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        '<link rel="icon" href="data:,">'  # no icon: the browser asks no /favicon.ico (a 404 in every console)
         f"<title>{escape(r.title)} · dpool</title>"
         f'<link rel="stylesheet" href="{root}static/dash.css"><script src="{root}static/dash.js" defer></script>'
         f'</head><body data-stream="{stream}"><header><a class="brand" href="{root}">dpool</a><nav>{nav}</nav>'

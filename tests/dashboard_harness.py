@@ -133,10 +133,10 @@ def proxy_main(upstream: str, port: int, prefix: str) -> None:
 
 
 def hrefs(html: str) -> list[str]:
-    """Every href= and src= of a page."""
+    """Every href= and src= of a page that the browser asks the server for (not a data: URL)."""
     import re
 
-    return re.findall(r'(?:href|src|data-stream)="([^"]*)"', html)
+    return [h for h in re.findall(r'(?:href|src|data-stream)="([^"]*)"', html) if not h.startswith("data:")]
 
 
 def wait_page(url: str, check: Sequence[str], timeout: float = 60, headers: dict[str, str] | None = None) -> str:
