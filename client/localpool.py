@@ -129,6 +129,7 @@ class Processes:
         self.started: list[subprocess.Popen[bytes]] = []
         self.labels: dict[int, str] = {}
         self.logs: dict[int, Path] = {}
+        self.state_dirs: list[Path] = []  # of the dpds started here: their state in RAM ends with them
 
     def start(self, cmd: Sequence[str], log: Path, *, env: Mapping[str, str] | None = None, cwd: Path | None = None, label: str = "") -> subprocess.Popen[bytes]:
         """Start `cmd` with stdin closed and stdout and stderr written to `log`; `label` names it
@@ -136,6 +137,8 @@ class Processes:
         with open(log, "wb") as out:
             p = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
         self.started.append(p)
+        if "--state-dir" in cmd[:-1]:
+            self.state_dirs.append(Path(cmd[list(cmd).index("--state-dir") + 1]))
         self.labels[p.pid] = label or Path(cmd[0]).name
         self.logs[p.pid] = Path(log)
         return p
@@ -194,6 +197,8 @@ class Processes:
                     os.killpg(leftover.pid, signal.SIGKILL)  # a trainer leads its group: it and its children
                 else:
                     os.kill(leftover.pid, signal.SIGKILL)
+        for state_dir in self.state_dirs:  # what its dpds kept in RAM (daemon/memstore.py), killed ones' too
+            shutil.rmtree(memory_root(state_dir), ignore_errors=True)
         return killed
 
 
@@ -359,9 +364,7 @@ class LocalPool:
         """SIGTERM every daemon (each stops its trainers), wait up to `timeout` seconds, SIGKILL
         whatever is left, then any trainer that outlived its daemon; returns the daemons that had
         to be killed (each also told to `report`)."""
-        killed = self.procs.stop_all(timeout, report)
-        for d in self.started:  # state kept in RAM for its state dirs (daemon/memstore.py) ends with the pool
-            shutil.rmtree(memory_root(d.state_dir), ignore_errors=True)
+        killed = self.procs.stop_all(timeout, report)  # and the state its dpds kept in RAM
         return [d for d in self.started if d.proc in killed]
 
     def __enter__(self) -> LocalPool:
