@@ -42,7 +42,7 @@ from dpool.client.tables import age, clock, duration, event_details, num, size, 
 from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
-from dpool.protocol.config import DEFAULT_CONFIG, MAX_TIMEOUT_S, ConfigError, load_config
+from dpool.protocol.config import DEFAULT_CONFIG, ConfigError, load_config, value_problem
 from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import (
@@ -117,8 +117,9 @@ def timeout_s(flag: float | None) -> float:
         value, where = float(cfg["timeout"]), f"{DEFAULT_CONFIG}: timeout ="
     else:
         return DEFAULT_TIMEOUT_S
-    if not 0 < value <= MAX_TIMEOUT_S:  # nan and inf too
-        raise BadInput(f"{where} {value:g}: must be seconds in (0, {MAX_TIMEOUT_S:g}] (default {DEFAULT_TIMEOUT_S:g})")
+    problem = value_problem("timeout", value)  # nan and inf too
+    if problem:
+        raise BadInput(f"{where} {value:g}: {problem} (default {DEFAULT_TIMEOUT_S:g})")
     return value
 
 

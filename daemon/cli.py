@@ -40,12 +40,9 @@ from dpool.daemon.owner import OwnerWatch
 from dpool.protocol.config import (
     DAEMON_KEYS,
     DEFAULT_CONFIG,
-    LOG_LEVELS,
-    MAX_HEARTBEAT_S,
-    MAX_LIVENESS,
-    MAX_STOP_GRACE_S,
     ConfigError,
     parse_size,
+    value_problem,
 )
 from dpool.protocol.config import load_config as shared_config
 from dpool.protocol.endpoints import endpoint_problem
@@ -179,23 +176,18 @@ def settings(args: argparse.Namespace) -> Settings:
                 "pass --keys DIR (made by `dpctl keys init DIR`), keep the pool on 127.0.0.1, "
                 "or pass --insecure on a network you trust"
             )
-    workers = int(pick("workers", 1))
-    if workers < 1:
-        raise UsageError(f"{where('workers')} {workers}: must be an integer >= 1")
-    hb, liveness = float(pick("heartbeat_interval", 0.25)), int(pick("liveness", 6))
-    if not 0 < hb <= MAX_HEARTBEAT_S:
-        raise UsageError(f"{where('heartbeat_interval')} {hb:g}: must be seconds in (0, {MAX_HEARTBEAT_S:g}]")
-    if not 2 <= liveness <= MAX_LIVENESS:
-        raise UsageError(f"{where('liveness')} {liveness}: must be a count of heartbeats from 2 to {MAX_LIVENESS}")
-    stop_grace = float(pick("stop_grace", 10.0))
-    if not 0 <= stop_grace <= MAX_STOP_GRACE_S:
-        raise UsageError(f"{where('stop_grace')} {stop_grace:g}: must be seconds from 0 to {MAX_STOP_GRACE_S:g} (default 10)")
-    rate = float(pick("heartbeat_rate", HEARTBEAT_RATE))
-    if not 0 < rate < float("inf"):
-        raise UsageError(f"{where('heartbeat_rate')} {rate:g}: must be a number of heartbeats a second > 0 (default {HEARTBEAT_RATE:g})")
-    name = pick("name", None) or socket.gethostname().split(".")[0].lower()
-    if not name or len(name) > 63 or any(c.isspace() for c in name):
-        raise UsageError(f"{where('name')} {name!r}: must be 1-63 characters without spaces")
+    def checked(flag: str, value: Any) -> Any:
+        """`value` as the flag or the file gave it, by the rule both share (protocol/config.py)."""
+        problem = value_problem(flag, value)
+        if problem:
+            raise UsageError(f"{where(flag)} {f'{value:g}' if isinstance(value, float) else repr(value)}: {problem}")
+        return value
+
+    workers = checked("workers", int(pick("workers", 1)))
+    hb, liveness = checked("heartbeat_interval", float(pick("heartbeat_interval", 0.25))), checked("liveness", int(pick("liveness", 6)))
+    stop_grace = checked("stop_grace", float(pick("stop_grace", 10.0)))
+    rate = checked("heartbeat_rate", float(pick("heartbeat_rate", HEARTBEAT_RATE)))
+    name = checked("name", pick("name", None) or socket.gethostname().split(".")[0].lower())
     try:
         node_keys = client_keys(kdir, "node", name) if kdir else None
         coord_keys = server_keys(kdir) if kdir and serve else None
@@ -206,9 +198,7 @@ def settings(args: argparse.Namespace) -> Settings:
     if dashboard is not None:
         _check_dashboard(dashboard, serve, kdir, insecure)
     log_file = pick("log_file", None)
-    level = str(pick("log_level", "info"))
-    if level not in LOG_LEVELS:
-        raise UsageError(f"{where('log_level')} {level!r}: must be one of {', '.join(LOG_LEVELS)}")
+    level = checked("log_level", str(pick("log_level", "info")))
     advertise = pick("advertise", None)
     if advertise:
         try:

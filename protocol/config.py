@@ -115,6 +115,13 @@ VALUES: dict[str, Any] = {
 }
 
 
+def value_problem(key: str, value: Any) -> str | None:
+    """What is wrong with `value` for `key` (a flag's or the config file's), or None: the one rule
+    dpd's and dpctl's flags and the file share."""
+    check = VALUES.get(key)
+    return check(value) if check is not None else None
+
+
 def _fits(value: Any, kinds: tuple[type, ...]) -> bool:
     if isinstance(value, bool):
         return bool in kinds
@@ -148,7 +155,7 @@ def load_config(path: Path, required: bool = False) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r}; allowed: {', '.join(KEYS)}")
         if not _fits(value, kinds):
             raise ConfigError(f"{path}: {key} = {value!r}: must be {_names(kinds)}")
-        problem = VALUES[key](value) if key in VALUES else None
+        problem = value_problem(key, value)
         if problem:
             raise ConfigError(f"{path}: {key} = {value!r}: {problem}")
     return data

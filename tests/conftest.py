@@ -90,6 +90,19 @@ def processes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Proces
                 print(line)
 
 
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Any]:
+    """A real Coordinator on loopback, its loop in a thread of this process (`peers.Running`),
+    stopped after the test."""
+    from peers import Running  # peers imports this module
+
+    c = Running(tmp_path)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
 class LocalPool(localpool.LocalPool):
     """A local pool whose processes the test's `processes` fixture ends, with dpctl run as a user
     runs it and waits on a job's status. Its daemons keep warm trainers only with `warm` (the

@@ -17,7 +17,6 @@ import random
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from conftest import wait_for
@@ -34,15 +33,6 @@ from dpool.protocol.schema import MAX_INT
 
 def job_doc(name: str, steps: int) -> dict[str, object]:
     return parse_job({"name": name, "workers": {"min": 1, "max": 1}, "train": {"steps": steps, "warmup_steps": 1}}).to_dict()
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Running]:
-    c = Running(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture

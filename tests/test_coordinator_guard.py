@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,6 @@ from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 
 JOB = parse_job({"name": "g", "workers": {"min": 1, "max": 1}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Running]:
-    c = Running(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def test_a_tick_that_raises_is_logged_once_and_the_loop_goes_on(coordinator: Running) -> None:

@@ -4,23 +4,10 @@ them, not reported as "no job"; and the active jobs, however many ended since.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from peers import Running
 
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Running]:
-    c = Running(tmp_path)
-    try:
-        yield c
-    finally:
-        c.stop()
 
 
 def submit(c: Running, name: str) -> str:
