@@ -6,6 +6,7 @@ import collections
 import itertools
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -35,6 +36,13 @@ class RemoteError(Exception):
         self.code, self.message = code, message
 
 
+def _release(sock: zmq.Socket[bytes], ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    # linger 0, then destroy, not term: nothing left in this context can make dpctl's exit wait (a
+    # refused CURVE handshake leaves libzmq reconnecting in the background)
+    sock.close(linger=0)
+    ctx.destroy(linger=0)
+
+
 class Client:
     def __init__(self, addr: str, timeout_s: float, keys: ClientKeys | None = None) -> None:
         self.addr, self.timeout_s, self.keys = addr, timeout_s, keys
@@ -49,6 +57,11 @@ class Client:
             curve_client(self._sock, keys)
         self._sock.connect(addr)
         self._ids = itertools.count(1)
+        # Closes the socket, then the context, once: on close() or when the client is dropped
+        # unclosed. Left to pyzmq, a client freed in a reference cycle could have its context's
+        # __del__ run term() while its socket was still open, and wait forever in whichever thread
+        # ran the collection (a dpd's event loop among them).
+        self._release = weakref.finalize(self, _release, self._sock, self._ctx)
 
     def call(self, request: Message, expect: type[T], timeout_s: float | None = None) -> T:
         """The reply to `request`; `timeout_s` (default: the client's) bounds the wait."""
@@ -111,10 +124,7 @@ class Client:
         return Unreachable(f"no answer from the coordinator at {self.addr} within {timeout_s:g}s (is `dpd run --serve` running there? {hint})")
 
     def close(self) -> None:
-        # destroy, not term: it closes any socket still open in this context (linger 0) before it
-        # ends the context, so dpctl's exit can never wait on one (a refused CURVE handshake leaves
-        # libzmq reconnecting in the background)
-        self._ctx.destroy(linger=0)
+        self._release()
 
     def __enter__(self) -> Client:
         return self
