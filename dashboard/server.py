@@ -1,5 +1,5 @@
 """The dashboard's HTTP server (aiohttp): the pages, their live stream, /metrics, and the assets,
-all of it GET, all of it read-only.
+all of it GET (and HEAD: the same answer without its body), all of it read-only.
 
     GET /              the pool: every node, the active jobs
     GET /jobs          the job list, newest first, a page at a time (?before=JOB&n=N: older pages)
@@ -9,8 +9,10 @@ all of it GET, all of it read-only.
     GET /static/...    the stylesheet and the script, served from the package: nothing from elsewhere
 
 Any other method is 405. With viewer tokens every request needs one: `Authorization: Bearer
-TOKEN`, or the `dpool_dashboard` cookie that `?token=TOKEN` sets (HttpOnly, SameSite=Strict) before
-it redirects to the same page without the token in its address. A browser is told to load nothing
+TOKEN`, or the `dpool_dashboard` cookie that `?token=TOKEN` sets (HttpOnly, SameSite=Lax) before
+it redirects to the same page without the token in its address. Lax, not Strict: every request is
+a read, so a cross-site link has nothing to forge, and a link to a job from a chat or a Grafana
+panel opens signed in instead of answering 401. A browser is told to load nothing
 from anywhere else (Content-Security-Policy: 'self' only), and what it is sent is bounded: the
 rows a page shows, STREAMS_MAX streams at once.
 
@@ -110,8 +112,8 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if request.method != "GET":
-            return _plain(405, "405: this dashboard only reads (GET); it changes nothing.\n", {"Allow": "GET"})
+        if request.method not in ("GET", "HEAD"):
+            return _plain(405, "405: this dashboard only reads (GET, HEAD); it changes nothing.\n", {"Allow": "GET, HEAD"})
         if tokens is not None:
             given = request.query.get("token")
             if given is not None:
@@ -123,7 +125,7 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
                 resp = web.Response(status=303, headers={"Location": here + (("?" + urlencode(query)) if query else ""), **HEADERS})
                 prefix = request.headers.get("X-Forwarded-Prefix", "").rstrip("/")
                 secure = request.headers.get("X-Forwarded-Proto", request.scheme) == "https"
-                resp.set_cookie(COOKIE, given, httponly=True, samesite="Strict", path=(prefix or "") + "/", secure=secure)
+                resp.set_cookie(COOKIE, given, httponly=True, samesite="Lax", path=(prefix or "") + "/", secure=secure)
                 return resp
             auth = request.headers.get("Authorization", "")
             token = auth[7:] if auth[:7].lower() == "bearer " else request.cookies.get(COOKIE, "")
@@ -173,6 +175,8 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
             return _plain(404, "404: no such view\n")
         if hub.streams >= STREAMS_MAX:
             return _plain(503, f"503: {STREAMS_MAX} live pages are open already; close one or reload later.\n", {"Retry-After": "10"})
+        if request.method == "HEAD":  # what a GET would start, without starting it
+            return web.Response(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no"})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Accel-Buffering": "no", **HEADERS})
         await resp.prepare(request)
         hub.streams += 1
@@ -231,12 +235,12 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
         poller.stop()
 
     application = web.Application(middlewares=[guard], client_max_size=1024)
-    application.router.add_get("/", pool, allow_head=False)
-    application.router.add_get("/jobs", jobs, allow_head=False)
-    application.router.add_get("/jobs/{ref}", job, allow_head=False)
-    application.router.add_get("/stream", stream, allow_head=False)
-    application.router.add_get("/metrics", metrics, allow_head=False)
-    application.router.add_get("/static/{name}", static, allow_head=False)
+    application.router.add_get("/", pool)
+    application.router.add_get("/jobs", jobs)
+    application.router.add_get("/jobs/{ref}", job)
+    application.router.add_get("/stream", stream)
+    application.router.add_get("/metrics", metrics)
+    application.router.add_get("/static/{name}", static)
     application.on_startup.append(on_startup)
     application.on_shutdown.append(on_shutdown)
     application["hub"] = hub

@@ -254,13 +254,20 @@ def test_the_pages_show_the_nodes_the_job_list_and_a_job(plain: tuple[LocalPool,
     assert get(d.url + "static/../cli.py")[0] == 404
 
 
-def test_nothing_but_get_is_answered(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+def test_nothing_but_get_and_head_is_answered(plain: tuple[LocalPool, str, Path, Processes]) -> None:
+    """A read-only server: every other method is 405. HEAD (which RFC 9110 asks of every
+    general-purpose server, and uptime checks and `curl -I` send) answers what GET would, without
+    the body, and does not open a stream."""
     pool, job, root, procs = plain
     d = start_dashboard(procs, root, pool.addr, name="dash-methods")
-    for method in ("POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"):
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS"):
         for path in ("", "jobs", f"jobs/{job}", "stream?view=pool", "metrics"):
             status, headers, _ = get(d.url + path, method=method)
-            assert status == 405 and headers.get("Allow") == "GET", (method, path, status)
+            assert status == 405 and headers.get("Allow") == "GET, HEAD", (method, path, status)
+    for path, kind in (("", "text/html"), ("jobs", "text/html"), (f"jobs/{job}", "text/html"), ("metrics", "text/plain"), ("static/dash.css", "text/css"), ("stream?view=pool", "text/event-stream"), ("jobs/no-such-job", "text/html")):
+        status, headers, body = get(d.url + path, method="HEAD")
+        want = 404 if "no-such" in path else 200
+        assert (status, body) == (want, "") and headers["Content-Type"].startswith(kind), (path, status, headers)
     assert pool.status(job) is not None and pool.status(job).state == "succeeded"  # type: ignore[union-attr]
 
 
@@ -353,7 +360,7 @@ def test_off_loopback_every_request_needs_a_viewer_token_and_a_revoked_one_is_re
     status, headers, _ = get(d.url + f"jobs?token={alice}")
     assert status == 303 and headers["Location"] == "jobs"
     cookie = headers["Set-Cookie"]
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie
     jar = {"Cookie": cookie.split(";", 1)[0]}
     assert get(d.url + "jobs", headers=jar)[0] == 200
     assert get(d.url + "?token=dpv1.alice.wrong")[0] == 401
