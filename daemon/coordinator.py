@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import math
 import secrets
 import sqlite3
 import time
@@ -84,6 +85,7 @@ SLOW_UNIT_S = 0.25  # a unit of work this long holds every peer back: logged (ra
 TRACEBACK_EVERY_S = 60.0  # one traceback per kind of failure this often; the others are counted
 HEARTBEAT = m.CoordHeartbeat().to_frames()
 SCHEDULE_S = 0.05  # admission at most this often (a pass over 2,000 nodes costs ms, a batch of reports less), after what was read
+ALIVE_MARK_S = 1.0  # how often the store is told the coordinator lives (Store.mark_alive): a crash is dated to within this
 READ_LAG_S = 10.0  # a node's silence is judged at most this far behind the clock (Pool.tick's read_to)
 AMBIGUOUS_SHOWN = 5  # ids named when a prefix matches several jobs
 STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
@@ -126,6 +128,7 @@ class Coordinator:
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps, heartbeat_rate=heartbeat_rate)
         self.period_said = heartbeat_s  # the pool's heartbeat period last logged (daemon/cadence.py)
         self.read_to = self.clock()  # when the socket's input was last read to its end (Pool.tick)
+        self.alive_marked = -math.inf  # when Store.mark_alive was last written
         self.scheduled_at, self.to_schedule = 0.0, True  # admission's last run; whether it is due
         self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
         self.store = Store(Path(state_dir) / "coordinator.sqlite3")
@@ -180,10 +183,12 @@ class Coordinator:
         now = self._now()
         self.pool.remembered = self.store.held_nodes()
         self.pool.known_nodes = len(self.store.node_names())
+        alive_at = self.store.alive_at()  # the previous coordinator's last sign of life, wall time
+        down_since = None if alive_at is None else now - max(0.0, self.pool.wall(now) - alive_at)
         for job, saved in self.store.load_jobs():
             if saved.state not in js.TERMINAL:
                 job.logged = self.store.logged_steps(job.id)  # where a new generation may resume (Job.resume_max)
-            self.pool.restore(job, saved, now)
+            self.pool.restore(job, saved, now, down_since)
         self.log.info("coordinator.listening", address=self.endpoint, jobs=len(self.pool.jobs), curve=self.keys is not None)
         self.ready.set()
         return self.endpoint
@@ -241,6 +246,9 @@ class Coordinator:
         # Silence is judged up to when the input was last read to its end, at most READ_LAG_S back
         # (a coordinator that far behind, under a flood, judges by the clock).
         self._run(self.pool.tick(now, read_to=max(self.read_to, now - READ_LAG_S)))
+        if self.pool.live and now - self.alive_marked >= ALIVE_MARK_S:  # an idle pool writes nothing
+            self.store.mark_alive(self.pool.wall(now))
+            self.alive_marked = now
         self._relay(self.exports.tick(now, self._alive))
         cadence = self.pool.cadence
         if cadence.period_s != self.period_said:

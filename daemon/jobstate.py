@@ -186,6 +186,7 @@ class Restored:
     launched: int | None  # the world size of the saved plan when that plan is of `generation`: it was started
     start_deadline: float  # a group that was starting must be up by then
     settle_by: float  # a group that was being stopped is given up on by then (its ranks unreported)
+    down_since: float | None = None  # the last moment the previous coordinator was known alive (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +281,11 @@ class JobMachine:
     interrupted_at: float | None = None  # when the failure or change that led here was seen
     interrupted_wall: float | None = None  # the same in wall time (kept by the store across a coordinator restart)
     cause: Cause | None = None
+    # A launched group restored after a coordinator crash: the last moment that coordinator was
+    # alive. A failure found before the group's next step happened while nobody watched, most
+    # likely with the coordinator (the serving dpd's own ranks die with it), so its cost counts
+    # from there, not from the restart. Cleared by that step.
+    down_since: float | None = None
     lost_to: set[str] = field(default_factory=set)  # nodes whose loss used a restart (refunded if they come back)
     # The wall time of the event being handled (`handle` sets it): started_at and finished_at are
     # records, read by people as wall time; deadlines stay on the clock of `now`, which no step of
@@ -369,6 +375,8 @@ class JobMachine:
 
     def _step_done(self, e: StepDone, now: float) -> list[Action]:
         self.step = max(self.step, e.step)
+        if e.generation == self.generation:
+            self.down_since = None  # the restored group trains: nothing was lost while the coordinator was away
         if e.generation != self.generation or self.state is not JobState.RUNNING or self.interrupted_at is None:
             return []
         # The first step of the new generation: the interruption is over.
@@ -528,6 +536,8 @@ class JobMachine:
                 self.state, self.phase = JobState.RECOVERING, Phase.STOPPED
             return []
         self.world_size, self.live = e.launched, set(range(e.launched))
+        if self.interrupted_at is None and e.down_since is not None:
+            self.down_since = min(now, e.down_since)
         if s.state is JobState.RUNNING:
             # Rank 0's hello, which said where this generation started, went to the coordinator
             # that died: the newest step it saved stands for it, so that the group counts as
@@ -587,7 +597,8 @@ class JobMachine:
         self.state, self.deadline = JobState.RECOVERING, None
         self.phase = Phase.STOPPING if mode is StopMode.NOW else Phase.CHECKPOINTING
         self.settle_by = now + SETTLE_S if settle else None
-        self.interrupted_at, self.interrupted_wall, self.cause = now, self.wall, cause
+        at = now if self.down_since is None or cause is not Cause.FAILURE else self.down_since
+        self.interrupted_at, self.interrupted_wall, self.cause, self.down_since = at, self.wall - (now - at), cause, None
         return [StopGroup(self.generation, mode), Emit("group.stopped", {"generation": self.generation, "reason": reason, "mode": str(mode)})]
 
     def _fail(self, now: float, emits: list[Action], nodes: list[str], error: str) -> list[Action]:

@@ -994,12 +994,13 @@ class Pool:
 
     # -- restart -------------------------------------------------------------------------------
 
-    def restore(self, job: Job, saved: js.Saved, now: float) -> None:
+    def restore(self, job: Job, saved: js.Saved, now: float, down_since: float | None = None) -> None:
         """A job read back from the store after a coordinator restart.
 
         A start that was being prepared is simply queued again (nothing ran). A launched group
         keeps running if its daemons re-register with its workers before `reconcile_by`; a group
         that was being stopped is stopped again (its daemons get group.stop when they report it).
+        `down_since`: when the previous coordinator was last known alive, on the clock of `now`.
         """
         self.jobs[job.id] = job
         if saved.state in js.TERMINAL:
@@ -1011,7 +1012,7 @@ class Pool:
         reconcile_by = now + 2 * self.liveness * self.cadence.period_for(max(self.known_nodes, len(self.nodes))) + 2.0
         launched = job.plan is not None and job.plan.generation == saved.generation
         world = job.plan.world_size if launched and job.plan is not None else None
-        job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by), now, self.wall(now))  # acts on nothing
+        job.machine.handle(js.Restored(saved, world, now + job.spec.recovery.start_timeout_s, reconcile_by, down_since), now, self.wall(now))  # acts on nothing
         if job.state in js.ACTIVE and launched and job.plan is not None:
             job.ranks = {r: RankRun(s.node, s.index) for r, s in enumerate(job.plan.ranks)}
             job.reconcile_by = reconcile_by

@@ -76,6 +76,7 @@ CREATE INDEX IF NOT EXISTS logs_job ON logs (job, seq);
 CREATE TABLE IF NOT EXISTS removals (
     job TEXT NOT NULL, node TEXT NOT NULL, t REAL NOT NULL, PRIMARY KEY (node, job)
 );
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value REAL NOT NULL);
 """
 JOB_TABLES = ("metrics", "samples", "events", "logs")  # a job's rows besides its own, each with a `job` column
 
@@ -250,6 +251,18 @@ class Store:
             self.db.close()
 
     # -- nodes and jobs ------------------------------------------------------------------------
+
+    def mark_alive(self, wall: float) -> None:
+        """The coordinator was alive at `wall`: read back after a crash, it dates what was lost
+        while nobody watched (`alive_at`)."""
+        self._write("INSERT OR REPLACE INTO meta (key, value) VALUES ('alive_at', ?)", (wall,))
+
+    def alive_at(self) -> float | None:
+        """The wall time of the newest `mark_alive` committed (None: a new database, or one
+        written before the mark existed)."""
+        self._see_writes()
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'alive_at'").fetchone()
+        return float(row[0]) if row else None
 
     def save_node(self, row: NodeRow, incarnation: str, joined_at: float, last_seen: float, hold: Hold | None) -> None:
         self._write(

@@ -936,14 +936,22 @@ def test_an_unrequested_checkpoint_stop_is_a_membership_change() -> None:
     assert all(s.msg.mode == "checkpoint" for s in sends(out, m.GroupStop))  # type: ignore[attr-defined]
 
 
-def reloaded(pool: Driven, tmp_path: Path, now: float) -> Driven:
-    """A new coordinator's pool, reading the jobs back from a store as the old one saved them."""
+def reloaded(pool: Driven, tmp_path: Path, now: float, alive_at: float | None = None) -> Driven:
+    """A new coordinator's pool, reading the jobs back from a store as the old one saved them
+    (`alive_at`: the old one's last mark of life, read back as the coordinator reads it)."""
     store = Store(tmp_path / "restart.sqlite3")
     for job in pool.jobs.values():
         store.save_job(job)
+    if alive_at is not None:
+        store.mark_alive(alive_at)
+    store.commit()
+    store.close()
+    store = Store(tmp_path / "restart.sqlite3")
+    mark = store.alive_at()
+    assert mark == alive_at
     restarted = Driven(heartbeat_s=pool.heartbeat_s, liveness=pool.liveness)
     for job, saved in store.load_jobs():
-        restarted.restore(job, saved, now)
+        restarted.restore(job, saved, now, mark)  # Driven's wall time is its clock
     store.close()
     return restarted
 
@@ -959,6 +967,38 @@ def test_after_a_coordinator_restart_ranks_a_new_dpd_does_not_run_are_gone(tmp_p
     assert refusal is None and restarted.jobs["j"].state is JobState.RECOVERING
     assert records(out, "worker.failed") == [{"rank": 0, "node": "a", "reason": "heartbeat"}]
     assert "b" in [s.node for s in sends(out, m.GroupStop)]
+
+
+def test_ranks_lost_with_a_crashed_coordinator_are_counted_from_its_last_sign_of_life(tmp_path: Path) -> None:
+    """The serving dpd (a) was SIGKILLed at 3 s with its trainer and came back at 10 s. What the
+    failure cost counts from the old coordinator's last mark of life (the store's), not from the
+    moment the new one found the rank gone: the job trained nothing in between."""
+    pool = running_pool(("a", "b"))
+    restarted = reloaded(pool, tmp_path, 10.0, alive_at=3.0)
+    restarted.registered(10.5, "b", "inc-b", NodeInfo(slots=1, advertise="127.0.0.1"), [RunningWorker(job="j", generation=1, rank=1, slot=0, pid=101)], [], [])
+    _, out = restarted.registered(11.0, "a", "inc-a2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
+    assert records(out, "worker.failed") == [{"rank": 0, "node": "a", "reason": "heartbeat"}]
+    out += restarted.worker_exited(11.2, "b", "j", 1, 1, 0, -15, True)  # stopped by the coordinator
+    out += restarted.tick(11.5) + restarted.schedule(11.5)
+    out = restart(restarted, out, 11.5, resume=5)
+    (resumed,) = records(out, "group.resumed")
+    assert (resumed["generation"], resumed["cause"]) == (2, "failure")
+    assert resumed["seconds_since_failure"] == pytest.approx(13.5 - 3.0)
+
+
+def test_a_restored_group_that_trains_on_dates_its_next_failure_from_when_it_happens(tmp_path: Path) -> None:
+    pool = running_pool(("a", "b"))
+    restarted = reloaded(pool, tmp_path, 10.0, alive_at=3.0)  # only the coordinator restarted
+    for r, n in enumerate(("a", "b")):
+        restarted.registered(10.5, n, f"inc-{n}", NodeInfo(slots=1, advertise="127.0.0.1"), [RunningWorker(job="j", generation=1, rank=r, slot=0, pid=100 + r)], [], [])
+    for r in range(2):
+        restarted.progress(11.0, "j", 1, r, 8, 192, 0.05)  # the group trains: nothing was lost
+    out = restarted.worker_exited(20.0, "b", "j", 1, 1, 0, -9, False)
+    out += restarted.worker_exited(20.2, "a", "j", 1, 0, 0, -15, True)
+    out += restarted.tick(20.5) + restarted.schedule(20.5)
+    out = restart(restarted, out, 20.5, resume=5)
+    (resumed,) = records(out, "group.resumed")
+    assert resumed["seconds_since_failure"] == pytest.approx(22.5 - 20.0)
 
 
 def test_a_recovery_under_way_when_the_coordinator_restarts_still_ends_in_group_resumed(tmp_path: Path) -> None:

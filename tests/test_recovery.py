@@ -22,6 +22,7 @@ import pytest
 from conftest import LocalPool, Processes, alive, trained_alone, wait_for
 from jobs import NO_WARMUP, TINY, constant_lr, write_job
 
+from dpool.daemon.coordinator import ALIVE_MARK_S
 from dpool.protocol.payloads import JobStatus
 
 pytestmark = pytest.mark.slow
@@ -208,13 +209,19 @@ def test_sigkill_of_the_serving_dpd_then_restart_with_the_same_state(pool: Pool,
     pool.start(3)
     job = pool.submit(job_file(tmp_path, "kill-coordinator"))
     mid_run(pool, job)
+    killed = time.time()
     pool.daemons["n0"].proc.send_signal(signal.SIGKILL)
     pool.daemons["n0"].proc.wait()
     wait_for("n0's trainer gone", lambda: not pool.trainer_pids("n0", job), 10)
     time.sleep(1.0)  # the pool without its control plane: the other daemons keep their state
     pool.start_daemon("n0", serve=True)  # same name, same state dir: the coordinator reloads its SQLite
     events = pool.finish(job, reference)
-    assert kinds(events, "group.resumed")
+    resumed = kinds(events, "group.resumed")
+    assert resumed
+    # What the failure cost counts from the dead coordinator's last mark of life (at most
+    # ALIVE_MARK_S and a tick before the kill), not from when its successor found n0's rank gone.
+    failed_at = resumed[0]["t"] - resumed[0]["seconds_since_failure"]
+    assert killed - ALIVE_MARK_S - 1.0 <= failed_at <= killed + 0.1, (killed, resumed[0])
     names = {n.name: n.state for n in pool.nodes()}
     assert names.keys() == {"n0", "n1", "n2"} and "lost" not in names.values()
 
