@@ -14,8 +14,10 @@ from typing import Any
 
 import orjson
 
+from dpool.client.errors import BadInput
 from dpool.client.rpc import Client
 from dpool.client.tables import age, table
+from dpool.protocol.jobspec import check_priority
 from dpool.protocol.sharing import PriorityReply, Queue, QueueReply, QueueRow, SetPriority
 
 
@@ -51,6 +53,8 @@ def cmd_queue(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_priority(c: Client, a: argparse.Namespace) -> int:
+    if (err := check_priority(a.priority)) is not None:  # before the wire: a 2**64 cannot even be sent
+        raise BadInput(f"priority {a.priority}: {err}")
     reply = c.call(SetPriority(job=a.job, priority=a.priority), PriorityReply)
     if getattr(a, "json", False):
         sys.stdout.write(orjson.dumps({"id": reply.job_id, "priority": reply.priority, "previous": reply.previous, "state": reply.state}).decode() + "\n")
