@@ -276,7 +276,7 @@ class NodeStaging:
         """The folder of tree `digest` here: the cache's copy, this node's own copy at the job's
         path when it matches (None: served from where it is), or a fetch from the pool."""
         self.cache.pin(digest, job)
-        held = self.cache.tree(digest)
+        held = await asyncio.to_thread(self.cache.tree, digest)  # checked intact: may hash a file whose stat moved
         if held is not None:
             return held
         if local is not None:

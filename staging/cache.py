@@ -10,6 +10,7 @@
                               read-only folder a job reads; built in trees/.tmp-* and renamed in place
     adopted/<digest>          the absolute path of a folder outside the cache that holds this manifest's
                               files (the caller verified it): served from there, never copied
+    adopted/<digest>.mtimes   its files' mtimes when they were verified (staging/integrity.py)
     used/<digest>             its mtime is the tree's last use, for least-recently-used eviction
 
 Durability. A chunk is written and its line appended to `.have` without fsync: a daemon killed
@@ -17,6 +18,12 @@ mid-fetch loses at most what the kernel had not written, and since a `.have` lin
 before its chunk does, the first use of a partial file in a process re-hashes every chunk `.have`
 lists and keeps only those that match (a torn chunk is fetched again). A blob is fsynced before it is
 renamed into blobs/. A tree or a manifest is written whole under a temporary name and renamed.
+
+Integrity. A tree is checked as it is used (`tree`), with a stat of each file (staging/integrity.py):
+a blob is sealed when verified, an adoption records its files' mtimes. A damaged file (truncated,
+overwritten, gone) drops the tree (and that blob), or the adoption, so the node fetches the files
+again instead of training on other bytes. A cache folder removed under a running daemon is made
+again, empty, at its next use.
 
 Space. A blob is freed when no tree links it (`st_nlink == 1`), and never while a manifest that
 holds it is pinned (a live job reads it) or in flight (`missing` or `reserve` was asked about it, and
@@ -45,7 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from dpool.protocol.logs import get_logger
+from dpool.staging.integrity import damage, mtimes, seal, sealed
 from dpool.staging.manifest import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -144,8 +154,7 @@ class Cache:
         self.root = Path(root)
         self.max_bytes, self.min_free = max_bytes, min_free
         self.log = get_logger(component="cache")
-        for name in _LAYOUT:
-            (self.root / name).mkdir(parents=True, exist_ok=True)
+        self._make_layout()
         self._lock = threading.Lock()  # the maps below; held briefly, never while hashing or waiting
         self._tree_lock = threading.RLock()  # building, pruning and evicting trees
         self._blob_locks: dict[str, threading.Lock] = {}  # one blob's partial file: writes, loading
@@ -157,6 +166,29 @@ class Cache:
         self._adopted_files: dict[str, list[tuple[str, Entry, int]]] | None = None  # sha256 -> (digest, entry, chunk_bytes); None: to build
         self._callbacks: list[Callable[[str, int], None]] = []
         self._recover()
+
+    def _make_layout(self) -> bool:
+        """Make the cache's folders that are missing; whether any was."""
+        made = False
+        for name in _LAYOUT:
+            folder = self.root / name
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                made = True
+        return made
+
+    def _layout(self) -> None:
+        """Before a use: the folders are there. Removed under a running daemon (`rm -rf` of the
+        cache), they are made again, empty, and what this process knew of their content is
+        forgotten: the trees are fetched again when a job needs them."""
+        if not self._make_layout():
+            return
+        with self._lock:
+            self._manifests.clear()
+            self._partials.clear()
+            self._adopted.clear()
+            self._adopted_files = None
+        self.log.warning("cache.recreated", root=str(self.root), reason="its folders were removed while the daemon ran; they start empty")
 
     # -- paths -------------------------------------------------------------------------------------
 
@@ -173,6 +205,7 @@ class Cache:
         return self.root / "trees" / digest
 
     def _touch(self, digest: str) -> None:
+        self._layout()
         (self.root / "used" / digest).touch()  # now, also when it exists
 
     def _recover(self) -> None:
@@ -197,6 +230,7 @@ class Cache:
     def put_manifest(self, data: bytes, limits: Limits = Limits()) -> Manifest:  # noqa: B008 (frozen)
         """Check a manifest's bytes (ManifestError) and keep them under their digest."""
         m = Manifest.from_bytes(data, limits)
+        self._layout()
         path = self.root / "manifests" / m.digest
         if not path.exists():
             _write_atomic(path, m.to_bytes())
@@ -228,18 +262,49 @@ class Cache:
     # -- trees -------------------------------------------------------------------------------------
 
     def tree(self, digest: str) -> Path | None:
-        """The folder holding `digest`'s complete tree (its own, or the adopted one), marked used."""
+        """The folder holding `digest`'s complete tree (its own, or the adopted one), checked
+        intact (a stat a file; a file whose stat moved is hashed again) and marked used. None when
+        there is none, or it was damaged (then dropped: fetch it again)."""
         if not _is_hex(digest):
             return None
+        self._layout()
         with self._lock:
             folder = self._adopted.get(digest)
-        if folder is None and self._tree(digest).is_dir():
-            folder = self._tree(digest)
-        if folder is None:
+        if folder is not None:
+            return self._adopted_tree(digest, folder)
+        if not self._tree(digest).is_dir():
             return None
-        if not folder.is_dir():
-            self._unadopt(digest, f"{folder} is no longer a folder")
+        m = self.manifest(digest)
+        with self._tree_lock:
+            problem, rehashed = damage(self._tree(digest), m, sealed) if m is not None else ("its manifest is gone", [])
+            for e in rehashed:
+                seal(self._blob(e.sha256))  # the same bytes, touched (or from before blobs were sealed)
+            if problem is not None:
+                self.log.warning("cache.damaged", digest=digest, problem=problem, then="the tree is dropped and fetched again")
+                shutil.rmtree(self._tree(digest), ignore_errors=True)
+                bad = next((e for e in m.entries if problem.startswith(f"{e.path}:")), None) if m is not None else None
+                if bad is not None and bad.size:
+                    self._blob(bad.sha256).unlink(missing_ok=True)
+                return None
+        self._touch(digest)
+        return self._tree(digest)
+
+    def _adopted_tree(self, digest: str, folder: Path) -> Path | None:
+        m = self.manifest(digest)
+        if not folder.is_dir() or m is None:
+            self._unadopt(digest, f"{folder} is no longer a folder" if m is not None else "its manifest is gone")
             return None
+        record = self.root / "adopted" / f"{digest}.mtimes"
+        try:
+            verified = orjson.loads(record.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            verified = {}  # adopted before mtimes were recorded: every file is hashed once
+        problem, rehashed = damage(folder, m, lambda e, st: verified.get(e.path) == st.st_mtime_ns)
+        if problem is not None:
+            self._unadopt(digest, f"{problem}, in {folder}")
+            return None
+        if rehashed or not verified:
+            _write_atomic(record, orjson.dumps(mtimes(folder, m)))
         self._touch(digest)
         return folder
 
@@ -250,6 +315,10 @@ class Cache:
         folder = Path(folder).resolve()
         if not folder.is_dir():
             raise ValueError(f"cannot adopt {digest}: {folder} is not a folder")
+        self._layout()
+        m = self.manifest(digest)
+        assert m is not None
+        _write_atomic(self.root / "adopted" / f"{digest}.mtimes", orjson.dumps(mtimes(folder, m)))
         _write_atomic(self.root / "adopted" / digest, os.fsencode(folder))
         with self._lock:
             self._adopted[digest] = folder
@@ -262,6 +331,7 @@ class Cache:
             self._adopted_files = None
         if folder is not None:
             (self.root / "adopted" / digest).unlink(missing_ok=True)
+            (self.root / "adopted" / f"{digest}.mtimes").unlink(missing_ok=True)
             self.log.warning("cache.adoption_dropped", digest=digest, folder=str(folder), reason=why)
 
     def complete(self, manifest: Manifest) -> Path:
@@ -303,6 +373,7 @@ class Cache:
                         raise
                     shutil.copyfile(self._blob(e.sha256), dst)  # the blob has as many links as it can
                     os.chmod(dst, 0o444)
+                    seal(dst)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -475,6 +546,7 @@ class Cache:
             return False
         if hashlib.sha256(data).hexdigest() != entry.chunks[index]:
             return False
+        self._layout()
         with self._blob_lock(sha):
             if self._blob(sha).exists():
                 return True
@@ -538,6 +610,7 @@ class Cache:
                 return False
             os.fsync(f.fileno())
         os.chmod(self._partial(sha), 0o444)
+        seal(self._partial(sha))
         _rename_durably(self._partial(sha), self._blob(sha))
         self._have_file(sha).unlink(missing_ok=True)
         with self._lock:
@@ -597,6 +670,7 @@ class Cache:
         return _unique(active + pinned)
 
     def _sizes(self, folder: str) -> dict[str, os.stat_result]:
+        self._layout()
         out = {}
         for p in (self.root / folder).iterdir():
             if _is_hex(p.name):
@@ -681,6 +755,7 @@ class Cache:
         return min(candidates, key=self._last_used)
 
     def _digests(self) -> set[str]:
+        self._layout()
         found = set()
         for folder in ("manifests", "trees", "adopted", "used"):
             found |= {p.name for p in (self.root / folder).iterdir() if _is_hex(p.name)}

@@ -17,8 +17,10 @@ from typing import Any
 
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from dpool.staging.cache import Cache, CacheFull, Incomplete
+from dpool.staging.integrity import SEAL_NS
 from dpool.staging.manifest import (
     CHUNK_BYTES,
     EMPTY_SHA256,
@@ -707,3 +709,88 @@ def test_a_file_whose_chunks_match_but_whose_whole_hash_lies_never_becomes_its_b
     honest = Entry(path="a.bin", size=len(data), sha256=hashlib.sha256(data).hexdigest(), chunks=entry.chunks)
     assert all(cache.write_chunk(honest, i, pieces[i], chunk) for i in order)
     assert (tmp_path / "cache" / "blobs" / honest.sha256).read_bytes() == data
+
+
+# -- integrity of what is used: a stat per file, a hash when the stat moved ------------------------
+
+
+def fetched(tmp_path: Path) -> tuple[Cache, Manifest, Path]:
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    cache.put_manifest(m.to_bytes())
+    cache.reserve(m)
+    fetch(cache, m, source)
+    return cache, m, cache.complete(m)
+
+
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    """Bytes written in place (size kept), as a stray `dd conv=notrunc` or a bad disk would."""
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "overwritten", "removed"])
+def test_a_damaged_cache_tree_is_dropped_and_fetched_again_never_used(tmp_path: Path, damage: str) -> None:
+    """A node trained on a cached file truncated or overwritten after it was verified, and the
+    job succeeded with other numbers. `tree` now checks each file's stat: a damaged tree is
+    dropped with the damaged blob, and the chunks of that file are missing again."""
+    cache, m, tree = fetched(tmp_path)
+    b = tree / "corpus" / "b.txt"
+    if damage == "truncated":
+        os.truncate(b, 100)
+    elif damage == "overwritten":
+        overwrite(b, 5, b"garbage")
+    else:
+        b.unlink()
+    with capture_logs() as logs:
+        assert cache.tree(m.digest) is None
+    (said,) = [e for e in logs if e["event"] == "cache.damaged"]
+    assert said["problem"].startswith("corpus/b.txt:") and said["digest"] == m.digest
+    assert not tree.exists()
+    entry = next(e for e in m.entries if e.path == "corpus/b.txt")
+    assert sorted((e.path, i) for e, i in cache.missing(m)) == [("corpus/b.txt", i) for i in range(len(entry.chunks))]
+    fetch(cache, m, tmp_path / "sources" / "corpus")
+    assert differences(cache.complete(m), m) == [] and cache.tree(m.digest) == tree
+
+
+def test_a_touched_file_with_the_same_bytes_is_hashed_once_and_kept(tmp_path: Path) -> None:
+    cache, m, tree = fetched(tmp_path)
+    b = tree / "corpus" / "b.txt"
+    assert os.stat(b).st_mtime_ns == SEAL_NS  # sealed when verified
+    os.utime(b)  # `touch`
+    assert cache.tree(m.digest) == tree and differences(tree, m) == []
+    assert os.stat(b).st_mtime_ns == SEAL_NS  # sealed again: the next use hashes nothing
+
+
+def test_an_adopted_folder_changed_in_place_with_its_size_kept_is_dropped(tmp_path: Path) -> None:
+    """The node's own copy, served where it is: its files' mtimes are recorded when verified; one
+    rewritten since (same size) is hashed again at the next use, and the adoption dropped."""
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    cache.put_manifest(m.to_bytes())
+    cache.adopt(m.digest, source)
+    os.utime(source / "corpus" / "a.txt")  # touched only: kept
+    assert cache.tree(m.digest) == source.resolve()
+    overwrite(source / "corpus" / "b.txt", 0, TREE["corpus/b.txt"][:3][::-1])
+    with capture_logs() as logs:
+        assert Cache(tmp_path / "cache").tree(m.digest) is None  # a restarted daemon checks it too
+    (said,) = [e for e in logs if e["event"] == "cache.adoption_dropped"]
+    assert "corpus/b.txt: its bytes changed since they were verified" in said["reason"]
+    assert not (tmp_path / "cache" / "adopted" / m.digest).exists()
+
+
+def test_a_cache_removed_under_a_running_daemon_is_made_again_empty(tmp_path: Path) -> None:
+    """`rm -rf STATE/cache` while dpd ran: the next listing raised FileNotFoundError, which ended
+    the serving dpd and the pool's coordinator with it."""
+    cache, m, _ = fetched(tmp_path)
+    shutil.rmtree(tmp_path / "cache")
+    with capture_logs() as logs:
+        assert cache.entries() == []
+    assert [e["event"] for e in logs] == ["cache.recreated"]
+    assert cache.tree(m.digest) is None and cache.manifest(m.digest) is None
+    cache.put_manifest(m.to_bytes())
+    cache.reserve(m)
+    fetch(cache, m, tmp_path / "sources" / "corpus")
+    assert differences(cache.complete(m), m) == [] and [e.digest for e in cache.entries()] == [m.digest]

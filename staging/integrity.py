@@ -1,0 +1,72 @@
+"""Whether a tree on disk still holds what was verified, checked with a stat of each file.
+
+Hashing a model's gigabytes before every job would cost seconds; not checking let a node train on a
+cached file truncated or overwritten after it was verified, and succeed with another job's numbers.
+So a file is hashed again only when its stat says it may have changed:
+
+- A blob of the cache is *sealed* when it is verified: its mtime is set to SEAL_NS, a moment no
+  write leaves behind (every write sets the mtime to now). A cache tree's files are hard links to
+  blobs, so a file of the size its manifest entry says and with the seal is as verified.
+- An adopted folder holds the user's own files, not ours to touch: the mtimes they had when they
+  were verified are recorded beside the adoption, and compared.
+
+A file whose size differs is damaged; one whose mtime moved is hashed again: the same bytes (a
+`touch`, a copy that kept the content) are sealed or recorded again, other bytes are damage.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from dpool.staging.manifest import Entry, Manifest, hash_file
+
+SEAL_NS = 1_000_000_000 * 10**9  # 2001-09-09T01:46:40Z: a verified blob's mtime
+
+
+def seal(path: Path) -> None:
+    """Mark a verified file as such (its owner may set its times, read-only or not)."""
+    os.utime(path, ns=(SEAL_NS, SEAL_NS))
+
+
+def sealed(entry: Entry, st: os.stat_result) -> bool:
+    return st.st_mtime_ns == SEAL_NS
+
+
+def mtimes(folder: Path, manifest: Manifest) -> dict[str, int]:
+    """Each file's mtime (ns) in `folder`, by its manifest path (what an adoption records)."""
+    out = {}
+    for e in manifest.entries:
+        try:
+            out[e.path] = os.stat(folder.joinpath(*e.path.split("/"))).st_mtime_ns
+        except OSError:
+            continue  # checked (and found missing) at the next use
+    return out
+
+
+def damage(folder: Path, manifest: Manifest, unchanged: Callable[[Entry, os.stat_result], bool]) -> tuple[str | None, list[Entry]]:
+    """(the first damage found in `folder`, or None; the entries hashed again and found intact).
+    `unchanged(entry, stat)`: whether the file's stat shows it as verified (no hash needed)."""
+    rehashed: list[Entry] = []
+    for e in manifest.entries:
+        path = folder.joinpath(*e.path.split("/"))
+        try:
+            st = os.stat(path)
+        except OSError as err:
+            return f"{e.path}: {err.strerror or err}", rehashed
+        if not stat.S_ISREG(st.st_mode):
+            return f"{e.path}: no longer a regular file", rehashed
+        if st.st_size != e.size:
+            return f"{e.path}: {st.st_size} bytes where {e.size} were verified", rehashed
+        if e.size and not unchanged(e, st):
+            try:
+                with open(path, "rb") as f:
+                    size, sha, _ = hash_file(f, manifest.chunk_bytes)
+            except OSError as err:
+                return f"{e.path}: {err.strerror or err}", rehashed
+            if (size, sha) != (e.size, e.sha256):
+                return f"{e.path}: its bytes changed since they were verified (sha256 {sha[:12]}, {e.sha256[:12]} expected)", rehashed
+            rehashed.append(e)
+    return None, rehashed
