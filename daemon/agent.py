@@ -540,7 +540,7 @@ class Agent(WarmTrainers):
             return  # released while being prepared, or the daemon is stopping: nobody waits for it
         except ExportError as e:
             self.log.warning("export.refused", export=msg.export_id[:80], type=str(msg.TYPE), code=str(e.code), error=e.message)
-            reply = m.Error(code=str(e.code), message=e.message)
+            reply = m.Error(code=str(e.code), message=self.staging.named(msg.job, e.message))
         except Exception as e:  # a bug must cost one request, not the daemon
             self.log.exception("export.failed", export=msg.export_id[:80])
             reply = m.Error(code=str(ErrorCode.INTERNAL), message=f"node {self.name}: {type(e).__name__}: {e}")
@@ -709,6 +709,8 @@ class Agent(WarmTrainers):
         if self.workers.get(slot) is w:
             del self.workers[slot]
         self.awake.update(len(self.workers))  # the last trainer: it may sleep again
+        if w.error is not None:
+            w.error = self.staging.named(w.job, w.error)  # the user's paths, not this node's cache's
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
         if code == 0:  # the job is done: what was kept for its restarts goes

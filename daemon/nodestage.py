@@ -25,6 +25,7 @@ A trainer of the job reads the trees where this node has them: `localize` rewrit
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dpool.protocol.content import adapters_tree, data_tree, model_tree, staged
+from dpool.protocol.content import adapters_tree, data_tree, model_tree, staged, tree_names
 from dpool.protocol.jobspec import JobFileError, JobSpec, data_location, model_location, parse_job
 from dpool.protocol.messages import Message
 from dpool.protocol.stage_messages import (
@@ -51,6 +52,7 @@ from dpool.staging.manifest import HashCache, ManifestError, differences, scan
 
 PROGRESS_S = 0.5  # a fetching node reports its progress this often
 MANIFEST_WAIT_S = 30.0  # for a holder's manifest, to name the file of this node's copy that differs
+NAMES_KEPT = 64  # jobs whose staged folders an error is translated for (an export may come after the end)
 NO_JOB = "*"  # node.staged about no job: only this node's data channel and holdings
 FULL_FINE_TUNE_FACTOR = 4.0  # weights, gradients and two Adam moments
 ADAPTER_FACTOR = 1.2  # weights and a little for the adapters and activations
@@ -92,6 +94,7 @@ class NodeStaging:
         self.key = keys.public.decode() if keys is not None else ""
         self.endpoint = ""
         self.jobs: dict[str, Staged] = {}
+        self.names: collections.OrderedDict[str, list[tuple[str, str]]] = collections.OrderedDict()  # job -> tree_names, kept past its end (exports)
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.pruning: asyncio.Task[None] | None = None
@@ -167,6 +170,13 @@ class NodeStaging:
         got = self.jobs.get(job)
         return spec if got is None else staged(spec, got.data, got.model, got.adapters)
 
+    def named(self, job: str, text: str) -> str:
+        """`text` (a trainer's error) with the folders this node staged the job's sources in
+        replaced by the paths the user gave."""
+        for folder, given in self.names.get(job, ()):
+            text = text.replace(folder, given)
+        return text
+
     def ended(self, job: str) -> bool:
         """The job is over: its trees may be evicted. Whether this node had staged it."""
         had = self.jobs.pop(job, None) is not None or job in self.tasks
@@ -241,6 +251,12 @@ class NodeStaging:
             say("unfit", f"staging failed on this node: {type(e).__name__}: {e}"[:4000])
             return
         self.jobs[msg.job] = got
+        names = tree_names(spec, got.data, got.model, got.adapters)
+        names.sort(key=lambda n: len(n[0]), reverse=True)  # a folder inside another is replaced first
+        self.names[msg.job] = names
+        self.names.move_to_end(msg.job)
+        while len(self.names) > NAMES_KEPT:
+            self.names.popitem(last=False)
         self.log.info("job.staged", job=msg.job, data=str(got.data) if got.data else None, model=str(got.model) if got.model else None, seconds=round(time.monotonic() - t0, 3))
         say("ready", done=fetched[0], total=fetched[0])
 

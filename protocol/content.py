@@ -100,6 +100,21 @@ def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None, adapter
     return dataclasses.replace(spec, data=data, model=model)
 
 
+def tree_names(spec: JobSpec, data_dir: Path | None, model_dir: Path | None, adapters_dir: Path | None = None) -> list[tuple[str, str]]:
+    """(a folder `staged` put in place of a source, the source as the job file names it): a
+    message about a file in the folder (a bad data line, a layer the model lacks) names the path
+    the user wrote (`~/corpus/notes.jsonl:2`), not the cache's."""
+    out = []
+    if data_dir is not None:
+        out.append((str(data_dir), spec.data.source if spec.model.kind == "mlx_lm" else str(source_root(spec.data.source))))
+    if model_dir is not None:
+        out.append((str(model_dir), spec.model.path))
+    if adapters_dir is not None and spec.model.adapters is not None:
+        named = Path(spec.model.adapters)
+        out.append((str(adapters_dir), str(named.parent) if (adapters_dir / named.name).is_file() else spec.model.adapters))
+    return out
+
+
 def _same_pattern(spec: JobSpec, tree: Path) -> str:
     """The source's pattern, rooted at `tree` instead of its own root: a folder stays a folder, a
     glob keeps its wildcards, one file keeps its name (the tree holds exactly the matched files)."""

@@ -250,3 +250,19 @@ def test_files_on_one_node_only_reach_the_others(pool: HomesPool, tmp_path: Path
     assert named["node"] == "n0" and len(named["data"]) == 64, named
     assert [e["node"] for e in events if e["kind"] == "node.staged"] == ["n1"], events
     assert pool.dpctl_json("status", job_id)["state"] == "succeeded"
+
+
+def test_a_bad_line_in_staged_data_is_named_at_the_users_path_not_the_cache(pool: HomesPool, tmp_path: Path) -> None:
+    """Files sent by the submitting machine are read from each node's cache; an error about one of
+    them (a bad JSON line) named the cache's folder (STATE/cache/trees/<digest>/...), a path the
+    user never saw. It names the file where the user has it."""
+    pool.start(1, 1)
+    client = tmp_path / "client-home"
+    data = corpus(client / "corpus", count=4)
+    (data / "notes.jsonl").write_text('{"text": "a good line"}\nnot json\n')
+    job = write_job(tmp_path, "badline", workers={"min": 1, "max": 1}, data={"source": "~/corpus/*"})
+    r = dpctl(pool, "submit", str(job), home=client)
+    assert r.returncode == 0, r.stderr
+    final = pool.wait_end(r.stdout.strip(), JOB_TIMEOUT)
+    assert final.state == "failed", final
+    assert "n0: rank 0: ~/corpus/notes.jsonl:2: expected a JSON object" in (final.error or "") and "/cache/" not in (final.error or ""), final.error
