@@ -114,8 +114,10 @@ def read_config(path: str) -> dict[str, Any]:
         config = yaml.load(text, _Loader)
     except yaml.YAMLError as e:
         raise JobFileError(path, "yaml", one_line(e), "must be valid YAML (an mlx_lm lora config)") from None
-    if config is None:
-        config = {}
+    if config is None or config == {}:
+        # mlx-lm's defaults alone: a 0.6B model from the Hub on a Hub dataset. Never what an empty
+        # file (or one of comments only) meant.
+        raise JobFileError(path, "yaml", "empty", "must hold mlx_lm lora options (at least model and data); it holds none")
     if not isinstance(config, dict):
         raise JobFileError(path, "yaml", type(config).__name__, "must be a mapping of mlx_lm lora options")
     return config
@@ -172,6 +174,10 @@ def job_document(config: dict[str, Any], source: str, name: str) -> Converted:
             raise JobFileError(source, "data", config["data"], "give either data or hf_dataset, not both (mlx-lm reads hf_dataset and ignores data)")
     else:
         data["source"] = c["data"]
+        folder = Path(str(c["data"])).expanduser()  # relative: to the current folder, as mlx-lm and the job resolve it
+        if (folder / "train.jsonl").is_file() and not (folder / "valid.jsonl").is_file():
+            out.notes.append(f"data: {folder} has no valid.jsonl: the job holds out data.val_fraction (default 0.05) of train.jsonl "
+                             "to validate on (mlx-lm would train on all of it and validate on nothing)")
     data["mask_prompt"] = flag("mask_prompt")
     for key in FEATURES:  # the columns of data's examples (with hf_dataset, each dataset names its own)
         if config.get(key) is not None:
@@ -301,7 +307,11 @@ def _optimizer(c: dict[str, Any], config: dict[str, Any], train: dict[str, Any],
         train["optimizer_config"] = dict(mine)
     for other, settings in configs.items():
         if other != name and settings:
-            notes.append(f"optimizer_config.{other}: settings of an optimizer the config does not use (mlx-lm ignores them too)")
+            if other in OPTIMIZERS:
+                notes.append(f"optimizer_config.{other}: settings of an optimizer the config does not use (mlx-lm ignores them too)")
+            else:  # a flat config: `optimizer_config: {weight_decay: 0.1}`
+                notes.append(f"optimizer_config.{other}: not an optimizer's name, so not used (mlx-lm ignores it too); "
+                             f"settings go under the optimizer's name: optimizer_config: {{{name}: {{{other}: ...}}}}")
     lr = c["learning_rate"]
     if isinstance(lr, bool) or not isinstance(lr, int | float):
         raise JobFileError(source, "learning_rate", lr, "must be a number")

@@ -211,6 +211,9 @@ def test_a_schedule_and_an_optimizer_config_carry_over(tmp_path: Path) -> None:
         ("model: m\nbatch_size: 0\n", "batch_size", ">= 1"),
         ("- model: m\n", "yaml", "mapping"),
         ("model: [unclosed\n", "yaml", "valid YAML"),
+        ("", "yaml", "it holds none"),  # mlx-lm's defaults alone: a 0.6B model and a dataset from the Hub
+        ("# a comment only\n", "yaml", "it holds none"),
+        ("{}\n", "yaml", "it holds none"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_by_name(tmp_path: Path, text: str, key: str, says: str) -> None:
@@ -264,3 +267,17 @@ def test_a_value_the_job_refuses_names_the_configs_key_too(tmp_path: Path) -> No
     assert mlxlm_config.config_key("train.lr_schedule.arguments") == "lr_schedule.arguments"
     assert mlxlm_config.config_key("data.hf_dataset[1].path") == "hf_dataset[1].path"
     assert mlxlm_config.config_key("workers.max") is None
+
+
+def test_a_data_folder_without_valid_jsonl_and_a_flat_optimizer_config_are_noted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm trains on all of train.jsonl when valid.jsonl is missing; the job holds some out to
+    validate on: said, not silent. A flat optimizer_config is not used by either: said so, with
+    where its settings go."""
+    monkeypatch.chdir(tmp_path)  # a config's relative paths are the current folder's, as in mlx-lm
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text('{"text": "x"}\n')
+    made = convert("model: m\ndata: d\noptimizer: adamw\noptimizer_config:\n  weight_decay: 0.1\n", tmp_path)
+    assert any("has no valid.jsonl: the job holds out data.val_fraction" in n for n in made.notes), made.notes
+    assert any("optimizer_config.weight_decay: not an optimizer's name" in n and "{adamw: {weight_decay: ...}}" in n for n in made.notes), made.notes
+    (tmp_path / "d" / "valid.jsonl").write_text('{"text": "y"}\n')
+    assert not any("valid.jsonl" in n for n in convert("model: m\ndata: d\n", tmp_path).notes)
