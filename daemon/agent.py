@@ -212,6 +212,7 @@ class Agent(WarmTrainers):
         wsock = self._bind_worker_socket()
         self.forks.start()
         self.log.info("staging.listening", endpoint=self.staging.start(), cache=str(self.staging.cache.root))
+        self.staging.announce_drops(self._send)
         side = [asyncio.create_task(self._worker_loop(wsock)), asyncio.create_task(self._flush_loop())]
         if self.owner is not None:
             side.append(asyncio.create_task(self.owner.run(lambda why: self._send(NodeYield(reason=why)))))

@@ -153,6 +153,18 @@ class NodeStaging:
             for e in self.cache.entries()[:CACHE_ROWS_MAX]
         ]
 
+    def announce_drops(self, send: Callable[[Message], None]) -> None:
+        """When an adopted folder turns out gone or changed (a peer asked for its chunks, a job
+        used it), send this node's holdings again: the pool stops naming it as a source, and a
+        fetch that counted on it looks elsewhere instead of waiting on it."""
+        loop = asyncio.get_running_loop()
+
+        def dropped(digest: str) -> None:  # from the data channel's thread, or the loop's
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the daemon is stopping
+                loop.call_soon_threadsafe(lambda: send(self.hello()))
+
+        self.cache.on_adoption_dropped(dropped)
+
     def on_prune(self, send: Callable[[Message], None]) -> None:
         """stage.prune, in a task: every tree no live job here uses goes (what it frees is logged),
         then the node's holdings are sent. Off the agent's loop, so a slow disk does not hold the

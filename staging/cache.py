@@ -165,6 +165,7 @@ class Cache:
         self._adopted: dict[str, Path] = {}
         self._adopted_files: dict[str, list[tuple[str, Entry, int]]] | None = None  # sha256 -> (digest, entry, chunk_bytes); None: to build
         self._callbacks: list[Callable[[str, int], None]] = []
+        self._dropped: list[Callable[[str], None]] = []  # told each adoption dropped (its digest)
         self._recover()
 
     def _make_layout(self) -> bool:
@@ -325,14 +326,23 @@ class Cache:
             self._adopted_files = None
         self._touch(digest)
 
+    def on_adoption_dropped(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(digest)` (from any thread) when an adopted folder is found gone or changed:
+        what this cache holds changed without a fetch or a prune."""
+        with self._lock:
+            self._dropped.append(callback)
+
     def _unadopt(self, digest: str, why: str) -> None:
         with self._lock:
             folder = self._adopted.pop(digest, None)
             self._adopted_files = None
+            callbacks = list(self._dropped)
         if folder is not None:
             (self.root / "adopted" / digest).unlink(missing_ok=True)
             (self.root / "adopted" / f"{digest}.mtimes").unlink(missing_ok=True)
             self.log.warning("cache.adoption_dropped", digest=digest, folder=str(folder), reason=why)
+            for callback in callbacks:
+                callback(digest)
 
     def complete(self, manifest: Manifest) -> Path:
         """`manifest`'s tree, built from its blobs (Incomplete when some are missing); marked used."""
@@ -834,6 +844,10 @@ class Cache:
         pinned = self._pinned()
         with self._lock:
             adopted = dict(self._adopted)
+        for d, where in list(adopted.items()):
+            if not where.is_dir():  # moved or removed: it holds nothing now (a stat a folder)
+                self._unadopt(d, f"{where} is no longer a folder")
+                del adopted[d]
         out = []
         for d in self._digests():
             m = self.manifest(d)

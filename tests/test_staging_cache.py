@@ -794,3 +794,21 @@ def test_a_cache_removed_under_a_running_daemon_is_made_again_empty(tmp_path: Pa
     cache.reserve(m)
     fetch(cache, m, tmp_path / "sources" / "corpus")
     assert differences(cache.complete(m), m) == [] and [e.digest for e in cache.entries()] == [m.digest]
+
+
+def test_an_adopted_folder_moved_away_is_no_longer_listed_and_its_drop_is_told(tmp_path: Path) -> None:
+    """A node served a folder in place; the folder moved. Its listing still named the content, so
+    the pool kept sending fetchers to it, and a job waited on it. The listing now leaves it out, and
+    whoever listens (the dpd, which then sends its holdings again) hears of the drop."""
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(tmp_path / "cache")
+    heard: list[str] = []
+    cache.on_adoption_dropped(heard.append)
+    cache.put_manifest(m.to_bytes())
+    cache.adopt(m.digest, source)
+    assert [(e.digest, e.complete) for e in cache.entries()] == [(m.digest, True)]
+    source.rename(tmp_path / "moved")
+    assert [(e.digest, e.complete) for e in cache.entries()] == [(m.digest, False)]  # the manifest stays; nothing to serve
+    assert heard == [m.digest] and not (tmp_path / "cache" / "adopted" / m.digest).exists()
+    b = next(e for e in m.entries if e.size)
+    assert not cache.has_chunk(b.sha256, 0)
