@@ -21,8 +21,8 @@ from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
+from dpool.trainer import agreement, diloco, optimizers
 from dpool.trainer import checkpoint as ckpt
-from dpool.trainer import diloco, optimizers
 from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
 from dpool.trainer.data import DataError, split_shares
@@ -56,11 +56,10 @@ def parse_shares(text: str | None, world: int, global_batch: int) -> list[int]:
             raise UsageError(f"--shares {text!r}: expected comma-separated integers, e.g. 4,8,12") from None
     if len(shares) != world:
         raise UsageError(f"--shares {text!r}: {len(shares)} shares for a group of {world} ranks")
-    if any(s < 1 for s in shares):
-        raise UsageError(
-            f"--shares {shares}: every rank needs at least one sequence "
-            f"(train.global_batch = {global_batch} must be >= the world size {world})"
-        )
+    if (low := next((r for r, s in enumerate(shares) if s < 1), None)) is not None:
+        if text is None:
+            raise UsageError(f"train.global_batch = {global_batch} is less than the {world} ranks: every rank needs at least one sequence")
+        raise UsageError(f"--shares {text!r}: every rank needs at least one sequence (a share of {shares[low]} at rank {low})")
     if sum(shares) != global_batch:
         raise UsageError(f"--shares {text!r}: they add up to {sum(shares)}, train.global_batch is {global_batch}")
     return shares
@@ -152,7 +151,17 @@ def run(
     mark("group")
     rank, world = group.rank, group.size
     log = get_logger(job=spec.name, rank=rank, generation=generation)
-    shares = parse_shares(shares_arg, world, spec.train.global_batch)
+    shares_refused: UsageError | None = None
+    try:
+        shares = parse_shares(shares_arg, world, spec.train.global_batch)
+    except UsageError as e:
+        shares_refused = e
+    # Before anything is built: every rank was given the same job file and shares, or all exit 2
+    # saying what differs (one small all_sum; trainer/agreement.py). A rank that refused its own
+    # --shares takes part too, so that its peers exit with it instead of waiting for it.
+    differs = agreement.disagreement(group, spec.training_hash(), None if shares_refused else shares)
+    if shares_refused or differs:
+        raise shares_refused or UsageError(differs)
     if not spec.workers.balance:
         try:
             shares = fixed_shares(world, spec.train.global_batch) or shares  # DPOOL_SHARES: a benchmark's fixed split

@@ -1,0 +1,152 @@
+"""Ranks started by hand agree on the job and the shares before they train (INTERFACE.md "The trainer
+by hand"), with real processes and a real ring group on loopback.
+
+A group whose ranks were given different shares or different job files would otherwise train:
+shares that add up to more than the global batch, or weights that drift apart, with exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ring
+from jobs import write_job
+
+TIMEOUT_S = 120  # far more than the check takes: a rank that trains on instead fails the test, not hangs it
+
+
+def tiny(folder: Path, file: str = "job.toml", lr: float = 1e-3) -> Path:
+    return write_job(folder, "agree", file=file, train={"steps": 3, "global_batch": 8, "lr": lr}, checkpoint={"every_steps": 1})
+
+
+def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None = None) -> ring.Group:
+    """One trainer per entry of `per_rank` (its own arguments), as ranks of one ring group."""
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(len(per_rank))]))
+    procs, logs = [], []
+    for rank, args in enumerate(per_rank):
+        log = tmp / f"rank{rank}-{time.monotonic_ns()}.log"
+        logs.append(log)
+        extra = {**(env or {}), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "dpool.trainer", *args], env=ring.trainer_env(extra),
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            ))
+    return ring.Group(procs, logs)
+
+
+def finish(g: ring.Group) -> list[int]:
+    try:
+        return g.wait(TIMEOUT_S)
+    finally:
+        g.kill()  # by PID (its process group), whatever happened
+
+
+def alone(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", *args], env=ring.trainer_env(),
+        capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp,
+    )
+
+
+def error_line(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("error: "))
+
+
+def test_ranks_given_different_shares_all_exit_2_naming_both(tmp_path):
+    job = tiny(tmp_path)
+    run_dir = str(tmp_path / "m-{rank}")
+    g = start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,4")])
+    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    for rank in range(2):
+        assert error_line(g.output(rank)) == (
+            "error: rank 1's --shares 4,4 differ from rank 0's 5,3: every rank must be given the same --shares"
+        ), g.output(rank)[-2000:]
+    assert not (tmp_path / "m-0" / "metrics.jsonl").exists(), "refused before training"
+    assert not list(tmp_path.glob("m-*/checkpoints/step-*"))
+
+
+def test_ranks_given_different_job_files_all_exit_2_naming_the_hashes(tmp_path):
+    from dpool.protocol.jobspec import load_job
+
+    job, other = tiny(tmp_path), tiny(tmp_path, file="copy.toml", lr=2e-3)
+    h0, h1 = load_job(str(job)).training_hash(), load_job(str(other)).training_hash()
+    assert h0 != h1
+    run_dir = str(tmp_path / "m-{rank}")
+    g = start_ranks(tmp_path, [[str(j), "--run-dir", run_dir] for j in (job, other)])
+    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    for rank in range(2):
+        assert error_line(g.output(rank)) == (
+            f"error: rank 1's job file differs from rank 0's (training hash {h1} vs {h0}): every rank must run the same job file"
+        ), g.output(rank)[-2000:]
+    assert not list(tmp_path.glob("m-*/checkpoints/step-*")), "refused before training"
+
+
+def test_a_rank_whose_own_shares_are_refused_takes_its_peer_with_it(tmp_path):
+    """Rank 1's shares do not add up: it says why, and rank 0 exits 2 too instead of waiting for it."""
+    job = tiny(tmp_path)
+    run_dir = str(tmp_path / "m-{rank}")
+    g = start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,5")])
+    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    assert error_line(g.output(1)) == "error: --shares '4,5': they add up to 9, train.global_batch is 8"
+    assert error_line(g.output(0)) == (
+        "error: rank 1 refused its --shares (its own error says why): every rank must be given the same --shares"
+    )
+
+
+@pytest.mark.parametrize("shares, value", [("0", 0), ("-8", -8)])
+def test_a_share_below_one_is_named_with_its_rank(tmp_path, shares, value):
+    done = alone(tmp_path, str(tiny(tmp_path)), "--run-dir", str(tmp_path / "run"), "--shares", shares)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert error_line(done.stderr) == (
+        f"error: --shares {shares!r}: every rank needs at least one sequence (a share of {value} at rank 0)"
+    )
+
+
+def test_a_zero_share_in_a_group_is_named_with_its_rank(tmp_path):
+    job = tiny(tmp_path)
+    g = start_ranks(tmp_path, [[str(job), "--run-dir", str(tmp_path / "m-{rank}"), "--shares", "8,0"]] * 2)
+    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    for rank in range(2):
+        assert error_line(g.output(rank)) == "error: --shares '8,0': every rank needs at least one sequence (a share of 0 at rank 1)"
+
+
+def test_agreeing_ranks_train(tmp_path):
+    """The check passes ranks that agree: they train to the end, each rank's checkpoint written."""
+    job = tiny(tmp_path)
+    g = start_ranks(
+        tmp_path, [[str(job), "--run-dir", str(tmp_path / "m-{rank}"), "--shares", "5,3"]] * 2,
+        env={"DPOOL_CACHE_DIR": str(tmp_path / "cache")},
+    )
+    assert finish(g) == [0, 0], g.output(0)[-2000:] + g.output(1)[-2000:]
+    assert ring.metrics(tmp_path / "m-0")[3]["shares"] == [5, 3]
+    assert all((tmp_path / f"m-{r}" / "checkpoints" / "step-3" / "manifest.json").is_file() for r in range(2))
+    assert os.path.getsize(tmp_path / "m-0" / "metrics.jsonl") > 0
+
+
+def test_the_message_names_every_rank_that_differs_and_both_kinds_of_difference():
+    from dpool.trainer.agreement import OK, REFUSED, describe
+
+    def row(h: str, shares: list[int], status: int = OK) -> list[int]:
+        v = int(h, 16)
+        return [status, v >> 32, v & 0xFFFFFFFF, *shares]
+
+    a, b = "0123456789abcdef", "fedcba9876543210"
+    assert describe([row(a, [4, 2, 2])] * 3) is None
+    assert describe([row(a, [4, 2, 2]), row(a, [2, 4, 2]), row(a, [2, 2, 4])]) == (
+        "rank 1's --shares 2,4,2 differ from rank 0's 4,2,2 (rank 2 too): every rank must be given the same --shares"
+    )
+    assert describe([row(a, [4, 2, 2]), row(b, [2, 2, 4]), row(b, [4, 2, 2])]) == (
+        f"rank 1's job file differs from rank 0's (training hash {b} vs {a}) (rank 2 too): every rank must run the same job file; "
+        "rank 1's --shares 2,2,4 differ from rank 0's 4,2,2: every rank must be given the same --shares"
+    )
+    assert describe([row(a, [0, 0, 0], REFUSED), row(a, [4, 2, 2]), row(a, [0, 0, 0], REFUSED)]) == (
+        "rank 0 refused its --shares (its own error says why) (rank 2 too): every rank must be given the same --shares"
+    )
