@@ -223,11 +223,11 @@ class Group:
             out.append(whole.reshape(a.shape))
         return out
 
-    def broadcast(self, arrays: Sequence[mx.array]) -> list[mx.array]:
-        """Rank 0's arrays on every rank (others pass arrays of the right shapes and dtypes)."""
+    def broadcast(self, arrays: Sequence[mx.array], root: int = 0) -> list[mx.array]:
+        """Rank `root`'s arrays on every rank (others pass arrays of the right shapes and dtypes)."""
         if self.group is None or self.size == 1:
             return list(arrays)
-        sent = arrays if self.rank == 0 else [mx.zeros_like(a) for a in arrays]
+        sent = arrays if self.rank == root else [mx.zeros_like(a) for a in arrays]
         return self.all_sum_fused(sent)
 
     def broadcast_ints(self, values: Sequence[int]) -> list[int]:

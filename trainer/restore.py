@@ -21,11 +21,11 @@ from dpool.trainer.dist import Group
 def restore(
     spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
 ) -> tuple[int, str]:
-    """Agree on the resume step (rank 0's newest valid checkpoint, on disk or kept in memory) and
-    get that state everywhere.
+    """Agree on the resume step (the newest valid checkpoint any rank holds, on disk or kept in
+    memory) and get that state everywhere.
 
-    Ranks that hold the same step (verified, on disk or in memory) load it; otherwise rank 0
-    broadcasts weights and optimizer state over the collective, so a node that never saw the job
+    Ranks that hold the same step (verified, on disk or in memory) load it; otherwise the first rank
+    that holds it (rank 0 where it does) broadcasts weights and optimizer state over the collective, so a node that never saw the job
     needs nothing but the job file. `at_most`: no step past it is resumed (the daemon's record of
     the metrics ends there).
     """
@@ -33,26 +33,41 @@ def restore(
     stores = [run_dir] + ([memory] if memory is not None else [])
     for d in stores:
         ckpt.clean_partial(d)
-    found, found_in = 0, None  # rank 0: the step it verified, and where (not verified twice)
-    if group.rank == 0:
-        skipped: list[str] = []
-        disk = ckpt.newest_valid(run_dir, job_hash, log, at_most, skipped=skipped)
-        kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
-        if disk is None and kept is None and skipped and not os.environ.get("DPOOL_WORKER_ADDR"):
-            # By hand, a run dir whose every checkpoint is damaged is not trained again from step 0
-            # (which would drop them): the user decides. Under a daemon the pool does (another
-            # node's checkpoint, or step 0), and damaged ones are moved aside or dropped as above.
+    mine, found_in = 0, None  # this rank's newest verified step, and where (not verified twice)
+    skipped: list[str] = []
+    disk = ckpt.newest_valid(run_dir, job_hash, log, at_most, skipped=skipped)
+    kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
+    if kept is not None and kept >= (disk[0] if disk else 0):
+        mine, found_in = kept, memory  # memory first: the faster read
+    elif disk:
+        mine, found_in = disk[0], run_dir
+    # Every rank's newest verified step (and whether it skipped damaged ones), in one all_sum: the
+    # group resumes from the newest any rank holds, read by the first rank that holds it. Rank 0's
+    # alone made a rank whose copy was intact drop it when rank 0's was damaged.
+    world = group.size
+    table = [0] * (2 * world)
+    table[group.rank], table[world + group.rank] = mine, int(bool(skipped))
+    gathered = group.sum_ints(table)
+    newest, damaged = gathered[:world], [r for r in range(world) if gathered[world + r]]
+    step = max(newest)
+    if step == 0 and damaged and not os.environ.get("DPOOL_WORKER_ADDR"):
+        # By hand, a run whose every checkpoint is damaged is not trained again from step 0
+        # (which would drop them): the user decides. Under a daemon the pool does (another
+        # node's checkpoint, or step 0), and damaged ones are moved aside or dropped as below.
+        if skipped:
             raise ckpt.CheckpointError(
                 f"{ckpt.checkpoint_root(run_dir)}: no checkpoint verifies, so nothing to resume from and nothing was changed: "
                 + "; ".join(skipped) + ". Move them aside (or delete them) to train again from step 0, or use another --run-dir"
             )
-        if kept is not None and kept >= (disk[0] if disk else 0):
-            found, found_in = kept, memory  # memory first: the faster read
-        elif disk:
-            found, found_in = disk[0], run_dir
-    (step,) = group.broadcast_ints([found])
+        raise ckpt.CheckpointError(
+            f"no rank holds a checkpoint that verifies, and rank {damaged[0]}'s are damaged (its error names them): nothing to "
+            "resume from and nothing was changed"
+        )
+    root = newest.index(step)  # rank 0 where it holds that step
+    if mine != step:
+        found_in = None
     # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
-    # ones this rank wrote in a group that went on without rank 0's): gone before anything is
+    # ones this rank wrote in a group that went on without the others): gone before anything is
     # written, so pruning keeps what this run writes and the pool never sees them as holdings.
     for d in stores:
         dropped, moved = ckpt.drop_above(d, step, job_hash)
@@ -77,22 +92,22 @@ def restore(
     if step > 0 and holders < group.size:
         _check_same_layout(group, model, optimizer)
     local = holders == group.size
-    if step > 0 and (local or group.rank == 0):
+    if step > 0 and (local or group.rank == root):
         assert source is not None
         weights, opt_state = ckpt.load_arrays(source, step)
         ckpt.check_trained(weights, model, source, step)
         model.load_weights(list(weights.items()), strict=False)
         optimizer.state = tree_unflatten(list(opt_state.items()))
     if not local or step == 0:
-        # Rank 0's trained weights everywhere, bit for bit (a fresh start too: initial values from
-        # the seed on rank 0). A frozen base is every rank's own, loaded from its disk.
+        # The root's trained weights everywhere, bit for bit (a fresh start too: initial values
+        # from the seed on rank 0). A frozen base is every rank's own, loaded from its disk.
         flat = tree_flatten(model.trainable_parameters())
-        params = group.broadcast([v for _, v in flat])
+        params = group.broadcast([v for _, v in flat], root)
         model.load_weights([(k, p) for (k, _), p in zip(flat, params, strict=True)], strict=False)
         if step > 0:
-            # Sorted by name: rank 0's state came from a file, the others' from init(), in other orders.
+            # Sorted by name: the root's state came from a file, the others' from init(), in other orders.
             flat = sorted(tree_flatten(optimizer.state), key=lambda kv: kv[0])
-            sent = group.broadcast([v for _, v in flat])
+            sent = group.broadcast([v for _, v in flat], root)
             optimizer.state = tree_unflatten([(k, v) for (k, _), v in zip(flat, sent, strict=True)])
     mx.eval(model.parameters(), optimizer.state)
     if step == 0:
