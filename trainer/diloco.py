@@ -18,10 +18,11 @@ apart early cost the most); outer steps of H follow (protocol/rounds.py).
 Replicas are virtual. The workers present run them: each a contiguous range, in proportion to its
 share of the global batch (the pool's and the balancer's measure of its speed), interleaved step by
 step. Which machine runs a replica, and how many there are, never changes what the replica
-computes: one worker or five give the same curve (to the rounding of the sums). Workers talk once
-per outer step: the weighted changes (in `sync.dtype`) and a small float32 control vector (every
-inner step's loss and token sums, each rank's compute seconds and tokens, the stop and checkpoint
-flags, rank 0's new split).
+computes: one worker or five give the same curve (in float32, to its order of addition; with
+16-bit sums, the same parameters bit for bit: outer_sums). Workers talk once per outer step: the
+weighted changes (as many bytes a parameter as `sync.dtype`) and a small float32 control vector
+(every inner step's loss and token sums, each rank's compute seconds and tokens, the stop and
+checkpoint flags, rank 0's new split, and with 16-bit sums each tensor's largest change).
 
 At an outer boundary the state is θ, the outer momentum and K inner optimizer states. θ and the
 momentum are the same on every rank after the outer all_sum; an inner state lives on the rank that
@@ -38,6 +39,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +203,61 @@ class Replicas:
         self.states = [holder.state["inner"][f"r{r}"] for r in range(len(self.states))]
 
 
+LEVELS = 2**15 - 1  # int16's largest
+
+
+def outer_sums(
+    group: Group, theta: dict[str, mx.array], ends: dict[int, dict[str, mx.array]], weights: dict[int, int],
+    vec: mx.array, replicas: int, sixteen: bool,
+) -> tuple[list[mx.array], mx.array]:
+    """The outer all_sum: the sum over all K replicas of their changes θ - θ_r, each weighted by its
+    tokens (float32, one array per name of `theta`, in its order), and the summed control vector
+    `vec`. This rank adds its own replicas: `ends` (each one's θ_r) and `weights` (its tokens).
+
+    float32: each rank adds its replicas' changes and the ring adds the ranks' sums, so the sum
+    depends on the number of workers through float32's order of addition alone.
+
+    16 bits (sync.dtype = "bfloat16": half the bytes): the sum is the same, bit for bit, on any
+    number of workers and any split of the replicas. A bfloat16 all_sum cannot be: each rank
+    rounds the sum of its own replicas (4 on one worker, 2 and 2 on two) and the ring rounds at
+    each addition, in an order set by the ranks; and unlike a gradient rounded in sync mode (which
+    AdamW normalises), an outer step applies its change as it is, with momentum. On the tiny GPT of
+    tests/test_diloco_bf16.py (lr 0.7, Nesterov 0.9) one worker and two ended 4e-4 apart on the loss
+    over 150 steps that way (float32: 6e-7; sync mode in bfloat16: 3e-5). Integers add exactly in
+    any order, so the changes travel as int16 on a scale every rank knows before the sum:
+    - step = top / L per tensor, with top its largest |change| over all K replicas (each rank's
+      top, in its own slot of one small float32 all_sum with the control vector: exact, its max
+      the same in any order) and L = LEVELS // K;
+    - each replica's change is rounded alone to a multiple of step, at most L of them in size, so
+      any sum of K of them fits in int16; each rank adds its replicas' integers, the ring adds the
+      ranks' (exact), and every rank multiplies the sum by the same step.
+    What is rounded, each replica's change (by step / 2 at most: 1/16382 of the tensor's top at
+    K = 4, 1/62 at K = 1024), depends on the replica alone; the sum is exact. The control vector's
+    float32 loss and token sums keep float32's order. A NaN or inf change makes its tensor's step,
+    and so its sum, non-finite, as in float32."""
+    names, mine = list(theta), list(ends)
+
+    def change(r: int, name: str) -> mx.array:  # lazy: computed where it is summed, never held
+        return (theta[name] - ends[r][name]).astype(mx.float32) * weights[r]
+
+    if not sixteen:
+        summed = group.all_sum_fused([*(reduce(mx.add, [change(r, name) for r in mine]) for name in names), vec])
+        return summed[:-1], summed[-1]
+    levels, world = LEVELS // replicas, group.size
+    tops = mx.stack([reduce(mx.maximum, [mx.abs(change(r, name)).max() for r in mine]) for name in names])
+    slots = mx.zeros((world, len(names)), dtype=mx.float32).at[group.rank].add(tops)
+    first = group.all_sum(mx.concatenate([vec, slots.reshape(-1)]))
+    mx.eval(first)  # one collective per evaluation (Group._ring_sum: a dead peer's failure must raise)
+    ctl, top = first[: vec.size], first[vec.size :].reshape(world, -1).max(axis=0)
+    step = mx.where(top == 0, 1.0, top / levels)  # NaN and inf stay (== 0 is false for them)
+
+    def units(r: int, i: int) -> mx.array:
+        return mx.clip(mx.round(change(r, names[i]) / step[i]), -levels, levels).astype(mx.int32)
+
+    summed = group.all_sum_fused([reduce(mx.add, [units(r, i) for r in mine]).astype(mx.int16) for i in range(len(names))])
+    return [s.astype(mx.float32) * step[i] for i, s in enumerate(summed)], ctl
+
+
 def train(
     spec: JobSpec, group: Group, task: Task, run_dir: Path, shares: list[int], generation: int, link: Any, log: Any,
     resume_max: int | None, describe: dict[str, Any],
@@ -230,7 +287,7 @@ def train(
         raise ckpt.CheckpointError(
             f"step {start} is not the end of an outer step (sync.inner_steps = {H}, warmup_steps = {sync.warmup_steps}); cannot resume there"
         )
-    comm = mx.bfloat16 if sync.dtype == "bfloat16" else None
+    sixteen = sync.dtype == "bfloat16"  # the changes travel in 16 bits a parameter (outer_sums)
     ranges = assign(shares, K)
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, mode="diloco",
@@ -319,24 +376,15 @@ def train(
         stop = bool(link.stop_requested()) if link else False
         start_flat = dict(tree_flatten(theta))
         ends = {r: dict(tree_flatten(reps.params[r])) for r in mine}
-        weighted = []
-        for name in names:
-            acc = None
-            for r in mine:
-                d = (start_flat[name] - ends[r][name]).astype(mx.float32) * rep_tokens[r]
-                acc = d if acc is None else acc + d
-            weighted.append(acc)
-        if comm is not None:
-            weighted = [w.astype(comm) for w in weighted]  # rounded alike on every world size
         vec = control.build(rank, losses, tokens, compute, float(sum(rep_tokens.values())), announce, stop, due_auto)
         group.wait_for_colocated()
         log.info("outer.summing", step=last, outer_step=rounds.index(last))
         t_sum = time.perf_counter()
-        summed = group.all_sum_fused([*weighted, vec])
-        got = control.read(summed[-1].tolist(), len(steps))
+        sums, ctl = outer_sums(group, start_flat, ends, rep_tokens, vec, K, sixteen)
+        got = control.read(ctl.tolist(), len(steps))
         sum_s = time.perf_counter() - t_sum
         total = float(sum(got["tokens"]))
-        delta = [(n, (s.astype(mx.float32) / total).astype(start_flat[n].dtype)) for n, s in zip(names, summed[:-1], strict=True)]
+        delta = [(n, (s / total).astype(start_flat[n].dtype)) for n, s in zip(names, sums, strict=True)]
         if rounds.warm(last):
             model.update(tree_unflatten([(n, start_flat[n] - d) for n, d in delta]))  # a warm-up step: the average as it is
         else:
