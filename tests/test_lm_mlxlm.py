@@ -276,3 +276,12 @@ def test_fuse_of_a_full_fine_tune_is_its_model_and_flags_are_checked(assets, tmp
     assert mx.array_equal(load(str(plain))[0](prompt), load(str(fused))[0](prompt)).item()
     bad = trainer(job_file, run_dir, "--export", str(tmp_path / "x"), "--dequantize")
     assert bad.returncode == 2 and "--dequantize goes with --fuse" in bad.stderr, bad.stderr
+
+
+def test_a_batch_larger_than_the_training_set_is_refused_at_start_naming_both(assets, tmp_path):
+    """mlx-lm refuses a batch_size above the number of training examples; dpool trained on, each
+    step's batch holding examples two or three times."""
+    job_file = lm_job(assets, tmp_path, train={"global_batch": 40})  # 24 examples
+    done = trainer(job_file, tmp_path / "run")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "train.global_batch = 40 is more than the 24 training examples" in done.stderr, done.stderr[-2000:]

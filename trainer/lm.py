@@ -138,6 +138,12 @@ class LMTask:
                 "data.untrainable", left_out=dropped, context=self.width_cap,
                 why="each prompt is as long as model.context (max_seq_length) with data.mask_prompt: nothing of its answer would be trained",
             )
+        if len(self.data.train) < spec.train.global_batch:
+            # Each step's batch would hold some examples twice or more; mlx-lm refuses it too.
+            raise DataError(
+                f"train.global_batch = {spec.train.global_batch} is more than the {len(self.data.train)} training examples of "
+                f"data.source = {spec.data.source!r}: every step would repeat examples; lower the batch (batch_size) or add examples"
+            )
         lengths = np.array([len(t) for t in self.data.train.tokens], dtype=np.int64)
         self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
         self.val_count = len(self.data.val) if spec.eval.batches == -1 else min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
