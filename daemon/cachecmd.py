@@ -33,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction, default_state_dir: Path) -> None
 def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
     """`lock(state_dir)` takes the dpd's state-dir lock (raises while a dpd runs there)."""
     state = Path(args.state_dir).expanduser()
+    if not state.is_dir():  # a mistyped --state-dir: not "an empty cache"
+        print(f"dpd cache: --state-dir {state}: no such folder (give the state dir its dpd runs with)", file=sys.stderr)
+        return 2
     if not (state / "cache").is_dir():
         print("[]" if args.json else f"no staging cache at {state / 'cache'} (is --state-dir the dpd's?)")
         return 0

@@ -266,3 +266,11 @@ def test_a_bad_line_in_staged_data_is_named_at_the_users_path_not_the_cache(pool
     final = pool.wait_end(r.stdout.strip(), JOB_TIMEOUT)
     assert final.state == "failed", final
     assert "n0: rank 0: ~/corpus/notes.jsonl:2: expected a JSON object" in (final.error or "") and "/cache/" not in (final.error or ""), final.error
+
+
+def test_dpd_cache_of_a_state_dir_that_does_not_exist_is_refused_not_listed_empty(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "dpool.daemon.cli", "cache", "--state-dir"]
+    wrong = subprocess.run([*cmd, str(tmp_path / "no-such-dir"), "--json"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and wrong.stdout == "" and "no-such-dir: no such folder" in wrong.stderr, (wrong.stdout, wrong.stderr)
+    fresh = subprocess.run([*cmd, str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)  # a dpd that never staged
+    assert fresh.returncode == 0 and json.loads(fresh.stdout) == [], fresh.stderr
