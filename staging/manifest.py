@@ -393,13 +393,28 @@ def scan(
     return Manifest(tuple(entries), chunk_bytes)
 
 
+def link_roots(root: Path) -> list[Path]:
+    """Where a symlink under `root` may lead (real paths): inside `root`, and for a Hugging Face
+    cache snapshot (`models--ORG--NAME/snapshots/REV`, whose files are links to `../../blobs/`), that
+    repo's blobs."""
+    real = Path(os.path.realpath(root))
+    blobs = real.parent.parent / "blobs"
+    return [real, blobs] if real.parent.name == "snapshots" and blobs.is_dir() else [real]
+
+
+def _within(real: Path, roots: list[Path]) -> bool:
+    return any(real == r or r in real.parents for r in roots)
+
+
 class _Walker:
-    """Collects relative path -> real file path under a root, following symlinks that stay inside."""
+    """Collects relative path -> real file path under a root, following symlinks that stay inside
+    (or, in a Hugging Face cache snapshot, lead to its repo's blobs: `link_roots`)."""
 
     def __init__(self, root: Path, limits: Limits) -> None:
         self.root, self.limits = root, limits
         self.abs_root = Path(os.path.abspath(root))
         self.real_root = Path(os.path.realpath(root))
+        self.roots = link_roots(root)
         self.found: dict[str, Path] = {}
 
     def _inside(self, path: Path, rel: str) -> Path:
@@ -408,8 +423,11 @@ class _Walker:
             real = path.resolve(strict=True)
         except (OSError, RuntimeError):
             raise ManifestError(f"{rel}: leads nowhere (a broken symlink, or a symlink loop)") from None
-        if real != self.real_root and self.real_root not in real.parents:
-            raise ManifestError(f"{rel}: a symlink to {real}, outside {self.root}; only links that stay inside the folder are followed")
+        if not _within(real, self.roots):
+            raise ManifestError(
+                f"{rel}: a symlink to {real}, outside {self.root}; only links that stay inside the folder (or, in a Hugging Face "
+                "cache snapshot, lead to its repo's blobs) are followed"
+            )
         return real
 
     def _add(self, rel: str, real: Path) -> None:
@@ -473,7 +491,7 @@ def differences(root: Path, manifest: Manifest, *, hashes: HashCache | None = No
     """What keeps `root` from holding `manifest`'s tree, one line per file by relative path; [] when
     it holds it. Files in `root` that the manifest does not list are not differences."""
     root = Path(root)
-    real_root = Path(os.path.realpath(root))
+    roots = link_roots(root)
     buffer = bytearray(manifest.chunk_bytes)
     out = []
     for entry in manifest.entries:
@@ -482,7 +500,7 @@ def differences(root: Path, manifest: Manifest, *, hashes: HashCache | None = No
         if not os.path.exists(real):
             out.append(f"{entry.path}: missing")
             continue
-        if real_root not in real.parents:
+        if not _within(real, roots) or real in roots:
             out.append(f"{entry.path}: a symlink to {real}, outside {root}")
             continue
         try:

@@ -224,6 +224,28 @@ def test_scan_refuses_a_symlink_that_leaves_the_folder(tmp_path: Path) -> None:
         scan(root)
 
 
+def test_a_hugging_face_snapshot_is_scanned_through_its_links_to_the_repos_blobs_and_no_further(tmp_path: Path) -> None:
+    """`huggingface-cli download` lays a model out as snapshots/REV/FILE -> ../../blobs/SHA; mlx-lm
+    loads such a folder, and dpool refused every file of it as a link outside the folder."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    for name, data in (("config.json", b'{"model_type": "llama"}'), ("model.safetensors", pattern(3 * SMALL))):
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / name)
+    m = scan(snapshot, chunk_bytes=SMALL)
+    assert [e.path for e in m.entries] == ["config.json", "model.safetensors"]
+    assert differences(snapshot, m) == []
+    copy = write(tmp_path / "copy", {"config.json": b'{"model_type": "llama"}', "model.safetensors": pattern(3 * SMALL)})
+    assert scan(copy, chunk_bytes=SMALL).digest == m.digest  # the same content, however it is laid out
+    (tmp_path / "secret").write_bytes(b"s")
+    os.symlink(tmp_path / "secret", snapshot / "leak")  # beyond the repo's blobs: still refused
+    with pytest.raises(ManifestError, match=r"^leak: a symlink to .*secret, outside"):
+        scan(snapshot)
+
+
 def test_scan_follows_symlinks_inside_the_folder_and_refuses_loops_and_special_files(tmp_path: Path) -> None:
     root = write(tmp_path / "root", {"data/a": b"a", ".git/objects/x": b"history", "sub/.git": b"gitdir: elsewhere"})
     os.symlink("data/a", root / "alias")
