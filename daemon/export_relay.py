@@ -182,7 +182,8 @@ class ExportRelay:
                 if s.candidates:
                     return self._ask(now, s, w.client_id)  # it holds no such checkpoint: the next one may
                 what = f"step {s.step}" if s.step is not None else "a checkpoint"
-                return self._fail(s, w.client_id, ErrorCode.NOT_FOUND, f"no live node holds {what} of job {s.job_id} (asked {', '.join(s.asked)})")
+                said = f": {msg.message[:500]}" if msg.message else ""  # the last one asked: which steps it holds
+                return self._fail(s, w.client_id, ErrorCode.NOT_FOUND, f"no live node holds {what} of job {s.job_id} (asked {', '.join(s.asked)}{said})")
             code = msg.code if msg.code in NODE_CODES else str(ErrorCode.EXPORT_FAILED)
             return self._fail(s, w.client_id, code, msg.message[:2000])
         problem = _manifest_problem(msg, s) if isinstance(msg, m.NodeExportReady) else f"answered export.prepare with {msg.TYPE}"

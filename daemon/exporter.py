@@ -127,8 +127,10 @@ class Exporter:
         if not JOB_RE.match(job):
             raise ExportError(ErrorCode.BAD_REQUEST, f"job {job[:80]!r} is not a valid job id")
         best: tuple[int, Path] | None = None
+        held: set[int] = set()
         for run_dir in sorted((self.jobs / job).glob("slot-*")):
             steps = listed_steps(run_dir)
+            held.update(steps)
             if step is not None and step in steps:
                 return run_dir, step
             if step is None and steps and (best is None or steps[0] > best[0]):
@@ -136,7 +138,8 @@ class Exporter:
         if best is not None:
             return best[1], best[0]
         what = f"step {step} of job {job}" if step is not None else f"a checkpoint of job {job}"
-        raise ExportError(ErrorCode.NOT_FOUND, f"node {self.node} holds no {what}")
+        has = f" (it holds step{'s' if len(held) > 1 else ''} {', '.join(map(str, sorted(held)))})" if held else ""
+        raise ExportError(ErrorCode.NOT_FOUND, f"node {self.node} holds no {what}{has}")
 
     async def _run_trainer(self, job_file: Path, run_dir: Path, out: Path, step: int, log_path: Path, flags: list[str], test: bool = False) -> None:
         what = "--test" if test else "--export"  # --test: the checkpoint's test loss, as OUT/test.json

@@ -297,8 +297,9 @@ def test_relay_asks_the_next_holder_when_one_holds_nothing_or_is_lost_and_gives_
     first = _only(relay.start(0.0, b"A", 2, "j-1", 3, [("n0", 3), ("n1", 6)]), xr.ToNode)
     second = _only(relay.from_node(1.0, "n0", first.msg_id, m.Error(code="not_found", message="node n0 holds no step 3")), xr.ToNode)
     assert second.node == "n1" and second.msg.step == 3
-    last = _only(relay.from_node(2.0, "n1", second.msg_id, m.Error(code="not_found", message="node n1 holds no step 3")), xr.Reply)
-    assert last.msg_id == 2 and last.msg.code == "not_found" and "step 3" in last.msg.message and "n0, n1" in last.msg.message
+    last = _only(relay.from_node(2.0, "n1", second.msg_id, m.Error(code="not_found", message="node n1 holds no step 3 (it holds steps 2, 4)")), xr.Reply)
+    assert last.msg_id == 2 and last.msg.code == "not_found" and "step 3" in last.msg.message
+    assert "(asked n0, n1: node n1 holds no step 3 (it holds steps 2, 4))" in last.msg.message, last.msg.message  # which steps exist
 
     # The node preparing it is lost: the next holder is asked; that one never answers.
     ask = _only(relay.start(10.0, b"A", 3, "j-1", None, [("n0", 6), ("n1", 6)]), xr.ToNode)
@@ -448,3 +449,18 @@ def test_exporter_kills_a_trainer_that_overruns_and_passes_on_its_refusal(tmp_pa
     assert e.value.code == "export_failed" and "within 2s" in e.value.message
     wait_for("e6's files deleted", lambda: not (tmp_path / "exports" / "e6").exists(), 10)
     assert not pids_with(str(script))  # killed, not left running
+
+
+def test_a_node_without_the_step_asked_names_the_steps_it_holds(tmp_path: Path) -> None:
+    from dpool.daemon.exporter import Exporter, ExportError
+
+    for slot, steps in ((0, (3, 6)), (1, (6,))):
+        for step in steps:
+            folder = tmp_path / "jobs" / "j-1" / f"slot-{slot}" / "checkpoints" / f"step-{step}"
+            folder.mkdir(parents=True)
+            (folder / "manifest.json").write_text("{}")
+    ex = Exporter(tmp_path, "n0")
+    with pytest.raises(ExportError) as e:
+        ex._run_dir("j-1", 7)
+    assert e.value.message == "node n0 holds no step 7 of job j-1 (it holds steps 3, 6)"
+    assert ex._run_dir("j-1", 3)[1] == 3 and ex._run_dir("j-1", None)[1] == 6
