@@ -187,11 +187,12 @@ def read_job(path: str, sets: Sequence[str] = (), notes: Callable[[str], None] |
     try:
         return parse_job(data, source=path, base_dir=base_dir)
     except JobFileError as e:
-        if mlxlm_config.is_mlx_lm_config(path):
-            e = mlxlm_config.explained(e)
-        # The --set behind the error: its key, or one inside the table the error names.
-        item = given.get(e.key) or next((v for k, v in given.items() if k.startswith(f"{e.key}.")), None)
-        raise BadInput(f"{e} (from --set {item})" if item else str(e)) from None
+        # The --set behind the error: its key, or one inside the table the error names; else, for
+        # an mlx_lm config, the config's key the value came from.
+        set_by = given.get(e.key) or next((v for k, v in given.items() if k.startswith(f"{e.key}.")), None)
+        if set_by is None and mlxlm_config.is_mlx_lm_config(path):
+            e = mlxlm_config.explained(e, data)
+        raise BadInput(f"{e} (from --set {set_by})" if set_by else str(e)) from None
 
 
 def cmd_submit(c: Client | None, a: argparse.Namespace) -> int:

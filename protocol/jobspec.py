@@ -790,7 +790,7 @@ def load_job(path: str | os.PathLike[str]) -> JobSpec:
         try:
             return parse_job(made.job, source=path, base_dir=os.getcwd())
         except JobFileError as e:
-            raise mlxlm_config.explained(e) from None
+            raise mlxlm_config.explained(e, made.job) from None
     return parse_job(read_toml(path), source=path, base_dir=os.path.dirname(os.path.abspath(path)))
 
 

@@ -232,17 +232,22 @@ FROM_CONFIG = {
 }
 
 
-def config_key(job_key: str) -> str | None:
-    """The config's key behind a job key (`train.lr_schedule.arguments` -> `lr_schedule.arguments`)."""
+def config_key(job_key: str, optimizer: str | None = None) -> str | None:
+    """The config's key behind a job key (`train.lr_schedule.arguments` -> `lr_schedule.arguments`;
+    `train.optimizer_config.betas` -> `optimizer_config.adamw.betas`, the settings of `optimizer`)."""
     for prefix, key in FROM_CONFIG.items():
         if job_key == prefix or job_key.startswith(prefix + ".") or job_key.startswith(prefix + "["):
+            if prefix == "train.optimizer_config" and optimizer:
+                key = f"{key}.{optimizer}"
             return key + job_key[len(prefix):]
     return None
 
 
-def explained(e: JobFileError) -> JobFileError:
-    """The job's refusal, naming the config key it came from as well."""
-    key = config_key(e.key)
+def explained(e: JobFileError, job: dict[str, Any] | None = None) -> JobFileError:
+    """The job's refusal, naming the config key it came from as well (`job`: the converted job
+    document, whose optimizer names where its settings sat in the config)."""
+    train = job.get("train") if isinstance(job, dict) else None
+    key = config_key(e.key, train.get("optimizer") if isinstance(train, dict) else None)
     if key is None or e.source.endswith(".toml"):
         return e
     return JobFileError(e.source, e.key, e.given, f"{e.allowed} (from the config's {key})")

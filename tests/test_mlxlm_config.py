@@ -267,6 +267,13 @@ def test_a_value_the_job_refuses_names_the_configs_key_too(tmp_path: Path) -> No
     assert mlxlm_config.config_key("train.lr_schedule.arguments") == "lr_schedule.arguments"
     assert mlxlm_config.config_key("data.hf_dataset[1].path") == "hf_dataset[1].path"
     assert mlxlm_config.config_key("workers.max") is None
+    # an optimizer's settings sit under its name in the config; a --set names itself, not the config
+    (tmp_path / "o.yaml").write_text("model: m\noptimizer: adamw\noptimizer_config:\n  adamw:\n    betaz: [0.9, 0.99]\n")
+    r = dpctl("submit", "o.yaml", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 2 and "(from the config's optimizer_config.adamw.betaz)" in r.stderr, r.stderr
+    (tmp_path / "plain.yaml").write_text("model: m\n")
+    r = dpctl("submit", "plain.yaml", "--dry-run", "--set", "train.steps=abc", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.rstrip().endswith("(from --set train.steps=abc)") and "the config's" not in r.stderr, r.stderr
 
 
 def test_a_data_folder_without_valid_jsonl_and_a_flat_optimizer_config_are_noted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
