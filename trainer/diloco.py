@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
@@ -260,7 +261,7 @@ def outer_sums(
 
 def train(
     spec: JobSpec, group: Group, task: Task, run_dir: Path, shares: list[int], generation: int, link: Any, log: Any,
-    resume_max: int | None, describe: dict[str, Any],
+    resume_max: int | None, describe: dict[str, Any], stop_requested: Callable[[], bool] | None = None,
 ) -> bool:
     """Train from the newest checkpoint to the end (or a stop); True if stopped on request."""
     t, sync = spec.train, spec.sync
@@ -373,7 +374,7 @@ def train(
                 log.info("inner.done", step=step, replicas=len(mine), loss=round(losses[h] / max(tokens[h], 1.0), 4), seconds=round(seconds, 4))
         # The outer step. Read the stop flag now: a stop asked for during the inner steps ends the
         # group after this outer step, with a checkpoint, and nothing is recomputed.
-        stop = bool(link.stop_requested()) if link else False
+        stop = bool(link.stop_requested()) if link else bool(stop_requested and stop_requested())  # by hand: a signal (handstop)
         start_flat = dict(tree_flatten(theta))
         ends = {r: dict(tree_flatten(reps.params[r])) for r in mine}
         vec = control.build(rank, losses, tokens, compute, float(sum(rep_tokens.values())), announce, stop, due_auto)

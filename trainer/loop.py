@@ -21,7 +21,7 @@ from mlx.utils import tree_flatten
 
 from dpool.protocol.jobspec import JobSpec, check_paths
 from dpool.protocol.logs import get_logger
-from dpool.trainer import agreement, diloco, optimizers
+from dpool.trainer import agreement, diloco, handstop, optimizers
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
@@ -179,9 +179,10 @@ def run(
         mark("model_and_data")
     task = _refuse_together(group, task, refused)
     _same_everywhere(group, task.fingerprints, spec)
+    hand = None if link else handstop.SignalStop(log).install()  # by hand: a first SIGTERM or Ctrl-C checkpoints, then stops
     if spec.sync.mode == "diloco":
         describe = {**task.describe(), "startup_s": marks, "warm": warm}
-        stopped = diloco.train(spec, group, task, run_dir, shares, generation, link, log, resume_max, describe)
+        stopped = diloco.train(spec, group, task, run_dir, shares, generation, link, log, resume_max, describe, stop_requested=hand)
         if spec.eval.test and not stopped:  # the outer parameters, after the last checkpoint
             micro = t.micro_batch if isinstance(t.micro_batch, int) else EVAL_MICRO
             report_test(spec, task, group, shares, micro, t.steps, MetricsLog(run_dir, t.steps, enabled=rank == 0), link, log)
@@ -286,7 +287,7 @@ def run(
         examples = task.examples(step, offset, share)
         lr = lr_of(step)
         stats = stepper.step(
-            examples, lr, stop_requested=link.stop_requested if link else False, announce=announce,
+            examples, lr, stop_requested=link.stop_requested if link else (hand or False), announce=announce,
             checkpoint=bool(auto and auto.due(step)),
         )
         now = time.perf_counter()
