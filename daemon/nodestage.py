@@ -89,6 +89,7 @@ class NodeStaging:
     ) -> None:
         self.log, self.memory_bytes = log, memory_bytes
         self.cache = Cache(state_dir / "cache", max_bytes=cache_max)
+        self.cache.trim()  # a budget lowered since the last run applies now, not at the next fetch
         self.hashes = HashCache(state_dir / "cache" / "hashes.sqlite")
         self.stager = Stager(self.cache, bind=bind, keys=keys, authorize=self.authorize if keys is not None else None, may_put=self.may_put, log=log)
         self.key = keys.public.decode() if keys is not None else ""

@@ -739,6 +739,28 @@ class Cache:
             freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
             self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, for_digest=digest)
 
+    def trim(self) -> int:
+        """Evict least recently used unpinned trees (and unreferenced files) until the cache is
+        within `max_bytes` (a budget lowered since they were fetched: `dpd run --cache-max`, at
+        start). Bytes freed; what cannot go (pinned, adopted) stays."""
+        if self.max_bytes is None:
+            return 0
+        freed, tried = 0, set[str]()
+        with self._tree_lock:
+            while True:
+                held = sum(st.st_size for folder in ("blobs", "partial") for st in self._sizes(folder).values())
+                if held <= self.max_bytes:
+                    return freed
+                kept = self._kept()
+                victim = "" if "" not in tried and self._has_orphans(kept) else self._victim(tried)
+                if victim is None:
+                    self.log.warning("cache.over_budget", held=held, budget=self.max_bytes, why="what is left is in use")
+                    return freed
+                tried.add(victim)
+                gone = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
+                freed += gone
+                self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=gone, why="over --cache-max")
+
     def _full(self, digest: str, need: int, final: int, free: int) -> str:
         pinned = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in self._pinned().items()) or "nothing"
         budget = "no budget" if self.max_bytes is None else f"a budget of {self.max_bytes} bytes ({final} once the fetches in flight are done)"

@@ -834,3 +834,19 @@ def test_an_adopted_folder_moved_away_is_no_longer_listed_and_its_drop_is_told(t
     assert heard == [m.digest] and not (tmp_path / "cache" / "adopted" / m.digest).exists()
     b = next(e for e in m.entries if e.size)
     assert not cache.has_chunk(b.sha256, 0)
+
+
+def test_a_budget_lowered_since_the_trees_were_fetched_applies_at_start(tmp_path: Path) -> None:
+    """`dpd run --cache-max` below what the cache holds evicted nothing until the next fetch."""
+    size = 2 * SMALL
+    cache = Cache(tmp_path / "cache", min_free=0)
+    for name, used in (("old", 1000.0), ("mid", 2000.0), ("new", 3000.0)):
+        complete_tree(cache, tmp_path, name, size, used)
+    mid = next(e for e in cache.entries() if e.last_used == 2000.0)
+    smaller = Cache(tmp_path / "cache", max_bytes=size // 2, min_free=0)
+    smaller.pin(mid.digest, "job")  # in use: never evicted, whatever its age
+    with capture_logs() as logs:
+        assert smaller.trim() == 2 * size
+    assert [e.digest for e in smaller.entries()] == [mid.digest]  # old went first, then new; mid is pinned
+    assert [e["event"] for e in logs] == ["cache.evicted", "cache.evicted", "cache.over_budget"]
+    assert Cache(tmp_path / "cache", max_bytes=10 * size).trim() == 0
