@@ -277,13 +277,13 @@ class Cache:
             return None
         m = self.manifest(digest)
         with self._tree_lock:
-            problem, rehashed = damage(self._tree(digest), m, sealed) if m is not None else ("its manifest is gone", [])
+            found, rehashed = damage(self._tree(digest), m, sealed) if m is not None else ((None, "its manifest is gone"), [])
             for e in rehashed:
                 seal(self._blob(e.sha256))  # the same bytes, touched (or from before blobs were sealed)
-            if problem is not None:
+            if found is not None:
+                bad, problem = found
                 self.log.warning("cache.damaged", digest=digest, problem=problem, then="the tree is dropped and fetched again")
                 shutil.rmtree(self._tree(digest), ignore_errors=True)
-                bad = next((e for e in m.entries if problem.startswith(f"{e.path}:")), None) if m is not None else None
                 if bad is not None and bad.size:
                     self._blob(bad.sha256).unlink(missing_ok=True)
                 return None
@@ -300,9 +300,9 @@ class Cache:
             verified = orjson.loads(record.read_bytes())
         except (OSError, orjson.JSONDecodeError):
             verified = {}  # adopted before mtimes were recorded: every file is hashed once
-        problem, rehashed = damage(folder, m, lambda e, st: verified.get(e.path) == st.st_mtime_ns)
-        if problem is not None:
-            self._unadopt(digest, f"{problem}, in {folder}")
+        found, rehashed = damage(folder, m, lambda e, st: verified.get(e.path) == st.st_mtime_ns)
+        if found is not None:
+            self._unadopt(digest, f"{found[1]}, in {folder}")
             return None
         if rehashed or not verified:
             _write_atomic(record, orjson.dumps(mtimes(folder, m)))
@@ -729,15 +729,8 @@ class Cache:
                 return
             if over > freeable or short > freeable:
                 raise CacheFull(self._full(digest, need, final, free))
-            if "" not in tried and self._has_orphans(kept):
-                victim: str | None = ""
-            else:
-                victim = self._victim(tried)
-            if victim is None:
+            if self._evict_one(tried, kept, for_digest=digest) is None:
                 raise CacheFull(self._full(digest, need, final, free))
-            tried.add(victim)
-            freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
-            self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, for_digest=digest)
 
     def trim(self) -> int:
         """Evict least recently used unpinned trees (and unreferenced files) until the cache is
@@ -751,15 +744,23 @@ class Cache:
                 held = sum(st.st_size for folder in ("blobs", "partial") for st in self._sizes(folder).values())
                 if held <= self.max_bytes:
                     return freed
-                kept = self._kept()
-                victim = "" if "" not in tried and self._has_orphans(kept) else self._victim(tried)
-                if victim is None:
+                gone = self._evict_one(tried, self._kept(), why="over --cache-max")
+                if gone is None:
                     self.log.warning("cache.over_budget", held=held, budget=self.max_bytes, why="what is left is in use")
                     return freed
-                tried.add(victim)
-                gone = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
                 freed += gone
-                self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=gone, why="over --cache-max")
+
+    def _evict_one(self, tried: set[str], kept: dict[str, tuple[Entry, int]], **why: str) -> int | None:
+        """Drop the files no tree links (once), else the least recently used evictable tree; the
+        bytes freed, None when nothing is left to evict. `tried` gains what was evicted ("": the
+        unreferenced files); `why` goes into the log line."""
+        victim = "" if "" not in tried and self._has_orphans(kept) else self._victim(tried)
+        if victim is None:
+            return None
+        tried.add(victim)
+        freed = self._drop_orphans(kept) if victim == "" else self._drop(victim, kept)
+        self.log.info("cache.evicted", digest=victim or "unreferenced files", freed=freed, **why)
+        return freed
 
     def _full(self, digest: str, need: int, final: int, free: int) -> str:
         pinned = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in self._pinned().items()) or "nothing"

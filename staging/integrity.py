@@ -46,27 +46,38 @@ def mtimes(folder: Path, manifest: Manifest) -> dict[str, int]:
     return out
 
 
-def damage(folder: Path, manifest: Manifest, unchanged: Callable[[Entry, os.stat_result], bool]) -> tuple[str | None, list[Entry]]:
-    """(the first damage found in `folder`, or None; the entries hashed again and found intact).
-    `unchanged(entry, stat)`: whether the file's stat shows it as verified (no hash needed)."""
+def damage(folder: Path, manifest: Manifest, unchanged: Callable[[Entry, os.stat_result], bool]) -> tuple[tuple[Entry, str] | None, list[Entry]]:
+    """(the first damaged entry in `folder` and what is wrong with it, or None; the entries hashed
+    again and found intact). `unchanged(entry, stat)`: whether the file's stat shows it as
+    verified (no hash needed)."""
     rehashed: list[Entry] = []
     for e in manifest.entries:
-        path = folder.joinpath(*e.path.split("/"))
-        try:
-            st = os.stat(path)
-        except OSError as err:
-            return f"{e.path}: {err.strerror or err}", rehashed
-        if not stat.S_ISREG(st.st_mode):
-            return f"{e.path}: no longer a regular file", rehashed
-        if st.st_size != e.size:
-            return f"{e.path}: {st.st_size} bytes where {e.size} were verified", rehashed
-        if e.size and not unchanged(e, st):
-            try:
-                with open(path, "rb") as f:
-                    size, sha, _ = hash_file(f, manifest.chunk_bytes)
-            except OSError as err:
-                return f"{e.path}: {err.strerror or err}", rehashed
-            if (size, sha) != (e.size, e.sha256):
-                return f"{e.path}: its bytes changed since they were verified (sha256 {sha[:12]}, {e.sha256[:12]} expected)", rehashed
+        problem = _problem(folder.joinpath(*e.path.split("/")), e, manifest.chunk_bytes, unchanged)
+        if problem == "rehashed":
             rehashed.append(e)
+        elif problem is not None:
+            return (e, f"{e.path}: {problem}"), rehashed
     return None, rehashed
+
+
+def _problem(path: Path, e: Entry, chunk_bytes: int, unchanged: Callable[[Entry, os.stat_result], bool]) -> str | None:
+    """What is wrong with one file, None when its stat shows it as verified, "rehashed" when it
+    had to be hashed again and is intact."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        return str(err.strerror or err)
+    if not stat.S_ISREG(st.st_mode):
+        return "no longer a regular file"
+    if st.st_size != e.size:
+        return f"{st.st_size} bytes where {e.size} were verified"
+    if not e.size or unchanged(e, st):
+        return None
+    try:
+        with open(path, "rb") as f:
+            size, sha, _ = hash_file(f, chunk_bytes)
+    except OSError as err:
+        return str(err.strerror or err)
+    if (size, sha) != (e.size, e.sha256):
+        return f"its bytes changed since they were verified (sha256 {sha[:12]}, {e.sha256[:12]} expected)"
+    return "rehashed"

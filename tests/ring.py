@@ -75,26 +75,39 @@ def start(
     pin: list[list[str]] | None = None,
 ) -> Group:
     """Start `world` ranks; `pin` optionally prefixes each rank's command (e.g. taskset)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "dpool.trainer", str(job), "--run-dir", run_dir, *(extra_args or [])]
+    args = [str(job), "--run-dir", run_dir, *(extra_args or [])]
     if shares:
         args += ["--shares", ",".join(map(str, shares))]
+    return start_ranks(tmp, [args] * world, env, pin)
+
+
+def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None = None, pin: list[list[str]] | None = None) -> Group:
+    """One trainer per entry of `per_rank` (its own arguments after `python -m dpool.trainer`), as
+    the ranks of one ring group when there are several."""
+    tmp.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     hostfile = None
-    if world > 1:
+    if len(per_rank) > 1:
         hostfile = tmp / f"hosts-{os.getpid()}-{time.monotonic_ns()}.json"
-        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(world)]))
-    for rank in range(world):
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank))]))
+    for rank, args in enumerate(per_rank):
         extra = dict(env or {})
         if hostfile:
             extra.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
         log = tmp / f"rank{rank}-{time.monotonic_ns()}.log"
         logs.append(log)
         with open(log, "wb") as out:
-            procs.append(
-                subprocess.Popen([*(pin[rank] if pin else []), *args], env=trainer_env(extra), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            )
+            cmd = [*(pin[rank] if pin else []), sys.executable, "-m", "dpool.trainer", *args]
+            procs.append(subprocess.Popen(cmd, env=trainer_env(extra), stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
     return Group(procs, logs)
+
+
+def finish(g: Group, timeout: float = 120) -> list[int]:
+    """The ranks' exit codes; whatever happened, none is left running (ended by PID)."""
+    try:
+        return g.wait(timeout)
+    finally:
+        g.kill()
 
 
 def run(job, run_dir, world, tmp, timeout: float = 300, **kw) -> Group:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from jobs import write_job
-from test_rank_agreement import finish, start_ranks
+from ring import finish, start_ranks
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -7,11 +7,9 @@ shares that add up to more than the global batch, or weights that drift apart, w
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,30 +21,6 @@ TIMEOUT_S = 120  # far more than the check takes: a rank that trains on instead 
 
 def tiny(folder: Path, file: str = "job.toml", lr: float = 1e-3) -> Path:
     return write_job(folder, "agree", file=file, train={"steps": 3, "global_batch": 8, "lr": lr}, checkpoint={"every_steps": 1})
-
-
-def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None = None) -> ring.Group:
-    """One trainer per entry of `per_rank` (its own arguments), as ranks of one ring group."""
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in ring.free_ports(len(per_rank))]))
-    procs, logs = [], []
-    for rank, args in enumerate(per_rank):
-        log = tmp / f"rank{rank}-{time.monotonic_ns()}.log"
-        logs.append(log)
-        extra = {**(env or {}), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "dpool.trainer", *args], env=ring.trainer_env(extra),
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
-    return ring.Group(procs, logs)
-
-
-def finish(g: ring.Group) -> list[int]:
-    try:
-        return g.wait(TIMEOUT_S)
-    finally:
-        g.kill()  # by PID (its process group), whatever happened
 
 
 def alone(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -63,8 +37,8 @@ def error_line(text: str) -> str:
 def test_ranks_given_different_shares_all_exit_2_naming_both(tmp_path):
     job = tiny(tmp_path)
     run_dir = str(tmp_path / "m-{rank}")
-    g = start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,4")])
-    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    g = ring.start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,4")])
+    assert ring.finish(g, TIMEOUT_S) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
     for rank in range(2):
         assert error_line(g.output(rank)) == (
             "error: rank 1's --shares 4,4 differ from rank 0's 5,3: every rank must be given the same --shares"
@@ -80,8 +54,8 @@ def test_ranks_given_different_job_files_all_exit_2_naming_the_hashes(tmp_path):
     h0, h1 = load_job(str(job)).training_hash(), load_job(str(other)).training_hash()
     assert h0 != h1
     run_dir = str(tmp_path / "m-{rank}")
-    g = start_ranks(tmp_path, [[str(j), "--run-dir", run_dir] for j in (job, other)])
-    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    g = ring.start_ranks(tmp_path, [[str(j), "--run-dir", run_dir] for j in (job, other)])
+    assert ring.finish(g, TIMEOUT_S) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
     for rank in range(2):
         assert error_line(g.output(rank)) == (
             f"error: rank 1's job file differs from rank 0's (training hash {h1} vs {h0}): every rank must run the same job file"
@@ -93,8 +67,8 @@ def test_a_rank_whose_own_shares_are_refused_takes_its_peer_with_it(tmp_path):
     """Rank 1's shares do not add up: it says why, and rank 0 exits 2 too instead of waiting for it."""
     job = tiny(tmp_path)
     run_dir = str(tmp_path / "m-{rank}")
-    g = start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,5")])
-    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    g = ring.start_ranks(tmp_path, [[str(job), "--run-dir", run_dir, "--shares", s] for s in ("5,3", "4,5")])
+    assert ring.finish(g, TIMEOUT_S) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
     assert error_line(g.output(1)) == "error: --shares '4,5': they add up to 9, train.global_batch is 8"
     assert error_line(g.output(0)) == (
         "error: rank 1 refused its --shares (its own error says why): every rank must be given the same --shares"
@@ -112,8 +86,8 @@ def test_a_share_below_one_is_named_with_its_rank(tmp_path, shares, value):
 
 def test_a_zero_share_in_a_group_is_named_with_its_rank(tmp_path):
     job = tiny(tmp_path)
-    g = start_ranks(tmp_path, [[str(job), "--run-dir", str(tmp_path / "m-{rank}"), "--shares", "8,0"]] * 2)
-    assert finish(g) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    g = ring.start_ranks(tmp_path, [[str(job), "--run-dir", str(tmp_path / "m-{rank}"), "--shares", "8,0"]] * 2)
+    assert ring.finish(g, TIMEOUT_S) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
     for rank in range(2):
         assert error_line(g.output(rank)) == "error: --shares '8,0': every rank needs at least one sequence (a share of 0 at rank 1)"
 
@@ -121,11 +95,11 @@ def test_a_zero_share_in_a_group_is_named_with_its_rank(tmp_path):
 def test_agreeing_ranks_train(tmp_path):
     """The check passes ranks that agree: they train to the end, each rank's checkpoint written."""
     job = tiny(tmp_path)
-    g = start_ranks(
+    g = ring.start_ranks(
         tmp_path, [[str(job), "--run-dir", str(tmp_path / "m-{rank}"), "--shares", "5,3"]] * 2,
         env={"DPOOL_CACHE_DIR": str(tmp_path / "cache")},
     )
-    assert finish(g) == [0, 0], g.output(0)[-2000:] + g.output(1)[-2000:]
+    assert ring.finish(g, TIMEOUT_S) == [0, 0], g.output(0)[-2000:] + g.output(1)[-2000:]
     assert ring.metrics(tmp_path / "m-0")[3]["shares"] == [5, 3]
     assert all((tmp_path / f"m-{r}" / "checkpoints" / "step-3" / "manifest.json").is_file() for r in range(2))
     assert os.path.getsize(tmp_path / "m-0" / "metrics.jsonl") > 0

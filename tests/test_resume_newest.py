@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jobs import write_job
-from test_rank_agreement import finish, start_ranks
+from ring import finish, start_ranks
 
 
 def test_a_damaged_newest_checkpoint_on_rank_0_is_read_from_the_rank_that_holds_it_intact(tmp_path: Path) -> None:
