@@ -120,6 +120,7 @@ def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curv
     # From the newest outer step saved: 4, or 8 where the machine was slow to deliver the kill.
     assert '"resume_step":4' in resumed.output(0) or '"resume_step":8' in resumed.output(0), resumed.output(0)[-2000:]
     assert_same_curve(reference, losses(run_dir / "r0"))
+    assert ring.metrics(run_dir / "r0")[12]["generation"] == 2, "the second group by hand is generation 2"
 
 
 def test_a_rank_killed_while_the_others_wait_in_the_outer_all_sum_resumes_on_the_same_curve(work, env, reference) -> None:

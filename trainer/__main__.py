@@ -36,7 +36,10 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("job", help="the job file (job.toml)")
     parser.add_argument("--run-dir", required=True, help="where metrics, samples and checkpoints go; {rank} is replaced by the rank")
     parser.add_argument("--shares", help="sequences of each global batch per rank, comma-separated (default: equal)")
-    parser.add_argument("--generation", type=int, default=1, help="group (re)start count, recorded in metrics")
+    parser.add_argument(
+        "--generation", type=int,
+        help="group (re)start count, recorded in metrics (default: one more than the resumed checkpoint's, 1 for a fresh start)",
+    )
     parser.add_argument(
         "--resume-max", type=int, metavar="STEP",
         help="resume from no checkpoint (or state kept in memory) past STEP: the daemon's record of the metrics has no gap then",

@@ -59,7 +59,7 @@ from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
 from dpool.trainer.metrics import MetricsLog
-from dpool.trainer.restore import restore
+from dpool.trainer.restore import generation_of, restore
 from dpool.trainer.step import Stepper, held_out_loss
 from dpool.trainer.task import Task
 
@@ -260,7 +260,7 @@ def outer_sums(
 
 
 def train(
-    spec: JobSpec, group: Group, task: Task, run_dir: Path, shares: list[int], generation: int, link: Any, log: Any,
+    spec: JobSpec, group: Group, task: Task, run_dir: Path, shares: list[int], generation: int | None, link: Any, log: Any,
     resume_max: int | None, describe: dict[str, Any], stop_requested: Callable[[], bool] | None = None,
 ) -> bool:
     """Train from the newest checkpoint to the end (or a stop); True if stopped on request."""
@@ -281,7 +281,10 @@ def train(
         micro = micro_from_memory(largest, reps.stepper.probe_bytes(), machine_memory_bytes() - mx.get_active_memory())
     reps.stepper.micro = micro
     holder = reps.holder(outer)
-    start, how = restore(spec, run_dir, group, model, holder, log, None, resume_max)
+    resumed = restore(spec, run_dir, group, model, holder, log, None, resume_max)
+    start, how = resumed.step, resumed.how
+    generation = generation_of(generation, resumed)  # by hand: from the resumed checkpoint
+    log = log.bind(generation=generation)
     reps.adopt(holder, outer)
     rounds = Rounds(H, sync.warmup_steps)
     if not rounds.boundary(start) and start < t.steps:

@@ -31,6 +31,7 @@ from dpool.trainer.interval import AutoInterval, overhead_target
 from dpool.trainer.lm import ModelError
 from dpool.trainer.memstate import MemoryState, memory_dir
 from dpool.trainer.metrics import MetricsLog
+from dpool.trainer.restore import generation_of
 from dpool.trainer.restore import restore as _restore
 from dpool.trainer.step import Stepper
 from dpool.trainer.task import build_task
@@ -104,7 +105,7 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
 
 
 def run(
-    spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int, source: str = "job file",
+    spec: JobSpec, run_dir_arg: str, shares_arg: str | None, generation: int | None, source: str = "job file",
     warm: bool = False, resume_max: int | None = None, at_go: Callable[[], None] | None = None,
 ) -> int:
     """Train one rank. `warm`: build the model and data first, then wait for the daemon's
@@ -192,7 +193,10 @@ def run(
     lr_of = optimizers.learning_rate(t)
     optimizer.init(model.trainable_parameters())
     memory = memory_dir()
-    start, how = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max)
+    resumed = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max)
+    start, how = resumed.step, resumed.how
+    generation = generation_of(generation, resumed)  # by hand: from the resumed checkpoint
+    log = log.bind(generation=generation)
     mark("restore")
     kept = None
     if memory is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -18,9 +19,15 @@ from dpool.trainer import checkpoint as ckpt
 from dpool.trainer.dist import Group
 
 
+class Resumed(NamedTuple):
+    step: int  # the step resumed from (0: a fresh start)
+    how: str  # "fresh", "local", "memory" or "broadcast"
+    generation: int  # the generation of the group that wrote that checkpoint (0: a fresh start)
+
+
 def restore(
     spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
-) -> tuple[int, str]:
+) -> Resumed:
     """Agree on the resume step (the newest valid checkpoint any rank holds, on disk or kept in
     memory) and get that state everywhere.
 
@@ -33,20 +40,23 @@ def restore(
     stores = [run_dir] + ([memory] if memory is not None else [])
     for d in stores:
         ckpt.clean_partial(d)
-    mine, found_in = 0, None  # this rank's newest verified step, and where (not verified twice)
+    mine, found_in, written_by = 0, None, 0  # this rank's newest verified step, where (not verified twice), its generation
     skipped: list[str] = []
     disk = ckpt.newest_valid(run_dir, job_hash, log, at_most, skipped=skipped)
     kept = _newest_kept(memory, job_hash, log, at_most) if memory is not None else None
-    if kept is not None and kept >= (disk[0] if disk else 0):
-        mine, found_in = kept, memory  # memory first: the faster read
+    if kept is not None and kept[0] >= (disk[0] if disk else 0):
+        (mine, manifest), found_in = kept, memory  # memory first: the faster read
+        written_by = _generation(manifest)
     elif disk:
-        mine, found_in = disk[0], run_dir
-    # Every rank's newest verified step (and whether it skipped damaged ones), in one all_sum: the
-    # group resumes from the newest any rank holds, read by the first rank that holds it. Rank 0's
-    # alone made a rank whose copy was intact drop it when rank 0's was damaged.
+        (mine, manifest), found_in = disk, run_dir
+        written_by = _generation(manifest)
+    # Every rank's newest verified step (whether it skipped damaged ones, and the generation that
+    # wrote it), in one all_sum: the group resumes from the newest any rank holds, read by the
+    # first rank that holds it. Rank 0's alone made a rank whose copy was intact drop it when rank
+    # 0's was damaged.
     world = group.size
-    table = [0] * (2 * world)
-    table[group.rank], table[world + group.rank] = mine, int(bool(skipped))
+    table = [0] * (3 * world)
+    table[group.rank], table[world + group.rank], table[2 * world + group.rank] = mine, int(bool(skipped)), written_by
     gathered = group.sum_ints(table)
     newest, damaged = gathered[:world], [r for r in range(world) if gathered[world + r]]
     step = max(newest)
@@ -116,17 +126,32 @@ def restore(
         how = "broadcast"
     else:
         how = "memory" if source is memory else "local"
-    return step, how
+    return Resumed(step, how, gathered[2 * world + root] if step > 0 else 0)
 
 
-def _newest_kept(memory: Path, job_hash: str, log, at_most: int | None) -> int | None:
-    """The newest state kept in memory that verifies (another job's is not this job's: skipped)."""
+def generation_of(given: int | None, resumed: Resumed) -> int:
+    """This group's generation: as its daemon numbered it, or by hand (none given) one more than
+    that of the group that wrote the checkpoint it resumed (1 for a fresh start), so a run started
+    again by hand counts its restarts as a pool's does."""
+    if given is not None:
+        return given
+    return resumed.generation + 1 if resumed.step > 0 else 1
+
+
+def _generation(manifest: dict) -> int:
+    """The generation a checkpoint's manifest records (0 where it records none)."""
+    g = manifest.get("generation")
+    return g if isinstance(g, int) and not isinstance(g, bool) and g > 0 else 0
+
+
+def _newest_kept(memory: Path, job_hash: str, log, at_most: int | None) -> tuple[int, dict] | None:
+    """The newest state kept in memory that verifies, with its manifest (another job's is not this
+    job's: skipped)."""
     try:
-        found = ckpt.newest_valid(memory, job_hash, log, at_most)
+        return ckpt.newest_valid(memory, job_hash, log, at_most)
     except ckpt.CheckpointMismatch as e:
         log.warning("memory_state.skipped", reason=str(e))
         return None
-    return found[0] if found else None
 
 
 def _check_same_layout(group: Group, model, optimizer) -> None:
