@@ -580,29 +580,40 @@ class Agent(WarmTrainers):
         job_dir = self.state_dir / "jobs" / msg.job
         world = len(msg.hostfile)
         job_file, hostfile = job_dir / "job.toml", job_dir / f"hostfile-g{msg.generation}.json"
+        changed = await self.staging.recheck(msg.job, self._send)
+        if changed is not None:
+            # This node's files are not the job's any more: its ranks refuse their input (exit 2),
+            # so the pool leaves this node out, not the group's others, until it is staged again.
+            self.log.error("group.start_refused", job=msg.job, generation=msg.generation, error=changed)
+            self._refuse_start(msg, 2, changed)
+            return
         try:
             self._job_files(msg.job, msg.spec)
             if world > 1:
                 write_file(hostfile, orjson.dumps(msg.hostfile))
         except (JobFileError, ValueError, TypeError) as e:
             self.log.error("group.bad_spec", job=msg.job, error=str(e))
-            for r in msg.ranks:
-                self._report_exit(msg.job, msg.generation, r.rank, r.slot, 2, False, clean(str(e)))
+            self._refuse_start(msg, 2, str(e))
             return
         except OSError as e:
             # This machine's fault (a full disk, a read-only folder): each of its ranks fails with
             # the reason and EXIT_DISK, so the pool blames this node, not the group's others.
             self.log.error("group.start_failed", job=msg.job, generation=msg.generation, error=str(e))
-            for holder in self.reserved.pop((msg.job, msg.generation), []):
-                holder.close()
-            for r in msg.ranks:
-                self._report_exit(msg.job, msg.generation, r.rank, r.slot, EXIT_DISK, False, clean(f"cannot write the job's folder: {e}"))
+            self._refuse_start(msg, EXIT_DISK, f"cannot write the job's folder: {e}")
             return
         for holder in self.reserved.pop((msg.job, msg.generation), []):
             holder.close()  # the port is the trainer's to bind now
         for r in msg.ranks:
             await self._spawn(msg, job_file, hostfile if world > 1 else None, r.rank, r.slot)
         self.log.info("group.launched", job=msg.job, generation=msg.generation, ranks=[r.rank for r in msg.ranks], world_size=world)
+
+    def _refuse_start(self, msg: m.GroupStart, code: int, reason: str) -> None:
+        """This node starts none of the group's ranks: each is reported exited with `code` and
+        the reason, and the ports held for them are let go."""
+        for holder in self.reserved.pop((msg.job, msg.generation), []):
+            holder.close()
+        for r in msg.ranks:
+            self._report_exit(msg.job, msg.generation, r.rank, r.slot, code, False, clean(reason))
 
     async def _spawn(self, msg: m.GroupStart, job_file: Path, hostfile: Path | None, rank: int, slot: int) -> None:
         old = self.workers.get(slot)

@@ -79,7 +79,7 @@ class Staged:
     data: Path | None = None
     model: Path | None = None
     adapters: Path | None = None
-    digests: tuple[str, ...] = ()
+    digests: tuple[tuple[str, str], ...] = ()  # (the job's key, the content it names) of each tree served by content
 
 
 class NodeStaging:
@@ -183,6 +183,30 @@ class NodeStaging:
         got = self.jobs.get(job)
         return spec if got is None else staged(spec, got.data, got.model, got.adapters)
 
+    async def recheck(self, job: str, send: Callable[[Message], None]) -> str | None:
+        """Before a group of the job starts here: are the trees this node serves it from still the
+        content the job names? A file edited, replaced or removed since it was staged (here, or in
+        the user's own folder the node serves it from) shows in its stat: the cache's check. None
+        when they are; else what changed, and the job is staged here again (the content fetched
+        from the pool, or this node found unfit, naming the file). Without it the trainer found
+        the difference only against rank 0's copy, and blamed the other nodes when rank 0's was
+        the one that changed."""
+        got = self.jobs.get(job)
+        if got is None:
+            return None
+        for key, digest in got.digests:
+            folder, problem = await asyncio.to_thread(self.cache.check, digest)
+            if folder is not None:
+                continue
+            why = problem or "no longer held here"
+            self.log.warning("job.staged_copy_changed", job=job, key=key, digest=digest[:12], problem=why)
+            self.jobs.pop(job, None)
+            asked = self.asked.get(job)
+            if asked is not None:
+                self.on_stage(asked, send)
+            return f"{key}: this node's copy changed since it was staged ({why}); the node stages it again"
+        return None
+
     def named(self, job: str, text: str) -> str:
         """`text` (a trainer's error) with the folders this node staged the job's sources in
         replaced by the paths the user gave."""
@@ -255,6 +279,8 @@ class NodeStaging:
             got.model = await self._tree(msg.job, spec, "model", say, fetched, found)
             got.adapters = await self._adapters(msg.job, spec, say, fetched)
             self._check_model(spec, got.model)
+            named = (("data.source", spec.content.data), ("model.path", spec.content.model), ("model.adapters", spec.content.adapters))
+            got.digests = tuple((key, d) for key, d in named if d is not None)
         except (Unfit, JobFileError) as e:
             self.log.warning("node.unfit", job=msg.job, reason=str(e))
             say("unfit", str(e)[:4000])

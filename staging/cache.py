@@ -266,15 +266,20 @@ class Cache:
         """The folder holding `digest`'s complete tree (its own, or the adopted one), checked
         intact (a stat a file; a file whose stat moved is hashed again) and marked used. None when
         there is none, or it was damaged (then dropped: fetch it again)."""
+        return self.check(digest)[0]
+
+    def check(self, digest: str) -> tuple[Path | None, str | None]:
+        """`tree`, and what was wrong with the tree it dropped (None when it held none, or an
+        intact one)."""
         if not _is_hex(digest):
-            return None
+            return None, None
         self._layout()
         with self._lock:
             folder = self._adopted.get(digest)
         if folder is not None:
             return self._adopted_tree(digest, folder)
         if not self._tree(digest).is_dir():
-            return None
+            return None, None
         m = self.manifest(digest)
         with self._tree_lock:
             found, rehashed = damage(self._tree(digest), m, sealed) if m is not None else ((None, "its manifest is gone"), [])
@@ -286,15 +291,16 @@ class Cache:
                 shutil.rmtree(self._tree(digest), ignore_errors=True)
                 if bad is not None and bad.size:
                     self._blob(bad.sha256).unlink(missing_ok=True)
-                return None
+                return None, f"{problem} (in this node's cache)"
         self._touch(digest)
-        return self._tree(digest)
+        return self._tree(digest), None
 
-    def _adopted_tree(self, digest: str, folder: Path) -> Path | None:
+    def _adopted_tree(self, digest: str, folder: Path) -> tuple[Path | None, str | None]:
         m = self.manifest(digest)
         if not folder.is_dir() or m is None:
-            self._unadopt(digest, f"{folder} is no longer a folder" if m is not None else "its manifest is gone")
-            return None
+            why = f"{folder} is no longer a folder" if m is not None else "its manifest is gone"
+            self._unadopt(digest, why)
+            return None, why
         record = self.root / "adopted" / f"{digest}.mtimes"
         try:
             verified = orjson.loads(record.read_bytes())
@@ -302,12 +308,13 @@ class Cache:
             verified = {}  # adopted before mtimes were recorded: every file is hashed once
         found, rehashed = damage(folder, m, lambda e, st: verified.get(e.path) == st.st_mtime_ns)
         if found is not None:
-            self._unadopt(digest, f"{found[1]}, in {folder}")
-            return None
+            why = f"{found[1]}, in {folder}"
+            self._unadopt(digest, why)
+            return None, why
         if rehashed or not verified:
             _write_atomic(record, orjson.dumps(mtimes(folder, m)))
         self._touch(digest)
-        return folder
+        return folder, None
 
     def adopt(self, digest: str, folder: Path) -> None:
         """Serve `digest` from `folder`, which the caller verified holds its files (`differences`)."""

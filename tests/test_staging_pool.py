@@ -274,3 +274,32 @@ def test_dpd_cache_of_a_state_dir_that_does_not_exist_is_refused_not_listed_empt
     assert wrong.returncode == 2 and wrong.stdout == "" and "no-such-dir: no such folder" in wrong.stderr, (wrong.stdout, wrong.stderr)
     fresh = subprocess.run([*cmd, str(tmp_path), "--json"], capture_output=True, text=True, timeout=60)  # a dpd that never staged
     assert fresh.returncode == 0 and json.loads(fresh.stdout) == [], fresh.stderr
+
+
+def test_a_node_whose_files_change_during_a_job_is_left_out_at_the_next_start_not_the_others(pool: HomesPool, processes: Processes, tmp_path: Path) -> None:
+    """Files edited under a running job, in the folder a node serves the job from: at the group's
+    next start that node refuses (it rechecks what it staged), sits the job out naming the file,
+    and the job goes on with the others. The trainer alone compared each rank with rank 0's copy:
+    where the edited node held rank 0, the nodes with the job's files were the ones left out, and
+    the edited files were trained on."""
+    pool.start(1, 1)
+    for name in ("n0", "n1"):
+        corpus(pool.home(name) / "corpus")
+    endless = {"steps": 100_000, "lr_schedule": constant_lr(3e-3)}
+    job = write_job(tmp_path, "edited", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"}, train=endless, base=NO_WARMUP)
+    # Submitted from n0's home: dpctl sends the files into n0's cache (the first node by name), and
+    # n1 serves the job from its own ~/corpus, which holds the same bytes.
+    r = dpctl(pool, "submit", str(job), home=pool.home("n0"))
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    pool.wait_status(job_id, "the job on two nodes", lambda s: s.state == "running" and s.world_size == 2 and s.step >= 2, JOB_TIMEOUT)
+    (pool.home("n1") / "corpus" / "doc03.txt").write_text("edited while the job ran\n")
+    for pid in pool.trainer_pids("n0", job_id):
+        os.kill(pid, 9)  # a restart: the group starts again on the nodes that can serve it
+    alone = pool.wait_status(job_id, "the job on n0 alone", lambda s: s.state == "running" and s.world_size == 1 and s.step > 0, JOB_TIMEOUT)
+    assert alone.workers[0].node == "n0", alone
+    unfit = events(pool, job_id, "node.unfit")
+    assert unfit and {e["node"] for e in unfit} == {"n1"}, unfit
+    assert "changed since it was staged" in unfit[0]["reason"] and "doc03.txt" in unfit[0]["reason"], unfit
+    assert pool.dpctl("cancel", job_id).returncode == 0
+    pool.wait_end(job_id, JOB_TIMEOUT)
