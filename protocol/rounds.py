@@ -32,6 +32,11 @@ class Rounds:
         """Whether `step` is one of the warm-up's steps (an outer step of its own)."""
         return step <= self.warmup
 
+    def ending(self, step: int) -> range:
+        """The global steps of the outer step that ends at `step` (a boundary past 0; a run's
+        short last outer step ends at its last step, which a caller knows apart)."""
+        return range(step, step + 1) if step <= self.warmup else range(step - self.inner + 1, step + 1)
+
     def after(self, start: int, steps: int) -> list[range]:
         """The global steps of each outer step from `start` (a boundary) to the end; the last may be short."""
         out = [range(s, s + 1) for s in range(start + 1, min(self.warmup, steps) + 1)]

@@ -123,6 +123,25 @@ def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curv
     assert ring.metrics(run_dir / "r0")[12]["generation"] == 2, "the second group by hand is generation 2"
 
 
+def test_a_run_stopped_before_an_outer_steps_evaluation_writes_it_on_resume(work, env, reference) -> None:
+    """Stopped once outer step 2's checkpoint (step 8) was handed to its writer and before its
+    evaluation: resumed there, the evaluation of step 8 is written, then the rest as before."""
+    import shutil
+
+    run_dir = work / "eval-gap"
+    shutil.copytree(work / "reference" / "r0", run_dir / "r0")
+    shutil.rmtree(run_dir / "r0" / "checkpoints" / "step-12")
+    metrics = run_dir / "r0" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= 8 and not (r["step"] == 8 and r["kind"] == "eval")))
+    g = ring.run(diloco_job(work, "ref"), str(run_dir / "r{rank}"), 1, work / "logs", env=env)
+    assert '"resume_step":8' in g.output(0), g.output(0)[-2000:]
+    got, want = ring.metrics(run_dir / "r0", "eval"), ring.metrics(work / "reference" / "r0", "eval")
+    assert sorted(got) == sorted(want) == [0, 4, 8, 12], (got, want)
+    assert max(abs(got[s]["val_loss"] - want[s]["val_loss"]) for s in want) <= TOL, (got, want)
+    assert_same_curve(reference, losses(run_dir / "r0"))
+
+
 def test_a_rank_killed_while_the_others_wait_in_the_outer_all_sum_resumes_on_the_same_curve(work, env, reference) -> None:
     run_dir = work / "killed-outer"
     job = diloco_job(work, "killed-outer")

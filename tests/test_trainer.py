@@ -159,6 +159,28 @@ def test_sigkill_after_checkpoint_resumes_exactly(reference, work, env):
     assert {s: r["generation"] for s, r in rows.items()} == {s: 1 if s <= 6 else 2 for s in range(1, 16)}
 
 
+def test_a_run_stopped_between_a_checkpoint_and_its_evaluation_writes_the_evaluation_on_resume(reference, work, env):
+    """The checkpoint of a step is handed to its writer before the step's evaluation and sample: a
+    run stopped in between resumes from that step, and its rows are written then, not lost."""
+    run_dir = work / "eval-gap"
+    shutil.copytree(reference, run_dir)
+    for name in ("metrics.jsonl", "samples.jsonl"):  # as the kill left them: step 15 saved, its rows not written
+        path = run_dir / name
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] != 15 or r.get("kind") == "train"))
+    g = ring.run(tiny_job(work), str(run_dir), 1, work / "logs", env=env)
+    assert '"resume_step":15' in g.output(0)
+    evals = ring.metrics(run_dir, "eval")
+    assert sorted(evals) == [0, 5, 10, 15] and abs(evals[15]["val_loss"] - ring.metrics(reference, "eval")[15]["val_loss"]) < 1e-6, evals
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    expected = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
+    assert samples == expected
+    # Started again with every row in place, it writes none twice.
+    ring.run(tiny_job(work), str(run_dir), 1, work / "logs", env=env)
+    assert sorted(ring.metrics(run_dir, "eval")) == [0, 5, 10, 15]
+    assert [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()] == expected
+
+
 def test_ranks_without_the_checkpoint_receive_it_by_broadcast(reference, work, env):
     base = work / "bcast"
     rank0 = base / "rank0"

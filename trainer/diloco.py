@@ -343,8 +343,24 @@ def train(
             if auto:
                 auto.observe_checkpoint(gather_s + cpu * group.crowding())
 
+    def sample(step: int) -> None:
+        row = {"step": step, "text": task.sample(step)}
+        metrics.append(metrics.samples, row)
+        if link:
+            link.sample(row)
+
     if start == 0:
         evaluate(0)
+    else:
+        ended = rounds.ending(start)  # the outer step the checkpoint resumed ended
+        redo_eval, redo_sample = metrics.unwritten(
+            group, start, any(s % spec.eval.every_steps == 0 for s in ended) or start == t.steps,
+            any(s % spec.eval.sample_every_steps == 0 for s in ended) or start == t.steps,
+        )
+        if redo_eval:
+            evaluate(start)
+        if redo_sample and rank == 0:
+            sample(start)
     stopped = False
     for steps in rounds.after(start, t.steps):
         mine = ranges[rank]
@@ -430,10 +446,7 @@ def train(
         if any(s % spec.eval.every_steps == 0 for s in steps) or last == t.steps:
             evaluate(last)
         if rank == 0 and (any(s % spec.eval.sample_every_steps == 0 for s in steps) or last == t.steps):
-            row = {"step": last, "text": task.sample(last)}
-            metrics.append(metrics.samples, row)
-            if link:
-                link.sample(row)
+            sample(last)
         report(writer.completed())
         # Balance: replicas follow the ranks' measured speed, from the next outer step on. A
         # replica that changes hands takes its inner state along (gathered from its old owner).

@@ -282,8 +282,22 @@ def run(
             overhead=round(cost / (auto.interval * step_s), 4) if step_s else None,
         )
 
+    def sample(step: int) -> None:
+        row = {"step": step, "text": task.sample(step)}
+        metrics.append(metrics.samples, row)
+        if link:
+            link.sample(row)
+
     if start == 0:
         evaluate(0)
+    else:
+        redo_eval, redo_sample = metrics.unwritten(
+            group, start, start % spec.eval.every_steps == 0 or start == t.steps, start % spec.eval.sample_every_steps == 0 or start == t.steps,
+        )
+        if redo_eval:
+            evaluate(start)
+        if redo_sample and rank == 0:
+            sample(start)
     stopped = False
     last = time.perf_counter()
     for step in range(start + 1, t.steps + 1):
@@ -336,10 +350,7 @@ def run(
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
-            row = {"step": step, "text": task.sample(step)}
-            metrics.append(metrics.samples, row)
-            if link:
-                link.sample(row)
+            sample(step)
         report_checkpoints(writer.completed())
         if kept is not None:
             report_kept(kept.completed())

@@ -49,3 +49,25 @@ class MetricsLog:
                 f.write(orjson.dumps(row) + b"\n")
             if self.report is not None and path == self.metrics:
                 self.report.row(row, **report)
+
+    def unwritten(self, group: Any, step: int, eval_due: bool, sample_due: bool) -> tuple[bool, bool]:
+        """At a resume from `step`: whether its evaluation and its sample, due at that step, are
+        not in the files. A run stopped after it handed that step's checkpoint to its writer and
+        before it wrote them (an evaluation takes a while) resumes there, and the rows were lost.
+        Rank 0 holds the files; every rank gets its answer (the evaluation is collective)."""
+        held: set[str] = set()
+        if self.enabled:
+            for path, kind in ((self.metrics, "eval"), (self.samples, "sample")):
+                if path.exists() and any(_row_is(line, kind, step) for line in path.read_bytes().splitlines()):
+                    held.add(kind)
+        want = [int(eval_due and "eval" not in held), int(sample_due and "sample" not in held)]
+        eval_missing, sample_missing = group.broadcast_ints(want)
+        return bool(eval_missing), bool(sample_missing)
+
+
+def _row_is(line: bytes, kind: str, step: int) -> bool:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(row, dict) and row.get("step") == step and (kind == "sample" or row.get("kind") == kind)
