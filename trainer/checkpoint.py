@@ -106,7 +106,8 @@ def run_manifest(spec: Any, job_hash: str, world: int, shares: list[int], genera
         "job": spec.name, "job_hash": job_hash, "world_size": world, "shares": shares, "generation": generation,
         "kind": spec.model.kind, **extra,
         "rng": {"seed": spec.train.seed, "scheme": "stateless: batches, dropout and samples from (seed, step)"},
-        "data_position": task.data_position(step + 1), "mlx_version": mx.__version__, "time": time.time(),
+        "data_position": task.data_position(step + 1), "fingerprints": dict(task.fingerprints),  # what it trained on
+        "mlx_version": mx.__version__, "time": time.time(),
     }
 
 

@@ -281,7 +281,7 @@ def train(
         micro = micro_from_memory(largest, reps.stepper.probe_bytes(), machine_memory_bytes() - mx.get_active_memory())
     reps.stepper.micro = micro
     holder = reps.holder(outer)
-    resumed = restore(spec, run_dir, group, model, holder, log, None, resume_max)
+    resumed = restore(spec, run_dir, group, model, holder, log, None, resume_max, task.fingerprints)
     start, how = resumed.step, resumed.how
     generation = generation_of(generation, resumed)  # by hand: from the resumed checkpoint
     log = log.bind(generation=generation)

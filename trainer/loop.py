@@ -34,7 +34,7 @@ from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import generation_of
 from dpool.trainer.restore import restore as _restore
 from dpool.trainer.step import Stepper
-from dpool.trainer.task import build_task
+from dpool.trainer.task import build_task, source_named
 from dpool.trainer.testloss import report_test, test_loss
 
 EXIT_DONE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
@@ -92,10 +92,7 @@ def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) 
         (fp0,) = group.broadcast_ints([mine])
         (differ,) = group.sum_ints([int(fp0 != mine)])
         if differ:
-            key = {"data": "data.source", "adapters": "model.adapters"}.get(what, "model.path")
-            source = {"data": spec.data.source, "adapters": spec.model.adapters}.get(what, spec.model.path)
-            if what == "data" and spec.data.hf_dataset is not None:
-                key, source = "data.hf_dataset", ", ".join(d.path for d in spec.data.hf_dataset)
+            key, source = source_named(spec, what)
             hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
             if fp0 != mine:
                 # Bad input on this machine (exit 2): its node sits the job out, and the group
@@ -193,7 +190,7 @@ def run(
     lr_of = optimizers.learning_rate(t)
     optimizer.init(model.trainable_parameters())
     memory = memory_dir()
-    resumed = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max)
+    resumed = _restore(spec, run_dir, group, model, optimizer, log, memory, resume_max, task.fingerprints)
     start, how = resumed.step, resumed.how
     generation = generation_of(generation, resumed)  # by hand: from the resumed checkpoint
     log = log.bind(generation=generation)

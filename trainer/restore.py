@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from dpool.protocol.jobspec import JobSpec
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer.dist import Group
+from dpool.trainer.task import source_named
 
 
 class Resumed(NamedTuple):
@@ -26,7 +27,8 @@ class Resumed(NamedTuple):
 
 
 def restore(
-    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None
+    spec: JobSpec, run_dir: Path, group: Group, model, optimizer, log, memory: Path | None = None, at_most: int | None = None,
+    fingerprints: dict[str, int] | None = None,
 ) -> Resumed:
     """Agree on the resume step (the newest valid checkpoint any rank holds, on disk or kept in
     memory) and get that state everywhere.
@@ -76,6 +78,8 @@ def restore(
     root = newest.index(step)  # rank 0 where it holds that step
     if mine != step:
         found_in = None
+    if step > 0 and fingerprints:
+        _check_same_input(spec, group, root, found_in, step, fingerprints, log)
     # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
     # ones this rank wrote in a group that went on without the others): gone before anything is
     # written, so pruning keeps what this run writes and the pool never sees them as holdings.
@@ -127,6 +131,35 @@ def restore(
     else:
         how = "memory" if source is memory else "local"
     return Resumed(step, how, gathered[2 * world + root] if step > 0 else 0)
+
+
+def _check_same_input(
+    spec: JobSpec, group: Group, root: int, found_in: Path | None, step: int, fingerprints: dict[str, int], log,
+) -> None:
+    """The checkpoint resumed was trained on the data and model this run reads (its manifest's
+    fingerprints, checked by the rank that reads it: every rank holds rank 0's). By hand, files
+    changed since refuse the resume (exit 2) rather than go on from a state of other data, as a
+    checkpoint of another job file is refused; under a daemon the pool stages the job's files by
+    content, and a difference (a tokenizer of another library version) is logged."""
+    names = sorted(fingerprints)
+    changed = 0  # 1 + the index of the first that differs
+    if group.rank == root and found_in is not None:
+        recorded = (ckpt.read_manifest(found_in, step) or {}).get("fingerprints")
+        if isinstance(recorded, dict):  # (checkpoints written before fingerprints were kept have none)
+            changed = next((i + 1 for i, k in enumerate(names) if k in recorded and recorded[k] != fingerprints[k]), 0)
+    (changed,) = group.broadcast([mx.array([changed], dtype=mx.int64)], root)
+    changed = int(changed.item())
+    if not changed:
+        return
+    key, source = source_named(spec, names[changed - 1])
+    if os.environ.get("DPOOL_WORKER_ADDR"):
+        log.warning("checkpoint.input_changed", step=step, key=key, source=source)
+        return
+    raise ckpt.CheckpointMismatch(
+        f"{key} = {source!r}: these files are not the ones the checkpoint of step {step} was trained on "
+        f"({ckpt.checkpoint_root(found_in or Path('.'))}); nothing was changed. Put the files back to resume, or train "
+        "from step 0 in another --run-dir"
+    )
 
 
 def generation_of(given: int | None, resumed: Resumed) -> int:

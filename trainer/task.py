@@ -29,6 +29,17 @@ import numpy as np
 from dpool.protocol.jobspec import JobSpec
 
 
+def source_named(spec: JobSpec, what: str) -> tuple[str, str]:
+    """The job's key and value behind fingerprint `what` ("data", "model", "adapters"), for errors."""
+    if what == "data" and spec.data.hf_dataset is not None:
+        return "data.hf_dataset", ", ".join(d.path for d in spec.data.hf_dataset)
+    if what == "data":
+        return "data.source", spec.data.source
+    if what == "adapters":
+        return "model.adapters", str(spec.model.adapters)
+    return "model.path", str(spec.model.path)
+
+
 @dataclass(frozen=True, slots=True)
 class Example:
     tokens: np.ndarray  # int32, 1-D
