@@ -95,6 +95,20 @@ def test_a_run_dir_or_its_checkpoints_folder_that_is_a_file_is_refused_before_an
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and (tmp_path / "run" / "checkpoints").read_text() == "mine"
     r = trainer(job, "")
     assert r.returncode == 2 and "--run-dir: empty" in r.stderr
+    for flag in ("--export", "--test"):  # an empty folder to write to trained the run on instead
+        r = trainer(job, tmp_path / "run", flag, "")
+        assert r.returncode == 2 and f"{flag}: empty" in r.stderr, r.stderr
+
+
+def test_a_rank_or_hostfile_that_cannot_form_a_group_is_bad_input_naming_it(tmp_path: Path, finished: tuple[Path, Path]) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text('[["127.0.0.1:5000"], ["127.0.0.1:5001"]]')
+    for rank, path, said in (("5", hostfile, "MLX_RANK='5': expected a rank from 0 to 1"), ("x", hostfile, "MLX_RANK='x'"),
+                             ("0", tmp_path / "missing.json", "cannot read the ring hostfile")):
+        env = {k: v for k, v in os.environ.items() if k not in ("DPOOL_WORKER_ADDR", "DPOOL_CACHE_DIR")}
+        r = subprocess.run([sys.executable, "-m", "dpool.trainer", str(finished[0]), "--run-dir", str(tmp_path / "run")],
+                           capture_output=True, text=True, timeout=300, env={**env, "MLX_RANK": rank, "MLX_HOSTFILE": str(path)})
+        assert r.returncode == 2 and said in r.stderr, (rank, r.stderr)
 
 
 def test_export_of_a_step_that_has_no_checkpoint_lists_those_there_are(finished: tuple[Path, Path], tmp_path: Path) -> None:

@@ -77,6 +77,9 @@ def _main(argv: list[str]) -> int:
         parser.error("--fuse and --dequantize go with --export")
     if args.dequantize and not args.fuse:
         parser.error("--dequantize goes with --fuse")
+    for flag, value in (("--export", args.export), ("--test", args.test)):
+        if value is not None and not value.strip():
+            parser.error(f"{flag}: empty; give the folder to write to")
     if args.export and args.test:
         parser.error("--export and --test: one at a time")
     if args.warm and (args.export or args.test or args.shares):
@@ -94,6 +97,7 @@ def _main(argv: list[str]) -> int:
     from dpool.protocol.logs import configure_logging, get_logger
     from dpool.trainer import loop
     from dpool.trainer.checkpoint import CheckpointError, CheckpointMismatch, CheckpointWriteError
+    from dpool.trainer.colocate import RingSetupError
     from dpool.trainer.data import DataError
     from dpool.trainer.lm import ModelError
     from dpool.trainer.report import ReportError
@@ -112,7 +116,7 @@ def _main(argv: list[str]) -> int:
             print(f"test loss of step {step} of {spec.name}: {(Path(args.test) / 'test.json').read_text().strip()}")
             return loop.EXIT_DONE
         return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max, at_go=at_go)
-    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError, ReportError) as e:
+    except (JobFileError, loop.UsageError, CheckpointMismatch, DataError, ModelError, ReportError, RingSetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_BAD_INPUT
     except CheckpointError as e:  # --export of a checkpoint that does not fit its job

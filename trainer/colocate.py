@@ -64,15 +64,19 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class RingSetupError(ValueError):
+    """MLX_RANK or MLX_HOSTFILE as given cannot form a group (bad input: exit 2, naming it)."""
+
+
 def read_hostfile(path: str) -> list[list[str]]:
     """The ring hostfile: one list of "host:port" addresses per rank."""
     try:
         with open(path, "rb") as f:
             hosts = json.load(f)
     except (OSError, ValueError) as e:
-        raise RuntimeError(f"MLX_HOSTFILE {path}: cannot read the ring hostfile ({e})") from None
+        raise RingSetupError(f"MLX_HOSTFILE {path}: cannot read the ring hostfile ({e})") from None
     if not isinstance(hosts, list) or not hosts or not all(isinstance(h, list) and h and all(isinstance(a, str) for a in h) for h in hosts):
-        raise RuntimeError(f"MLX_HOSTFILE {path}: expected a JSON list of [\"host:port\", ...] per rank, got {hosts!r:.200}")
+        raise RingSetupError(f"MLX_HOSTFILE {path}: expected a JSON list of [\"host:port\", ...] per rank, got {hosts!r:.200}")
     return hosts
 
 

@@ -23,6 +23,7 @@ from dpool.trainer.colocate import (
     BARRIER_ENV,
     QUIET_ENV,
     LocalBarrier,
+    RingSetupError,
     barrier_address,
     colocated,
     one_way_bytes,
@@ -90,7 +91,7 @@ class Group:
             return
         hosts = read_hostfile(hostfile)
         if not rank.isdigit() or int(rank) >= len(hosts):
-            raise RuntimeError(f"MLX_RANK={rank!r}: expected a rank of the {len(hosts)} in MLX_HOSTFILE {hostfile}")
+            raise RingSetupError(f"MLX_RANK={rank!r}: expected a rank from 0 to {len(hosts) - 1}, one per entry of MLX_HOSTFILE {hostfile}")
         here = colocated(hosts, int(rank))
         self.ranks_here = len(here)
         chosen = split_blas_threads(len(here))
