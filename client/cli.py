@@ -38,7 +38,7 @@ from dpool.client import watch as client_watch
 from dpool.client.errors import BadInput, Failed
 from dpool.client.jobtimes import JobTimes, status_object
 from dpool.client.rpc import Client, RemoteError, RideOut, Unreachable, all_jobs, pages
-from dpool.client.tables import age, clock, duration, event_details, num, size, table, when
+from dpool.client.tables import age, clock, duration, event_details, num, shown, size, table, when
 from dpool.dashboard import cli as dashboard_cli
 from dpool.protocol import messages as m
 from dpool.protocol import mlxlm_config
@@ -487,7 +487,7 @@ def cmd_samples(c: Client, a: argparse.Namespace) -> int:
         print("no samples yet")
     for r in rows:
         print(f"--- step {r.step} ---")
-        print(r.text)
+        print(shown(r.text))
     return EXIT_OK
 
 

@@ -105,5 +105,10 @@ class JobTimes:
 
 
 def status_object(s: JobStatus, times: JobTimes, now: float) -> dict[str, Any]:
-    """`status JOB --json`'s object: the status row and its times."""
-    return {**s.to_wire(), **times.to_wire(s, now)}
+    """`status JOB --json`'s object: the status row and its times. Every key is there whatever the
+    job (the wire leaves out a few while null, for older peers; a script reads `priority` of any job)."""
+    doc = {**s.to_wire(), **times.to_wire(s, now)}
+    doc.setdefault("priority", 0)
+    doc.setdefault("comm", None)
+    doc.setdefault("waiting", None)
+    return doc

@@ -16,6 +16,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def shown(text: str) -> str:
+    """Generated text for a terminal: lines and tabs as they are, any other control character
+    written as its escape (a model's sample may hold ESC, which a terminal would obey)."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def num(v: float | None, digits: int = 4) -> str | None:
     return None if v is None else f"{v:.{digits}f}"
 

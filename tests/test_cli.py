@@ -303,6 +303,7 @@ def test_json_on_every_command_with_times_and_state_filters(pool: LocalPool, ctl
     assert s["id"] == job_id and s["state"] == "succeeded" and s["steps"] == 12
     assert s["submitted"] <= s["started"] <= s["finished"] and s["eta_s"] is None
     assert s["elapsed_s"] == pytest.approx(s["finished"] - s["started"], abs=0.01) and s["elapsed_s"] > 0
+    assert s["priority"] == 0 and "comm" in s and s["waiting"] is None  # every key, whatever the job
     listed = {j["id"]: j for j in ctl_json(ctl, "status")}
     assert listed[job_id] == s
     assert job_id in [j["id"] for j in ctl_json(ctl, "status", "--state", "succeeded")]

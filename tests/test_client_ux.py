@@ -276,3 +276,12 @@ def test_a_short_demo_scales_its_warm_up_instead_of_being_refused() -> None:
     assert [demo_spec(n).train.warmup_steps for n in (2, 19, 100, 200, 1000)] == [0, 1, 10, 20, 20]
     assert [lm_spec(n).train.warmup_steps for n in (2, 30, 60, 600)] == [0, 2, 5, 5]
     assert demo_spec(None).train.steps == 200 and demo_spec(7).train.steps == 7
+
+
+def test_generated_text_reaches_the_terminal_with_its_control_characters_escaped() -> None:
+    """`dpctl samples` prints what a model generated: an ESC in it (a byte-level model makes any
+    byte) would be obeyed by the terminal. Lines, tabs and any other printable character stay."""
+    from dpool.client.tables import shown
+
+    assert shown("one\n\ttwo é ✓") == "one\n\ttwo é ✓"
+    assert shown("a\x1b[2Jb\x07c\x7f") == "a\\x1b[2Jb\\x07c\\x7f"
