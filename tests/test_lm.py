@@ -339,6 +339,11 @@ def test_a_row_the_template_cannot_render_or_with_a_lone_surrogate_is_named_by_i
     spec = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")}, "data": {"source": str(data)}})
     with pytest.raises(DataError, match=r"train\.jsonl:6: the tokenizer could not render it \(TemplateError: .*wizard"):
         load_lm_data(spec, load_tokenizer(assets / "llama"), [], tmp_path / "cache")
+    # With mask_prompt, the messages before the last are the prompt: one message alone has none.
+    (data / "train.jsonl").write_text("\n".join(good[:3]) + "\n" + '{"messages": [{"role": "user", "content": "hi"}]}\n')
+    masked = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")}, "data": {"source": str(data), "mask_prompt": True}})
+    with pytest.raises(DataError, match=r"train\.jsonl:4: data\.mask_prompt = true trains the last message .* one message only"):
+        load_lm_data(masked, load_tokenizer(assets / "llama"), [], tmp_path / "cache")
     (data / "train.jsonl").write_text('{"text": "fine"}\n{"text": "half \\ud800 a pair"}\n')
     with pytest.raises(DataError, match=r"train\.jsonl:2: holds '\\ud800', half of a UTF-16 surrogate pair"):
         read_jsonl(data / "train.jsonl")
@@ -434,3 +439,23 @@ def test_global_batches_cover_each_epoch_once_and_group_similar_lengths():
     shuffled = ExampleOrder(200, 8, seed=7)
     random_spread = np.mean([np.ptp(lengths[shuffled.indices(s, 0, 8)]) for s in range(1, 26)])
     assert spread < random_spread / 3, (spread, random_spread)
+
+
+def test_the_validation_loss_scores_whole_batches_as_mlx_lm_evaluates():
+    """mlx-lm's evaluate (iterate_batches) leaves out the last `len % batch_size` examples; scoring
+    them too gave another number than `mlx_lm lora --test` with the job's batch (6 of them at a
+    batch of 4: 5.97 against mlx-lm's 6.80 on a tiny gemma2)."""
+    from dpool.trainer.lm import scored_count
+
+    assert scored_count(6, 4, -1) == 4 and scored_count(12, 12, -1) == 12 and scored_count(30, 4, -1) == 28
+    assert scored_count(30, 4, 2) == 8 and scored_count(30, 4, 100) == 28
+    assert scored_count(3, 4, -1) == 3 and scored_count(3, 4, 1) == 3  # under one batch (mlx-lm refuses): all
+
+
+def test_examples_longer_than_the_context_are_trained_truncated_and_said_so(assets, env, tmp_path):
+    """As mlx-lm warns of sequences longer than max_seq_length, the trainer says how many of the
+    training examples it cuts to model.context, and the longest."""
+    job_file = job(assets, tmp_path, data="text", steps=1, every=1, eval_every=1, context=24, name="cut")
+    g = ring.run(job_file, str(tmp_path / "run"), 1, tmp_path / "logs", env=env)
+    (said,) = [json.loads(line) for line in g.output(0).splitlines() if '"data.truncated"' in line]
+    assert said["context"] == 24 and 0 < said["examples"] <= said["of"] == 48 and said["longest"] > 24, said

@@ -34,6 +34,17 @@ TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
+def scored_count(examples: int, batch: int, batches: int) -> int:
+    """How many of the held-out examples (in order) the validation loss scores, as mlx-lm's
+    `evaluate` does with this batch size: whole batches only (its iterate_batches leaves out the
+    last `examples % batch`), all of them (batches = -1) or the first `batches`. Fewer than one
+    batch (which mlx-lm refuses): all of them."""
+    if examples < batch:
+        return examples
+    whole = examples // batch
+    return batch * (whole if batches == -1 else min(whole, batches))
+
+
 class ModelError(ValueError):
     """The model directory, or the fine-tune asked of it, cannot be used (exit 2: a restart won't help)."""
 
@@ -138,6 +149,13 @@ class LMTask:
                 "data.untrainable", left_out=dropped, context=self.width_cap,
                 why="each prompt is as long as model.context (max_seq_length) with data.mask_prompt: nothing of its answer would be trained",
             )
+        longer = [len(t) for t in self.data.train.tokens if len(t) > self.width_cap]
+        if longer:
+            # As mlx-lm warns: each is trained on its first model.context tokens.
+            get_logger().warning(
+                "data.truncated", examples=len(longer), of=len(self.data.train), longest=max(longer), context=self.width_cap,
+                why="longer than model.context (max_seq_length): each is trained on its first model.context tokens",
+            )
         if len(self.data.train) < spec.train.global_batch:
             # Each step's batch would hold some examples twice or more; mlx-lm refuses it too.
             raise DataError(
@@ -146,7 +164,7 @@ class LMTask:
             )
         lengths = np.array([len(t) for t in self.data.train.tokens], dtype=np.int64)
         self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
-        self.val_count = len(self.data.val) if spec.eval.batches == -1 else min(len(self.data.val), spec.eval.batches * spec.train.global_batch)
+        self.val_count = scored_count(len(self.data.val), spec.train.global_batch, spec.eval.batches)
         self.fingerprints["data"] = self.data.fingerprint
 
     def _prepare(self, model: nn.Module) -> nn.Module:

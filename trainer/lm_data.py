@@ -177,6 +177,14 @@ def tokenize(
         try:
             tokens, offset = dataset.process(rows[i])
         except Exception as e:  # a template that raises on this example (e.g. a role it does not know)
+            if mask_prompt and fmt == "chat" and len(rows[i].get("messages") or ()) == 1:
+                # mlx-lm renders the messages before the last as the prompt: with one, none, which
+                # most templates refuse as "an empty conversation" without saying why.
+                raise DataError(
+                    f"{where}: data.mask_prompt = true trains the last message and renders those before it as the "
+                    f"prompt, and this conversation has one message only, which the chat template refuses "
+                    f"({type(e).__name__}: {one_line(e)}); give it the prompt (a user message) before the answer"
+                ) from None
             raise DataError(f"{where}: the tokenizer could not render it ({type(e).__name__}: {one_line(e)})") from None
         if len(tokens) < 2:
             raise DataError(f"{where}: fewer than 2 tokens")
