@@ -87,6 +87,8 @@ HEARTBEAT = m.CoordHeartbeat().to_frames()
 SCHEDULE_S = 0.05  # admission at most this often (a pass over 2,000 nodes costs ms, a batch of reports less), after what was read
 ALIVE_MARK_S = 1.0  # how often the store is told the coordinator lives (Store.mark_alive): a crash is dated to within this
 READ_LAG_S = 10.0  # a node's silence is judged at most this far behind the clock (Pool.tick's read_to)
+PAUSE_S = 1.0  # the coordinator woke this much later than it asked to: it was not running (stopped, starved)
+PAUSE_GRACE_S = 5.0  # then, for this long, silence is judged only up to when it stopped running
 AMBIGUOUS_SHOWN = 5  # ids named when a prefix matches several jobs
 STORED_ROWS = (TrainRow, EvalRow, TestLossRow, SampleRow, EventRow)  # read back by the store through from_wire: valid as read
 
@@ -128,6 +130,7 @@ class Coordinator:
         self.pool = Pool(heartbeat_s=heartbeat_s, liveness=liveness, stage_rate_bps=stage_rate_bps, heartbeat_rate=heartbeat_rate)
         self.period_said = heartbeat_s  # the pool's heartbeat period last logged (daemon/cadence.py)
         self.read_to = self.clock()  # when the socket's input was last read to its end (Pool.tick)
+        self.paused: tuple[float, float] | None = None  # (when it stopped running, until when silence is judged only up to then)
         self.alive_marked = -math.inf  # when Store.mark_alive was last written
         self.scheduled_at, self.to_schedule = 0.0, True  # admission's last run; whether it is due
         self.exports = ExportRelay()  # `dpctl export`: requests to nodes and chunks back, relayed
@@ -202,8 +205,11 @@ class Coordinator:
         try:
             while not stopping.is_set():
                 wake = min(next_tick, self.scheduled_at + SCHEDULE_S) if self.to_schedule else next_tick
-                timeout_ms = max(0, int((wake - self.clock()) * 1000))
-                if await sock.poll(timeout_ms):
+                asked = self.clock()
+                timeout_ms = max(0, int((wake - asked) * 1000))
+                readable = await sock.poll(timeout_ms)
+                self._woke(asked, timeout_ms / 1000)
+                if readable:
                     self.to_schedule = True  # what was read may admit or resize jobs
                     until = time.monotonic() + BATCH_S
                     if self.curve is not None:
@@ -242,10 +248,29 @@ class Coordinator:
         self.pool.wall_offset = self.wall() - now
         return now
 
+    def _woke(self, asked: float, timeout_s: float) -> None:
+        """After a poll: a wake-up far later than the poll's timeout means this process was not
+        running (SIGSTOP, a machine starved or swapping). Its nodes went on, and what they sent
+        meanwhile, through this dpd's own agent too, arrives over the next moments: until it has,
+        their silence is judged only up to when the coordinator stopped, or a pause of the
+        serving dpd became a stalled group and a restart (an 8 s SIGSTOP did)."""
+        now = self.clock()
+        late = now - asked - timeout_s
+        if late > PAUSE_S:
+            self.log.warning("coordinator.paused", seconds=round(late, 3))
+            self.paused = (asked, now + PAUSE_GRACE_S)
+
     def _tick(self, now: float) -> None:
         # Silence is judged up to when the input was last read to its end, at most READ_LAG_S back
-        # (a coordinator that far behind, under a flood, judges by the clock).
-        self._run(self.pool.tick(now, read_to=max(self.read_to, now - READ_LAG_S)))
+        # (a coordinator that far behind, under a flood, judges by the clock), and after a pause of
+        # its own only up to when it stopped, for a while.
+        read_to = max(self.read_to, now - READ_LAG_S)
+        if self.paused is not None:
+            if now < self.paused[1]:
+                read_to = min(read_to, self.paused[0])
+            else:
+                self.paused = None
+        self._run(self.pool.tick(now, read_to=read_to))
         if self.pool.live and now - self.alive_marked >= ALIVE_MARK_S:  # an idle pool writes nothing
             self.store.mark_alive(self.pool.wall(now))
             self.alive_marked = now

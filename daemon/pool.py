@@ -775,11 +775,12 @@ class Pool:
             if job.id in self.live:
                 actions += self._feed(job, js.Tick(), now)
             if job.id in self.live:
-                actions += self._check_progress(job, now)
+                actions += self._check_progress(job, heard)
         return actions
 
     def _check_progress(self, job: Job, now: float) -> list[Action]:
-        """RUNNING (or checkpointing on request): a step must complete before the watch's deadline."""
+        """RUNNING (or checkpointing on request): a step must complete before the watch's deadline
+        (`now`: up to when the coordinator has heard what was sent, as for heartbeats)."""
         watch, plan, jm = job.watch, job.plan, job.machine
         if watch is None or plan is None or not jm.live or job.reconcile_by is not None:
             return []
