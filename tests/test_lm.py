@@ -370,6 +370,12 @@ def test_without_valid_jsonl_examples_are_held_out_by_a_seeded_hash(assets, tmp_
     assert [t.tolist() for t in a.val.tokens] == [t.tolist() for t in again.val.tokens]
     assert [t.tolist() for t in a.val.tokens] != [t.tolist() for t in other.val.tokens]
     assert all(0 < o < len(t) for t, o in zip(a.train.tokens, a.train.offsets, strict=True)), "prompts are masked"
+    # A fraction too small for the examples still holds one out (20 at 0.05 held out none: refused).
+    (data / "train.jsonl").write_text("\n".join((assets / "chat" / "train.jsonl").read_text().splitlines()[:6]) + "\n")
+    few = parse_job({"name": "s", "model": {"kind": "mlx_lm", "path": str(assets / "llama")},
+                     "data": {"source": str(data), "val_fraction": 0.01}, "train": {"seed": 1}})
+    small = load_lm_data(few, tokenizer, [], tmp_path / "cache-few")
+    assert (len(small.train), len(small.val)) == (5, 1)
 
 
 def test_examples_with_nothing_to_train_within_the_context_are_left_out_or_refused(assets, tmp_path):

@@ -31,7 +31,7 @@ import numpy as np
 
 from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, data_location
-from dpool.trainer.data import DataError, is_validation
+from dpool.trainer.data import DataError, is_validation, split_score
 
 CACHE_FORMAT = 2  # 2: a test.jsonl beside the data is read too
 FORMATS = {
@@ -332,6 +332,11 @@ def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_di
     else:
         # Held out by a seeded hash of the line, never by position.
         held = [is_validation(f"train.jsonl:{lineno}", spec.train.seed, spec.data.val_fraction) for lineno, _ in rows]
+        if not any(held) and spec.data.val_fraction > 0 and len(rows) >= 2:
+            # A fraction too small for so few examples still holds one out: the one the seeded
+            # hash ranks first (20 examples at 0.05 held out none, and the job was refused).
+            first = min(range(len(rows)), key=lambda i: split_score(f"train.jsonl:{rows[i][0]}", spec.train.seed))
+            held[first] = True
         train_pairs = [p for p, h in zip(pairs, held, strict=True) if not h]
         val_pairs = [p for p, h in zip(pairs, held, strict=True) if h]
     if not train_pairs:
