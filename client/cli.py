@@ -854,6 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json and not getattr(args, "takes_json", False):
         print(f"dpctl {args.command}: --json does not apply here", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if isinstance(job := getattr(args, "job", None), str) and not job.strip():
+        said = "the job file's path is empty" if args.command in ("submit", "convert") else "JOB is empty; give a job id or name (`dpctl status` lists them)"
+        print(f"dpctl {args.command}: {said}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     if getattr(args, "local_fn", None):
         return _handled(lambda: args.local_fn(args))  # needs no pool (keys, demo, completion; dashboard: its own)
     try:
@@ -866,7 +870,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpctl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeysError as e:
-        print(f"dpctl: --keys: {e}", file=sys.stderr)
+        given = "--keys" if args.keys is not None else "$DPOOL_KEYS" if os.environ.get("DPOOL_KEYS") else f"keys in {DEFAULT_CONFIG}"
+        print(f"dpctl: {given}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
     def run() -> int:

@@ -285,3 +285,15 @@ def test_generated_text_reaches_the_terminal_with_its_control_characters_escaped
 
     assert shown("one\n\ttwo é ✓") == "one\n\ttwo é ✓"
     assert shown("a\x1b[2Jb\x07c\x7f") == "a\\x1b[2Jb\\x07c\\x7f"
+
+
+def test_an_empty_job_is_refused_before_the_pool_is_asked() -> None:
+    """`dpctl status ""` listed every job, where every other command refused it; no coordinator
+    is reached for it (this address answers nothing)."""
+    import subprocess
+    import sys
+
+    for args, said in ((["status", ""], "JOB is empty"), (["logs", " "], "JOB is empty"), (["submit", ""], "the job file's path is empty")):
+        r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", "tcp://127.0.0.1:9", "--timeout", "1", *args],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and said in r.stderr and not r.stdout, (args, r.stderr)
