@@ -259,6 +259,11 @@ def comm_forecast(c: Client | None, a: argparse.Namespace, spec: JobSpec, *, dry
 
     def ask(client: Client) -> client_comm.Forecast | None:
         nodes = client.call(m.Nodes(), m.NodesReply).nodes
+        slots = sum(n.slots for n in nodes if n.state not in ("lost", "draining"))
+        if slots < spec.workers.min:
+            # Not an error (machines may join), but not what a user who waits for it expects either.
+            print(f"note: workers.min = {spec.workers.min} is more than the {slots} worker slot(s) of the pool's "
+                  f"{sum(n.state not in ('lost', 'draining') for n in nodes)} serving node(s): the job waits until enough join", file=sys.stderr)
         return client_comm.forecast(spec, nodes, client.call(m.Status(), m.StatusReply).jobs)
 
     try:
@@ -276,7 +281,10 @@ def comm_forecast(c: Client | None, a: argparse.Namespace, spec: JobSpec, *, dry
         return
     if found is None:
         if dry_run:
-            print("note: no communication prediction: the model's trainable parameters are not known here (model.path is not a folder on this machine)", file=sys.stderr)
+            print(
+                f"note: no communication prediction: the model's trainable parameters are not known here (model.path = {spec.model.path!r} "
+                "is no folder on this machine, or its config.json and weights cannot be read here; each node checks its own)", file=sys.stderr,
+            )
         return
     if dry_run:
         for line in found.lines():

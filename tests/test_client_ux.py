@@ -297,3 +297,18 @@ def test_an_empty_job_is_refused_before_the_pool_is_asked() -> None:
         r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", "tcp://127.0.0.1:9", "--timeout", "1", *args],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr and not r.stdout, (args, r.stderr)
+
+
+def test_a_submit_that_no_pool_of_today_can_start_says_so_and_queues(coordinator, tmp_path) -> None:
+    """A job whose workers.min is more than the pool's slots waits for machines to join: submit
+    queues it (not an error) and says so, where it said nothing and the job just sat there."""
+    import subprocess
+    import sys
+
+    from jobs import write_job
+
+    job = write_job(tmp_path, "toobig", workers={"min": 3, "max": 3})
+    r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", coordinator.addr, "submit", str(job)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip().startswith("toobig-"), r.stderr
+    assert "workers.min = 3 is more than the 0 worker slot(s) of the pool's 0 serving node(s)" in r.stderr, r.stderr
