@@ -94,6 +94,17 @@ class Settings:
     keys_dir: Path | None = None  # the key directory (the dashboard's keys come from there)
 
 
+def _lines(text: str) -> int:
+    """`dpd logs -n`: a count of lines, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of lines, 0 or more") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n}: expected a number of lines, 0 or more")
+    return n
+
+
 def default_state_dir() -> Path:
     if sys.platform == "darwin":
         return Path("~/Library/Application Support/dpool").expanduser()
@@ -432,7 +443,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     status.add_argument("--json", action="store_true", help="one JSON object on stdout")
     logs = sub.add_parser("logs", help="the installed service's log (its --log-file, ~/Library/Logs/dpool/dpd.log, or the journal)")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
-    logs.add_argument("-n", "--lines", type=int, default=100, help="the last lines to show (default 100)")
+    logs.add_argument("-n", "--lines", type=_lines, default=100, help="the last lines to show (default 100)")
     sub.add_parser("restart", help="stop the installed service (SIGTERM: trainers checkpoint and stop) and start it again")
     cachecmd.add_parser(sub, default_state_dir())
     args = parser.parse_args(argv)

@@ -588,7 +588,7 @@ def logs(where: Installed, execute: Execute, *, lines: int = LOG_LINES, follow: 
 
 def restart(where: Installed, run: Runner, *, out: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> int:
     if not where.path.exists():
-        out(f"dpd: not installed ({where.path} does not exist); `dpd install ...` writes and starts it")
+        print(f"dpd: not installed ({where.path} does not exist); `dpd install ...` writes and starts it", file=sys.stderr)
         return 1
     if where.launchd:
         cmds = launchd_restart(where, run, sleep)
@@ -597,7 +597,7 @@ def restart(where: Installed, run: Runner, *, out: Callable[[str], None] = print
     for cmd in cmds:
         r = run(cmd)
         if r.returncode != 0:
-            out(f"dpd: `{' '.join(cmd)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}")
+            print(f"dpd: `{' '.join(cmd)}` failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()}", file=sys.stderr)
             return 1
     after = query(where, run)
     out(f"restarted dpd ({where.kind})" + (f": pid {after.pid}" if after.running else f": {after.state}"))

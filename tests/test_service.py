@@ -474,7 +474,7 @@ def test_restart_stops_an_agent_with_sigterm_waits_and_kicks_it_off(fake, capsys
     assert cli.main(["restart"]) == 1  # not loaded: bootstrapped (RunAtLoad starts it), which failed here
     plist = str(fake.home / "Library" / "LaunchAgents" / "org.dpool.dpd.plist")
     assert fake.recorder.calls == [["launchctl", "print", target], ["launchctl", "bootstrap", "gui/501", plist]]
-    assert "launchctl bootstrap gui/501" in capsys.readouterr().out
+    assert "launchctl bootstrap gui/501" in capsys.readouterr().err  # a failure goes to stderr
 
 
 def test_restart_of_a_unit_is_systemctl_restart(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
@@ -599,3 +599,11 @@ def test_out_of_range_flags_are_refused_with_exit_2_and_one_line(tmp_path: Path,
                            capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(tmp_path)})
         assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, (command, r.stderr)
         assert r.stdout == ""
+
+
+def test_dpd_logs_takes_a_count_of_lines_not_a_negative_one() -> None:
+    from dpool.daemon import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["logs", "-n", "-5"])
+    assert e.value.code == 2
