@@ -437,6 +437,8 @@ def quantize(src: Path, dst: Path, bits: int = 4, group_size: int = 32) -> Path:
 
     config = json.loads((Path(src) / "config.json").read_text())
     for key in ("hidden_size", "intermediate_size"):
+        if not isinstance(config.get(key), int):
+            continue  # another architecture's names (gpt2's n_embd): mlx-lm's converter checks its own
         if config[key] % group_size:
             raise ValueError(
                 f"group_size={group_size}: {key}={config[key]} in {src}/config.json is not a "
