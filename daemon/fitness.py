@@ -66,6 +66,7 @@ class Fit:
     rate: float = 0.0
     started: float = 0.0  # when it began fetching (its place in the chain)
     fetch_failed: bool = False  # UNFIT from STAGING: its fetch failed; asked again when the content's holders change
+    told: bool = False  # STAGING: its `node.staging` event is recorded (once the bytes to fetch are known)
 
 
 @dataclass(slots=True)
@@ -229,6 +230,7 @@ class Fitness:
             return actions
         fit = Fit(state, now if old is None or old.state is not state else old.since, msg.reason, msg.done_bytes, msg.total_bytes, msg.rate_bps)
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
+        fit.told = state is FitState.STAGING and old is not None and old.state is FitState.STAGING and old.told
         fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
         if state is FitState.READY and old is not None and old.state is FitState.STAGING and not fit.rate and now > fit.started > 0:
             fit.rate = msg.total_bytes / (now - fit.started)  # a fetch done: its row shows the pace it kept, not 0
@@ -246,9 +248,12 @@ class Fitness:
             # STAGING -> READY: it fetched what it lacked (`total_bytes`: how much)
             actions.append(Record(msg.job, "node.staged", now, {"node": node, "bytes": msg.total_bytes, "seconds": round(now - old.started, 3) if old.started else None}))
         elif state is FitState.STAGING and (old is None or old.state is not FitState.STAGING):
-            actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))
             # its place in the chain is known now: it (and any fetcher behind it) gets its sources
             actions += self._resend(set(digests(spec)), exclude="")
+        if state is FitState.STAGING and not fit.told and msg.total_bytes > 0:
+            # Said once the fetch knows its size (its first answer comes before the manifest: 0 bytes).
+            fit.told = True
+            actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))
         return actions
 
     def unfit(self, now: float, job_id: str, node: str, reason: str) -> list[Record]:

@@ -1512,3 +1512,17 @@ def test_an_upload_goes_to_a_node_with_a_data_channel_and_another_when_that_one_
     assert pool.fitness.offer([digest], ["a", "b"], exclude=["a", "b"]).target == ""
     pool.from_node(0.2, "b", NodeStaged(job="*", state="ready", endpoint="tcp://b:1", holds=[digest]))
     assert pool.fitness.offer([digest], ["a", "b"]).held == [digest]  # nothing to send
+
+
+def test_node_staging_says_the_bytes_to_fetch_once_the_fetch_knows_them() -> None:
+    """A node's first "staging" answer comes before its fetch has read the content's manifest (0
+    bytes): the event waits for the first answer with the size, and is recorded once."""
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    digest = "e" * 64
+    pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
+    staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
+    assert records(staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400"), "node.staging") == []
+    assert records(staged(pool, 0.7, "b", "staging", total_bytes=600, done_bytes=100), "node.staging") == [{"node": "b", "bytes": 500}]
+    assert records(staged(pool, 1.2, "b", "staging", total_bytes=600, done_bytes=300), "node.staging") == []
