@@ -878,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpctl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeysError as e:
-        given = "--keys" if args.keys is not None else "$DPOOL_KEYS" if os.environ.get("DPOOL_KEYS") else f"keys in {DEFAULT_CONFIG}"
+        given = "--keys" if args.keys else "$DPOOL_KEYS" if os.environ.get("DPOOL_KEYS") else f"keys in {DEFAULT_CONFIG}"
         print(f"dpctl: {given}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

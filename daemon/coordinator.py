@@ -201,14 +201,13 @@ class Coordinator:
             self.bind()
         sock, raw = self.sock, self.raw
         assert sock is not None and raw is not None
-        next_tick = self.clock()
+        next_tick = ran_at = self.clock()
         try:
             while not stopping.is_set():
                 wake = min(next_tick, self.scheduled_at + SCHEDULE_S) if self.to_schedule else next_tick
-                asked = self.clock()
-                timeout_ms = max(0, int((wake - asked) * 1000))
+                timeout_ms = max(0, int((wake - self.clock()) * 1000))
                 readable = await sock.poll(timeout_ms)
-                self._woke(asked, timeout_ms / 1000)
+                self._woke(ran_at, timeout_ms / 1000)
                 if readable:
                     self.to_schedule = True  # what was read may admit or resize jobs
                     until = time.monotonic() + BATCH_S
@@ -233,6 +232,7 @@ class Coordinator:
                     self.scheduled_at, self.to_schedule = now, False
                     self._unit("schedule", lambda: self._run(self.pool.schedule(self._now())))
                 self._commit_and_send()
+                ran_at = self.clock()  # the loop's work is done: from here it waits (a pause is measured from here)
         finally:
             self.store.close()
             if self.peers is not None:
@@ -249,7 +249,8 @@ class Coordinator:
         return now
 
     def _woke(self, asked: float, timeout_s: float) -> None:
-        """After a poll: a wake-up far later than the poll's timeout means this process was not
+        """After a poll: a wake-up far later than the poll's timeout (counted from the end of the
+        loop's last work, `asked`: the work itself takes little) means this process was not
         running (SIGSTOP, a machine starved or swapping). Its nodes went on, and what they sent
         meanwhile, through this dpd's own agent too, arrives over the next moments: until it has,
         their silence is judged only up to when the coordinator stopped, or a pause of the

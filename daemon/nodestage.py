@@ -195,7 +195,11 @@ class NodeStaging:
         if got is None:
             return None
         for key, digest in got.digests:
-            folder, problem = await asyncio.to_thread(self.cache.check, digest)
+            try:
+                folder, problem = await asyncio.to_thread(self.cache.check, digest)
+            except Exception as e:  # a full or failing disk: this job on this node, never the daemon
+                self.log.exception("job.recheck_failed", job=job, key=key)
+                folder, problem = None, f"cannot check it: {e}"
             if folder is not None:
                 continue
             why = problem or "no longer held here"

@@ -465,3 +465,30 @@ def test_examples_longer_than_the_context_are_trained_truncated_and_said_so(asse
     g = ring.run(job_file, str(tmp_path / "run"), 1, tmp_path / "logs", env=env)
     (said,) = [json.loads(line) for line in g.output(0).splitlines() if '"data.truncated"' in line]
     assert said["context"] == 24 and 0 < said["examples"] <= said["of"] == 48 and said["longest"] > 24, said
+
+
+def test_a_test_jsonl_added_under_a_run_does_not_refuse_its_resume_but_edited_training_data_does(assets, env, tmp_path):
+    """The resume compares what the checkpoint trained on (train and validation examples), not
+    the test split `dpctl test` scores, which a user may add at any time."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(assets / "chat", data)
+    job_file = job(assets, tmp_path, steps=4, every=2, eval_every=2, name="addtest")
+    text = job_file.read_text().replace(str(assets / "chat"), str(data))
+    job_file.write_text(text)
+    run_dir = tmp_path / "run"
+    ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    shutil.rmtree(run_dir / "checkpoints" / "step-4")
+    (data / "test.jsonl").write_text((data / "valid.jsonl").read_text())
+    g = ring.run(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    assert '"resume_step":2' in g.output(0)
+    shutil.rmtree(run_dir / "checkpoints" / "step-4")
+    lines = (data / "train.jsonl").read_text().splitlines()
+    (data / "train.jsonl").write_text("\n".join(lines[1:] + lines[:1]) + "\n")
+    refused = ring.start(job_file, str(run_dir), 1, tmp_path / "logs", env=env)
+    try:
+        assert refused.wait(120) == [2]
+    finally:
+        refused.kill()
+    assert "not the ones the checkpoint of step 2 was trained on" in refused.output(0)

@@ -1526,3 +1526,15 @@ def test_node_staging_says_the_bytes_to_fetch_once_the_fetch_knows_them() -> Non
     assert records(staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400"), "node.staging") == []
     assert records(staged(pool, 0.7, "b", "staging", total_bytes=600, done_bytes=100), "node.staging") == [{"node": "b", "bytes": 500}]
     assert records(staged(pool, 1.2, "b", "staging", total_bytes=600, done_bytes=300), "node.staging") == []
+
+
+def test_a_fetch_done_before_it_reported_a_size_still_says_node_staging() -> None:
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    digest = "f" * 64
+    pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
+    staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
+    staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400")
+    out = staged(pool, 0.4, "b", "ready", total_bytes=600, done_bytes=600, holds=[digest])
+    assert records(out, "node.staging") == [{"node": "b", "bytes": 600}] and [r["node"] for r in records(out, "node.staged")] == ["b"]

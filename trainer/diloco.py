@@ -353,9 +353,10 @@ def train(
         evaluate(0)
     else:
         ended = rounds.ending(start)  # the outer step the checkpoint resumed ended
+        by_hand = link is None  # under a daemon the pool's record guards the rows (trainer/loop.py)
         redo_eval, redo_sample = metrics.unwritten(
-            group, start, any(s % spec.eval.every_steps == 0 for s in ended) or start == t.steps,
-            any(s % spec.eval.sample_every_steps == 0 for s in ended) or start == t.steps,
+            group, start, by_hand and (any(s % spec.eval.every_steps == 0 for s in ended) or start == t.steps),
+            by_hand and (any(s % spec.eval.sample_every_steps == 0 for s in ended) or start == t.steps),
         )
         if redo_eval:
             evaluate(start)

@@ -166,6 +166,7 @@ class LMTask:
         self.order = ExampleOrder(len(lengths), spec.train.global_batch, spec.train.seed, lengths)
         self.val_count = scored_count(len(self.data.val), spec.train.global_batch, spec.eval.batches)
         self.fingerprints["data"] = self.data.fingerprint
+        self.fingerprints["test"] = self.data.test_fingerprint  # every rank has the key: one broadcast each (0: no test.jsonl)
 
     def _prepare(self, model: nn.Module) -> nn.Module:
         """Freeze the base; unfreeze what `fine_tune` trains. The adapters' initial values come from

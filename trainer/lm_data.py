@@ -33,7 +33,7 @@ from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, data_location
 from dpool.trainer.data import DataError, is_validation, split_score
 
-CACHE_FORMAT = 2  # 2: a test.jsonl beside the data is read too
+CACHE_FORMAT = 3  # 2: a test.jsonl beside the data is read too; 3: the test split fingerprinted apart
 FORMATS = {
     "completions": "{\"prompt\", \"completion\"}",
     "chat": "{\"messages\"}",
@@ -206,9 +206,10 @@ class LMData:
     train: Split
     val: Split
     formats: dict[str, str]  # file name (or Hugging Face dataset and split) -> format
-    fingerprint: int
+    fingerprint: int  # of the trained and validation examples
     key: str
     test: Split | None = None  # the test examples, where the data has them
+    test_fingerprint: int = 0  # of the test examples (0: none)
 
 
 def trainable(data: LMData, width: int, source: str) -> tuple[LMData, dict[str, int]]:
@@ -288,7 +289,7 @@ def cached(cache_dir: Path, key: str) -> LMData | None:
         return None
     try:
         splits, meta = _load(path)
-        return LMData(splits["train"], splits["val"], meta["formats"], int(meta["fingerprint"]), key, splits.get("test"))
+        return LMData(splits["train"], splits["val"], meta["formats"], int(meta["fingerprint"]), key, splits.get("test"), int(meta["test_fingerprint"]))
     except (OSError, ValueError, KeyError):
         return None  # rebuilt
 
@@ -296,17 +297,21 @@ def cached(cache_dir: Path, key: str) -> LMData | None:
 def finish(cache_dir: Path, key: str, splits: dict[str, list[tuple[list[int], int]]], formats: dict[str, str]) -> LMData:
     """The tokenized examples as arrays, fingerprinted (every rank must hold the same) and cached."""
     out = {name: _split(pairs) for name, pairs in splits.items()}
+    # Apart: a test.jsonl added or edited under a run changes what `dpctl test` scores, not what
+    # the checkpoints were trained on (a resume compares the first, trainer/restore.py).
+    fingerprint, test_fingerprint = _fingerprint(out, ("train", "val")), _fingerprint(out, ("test",)) if "test" in out else 0
+    _save(Path(cache_dir) / f"lm-examples-{key}.npz", out, {"formats": formats, "fingerprint": fingerprint, "test_fingerprint": test_fingerprint})
+    return LMData(out["train"], out["val"], formats, fingerprint, key, out.get("test"), test_fingerprint)
+
+
+def _fingerprint(out: dict[str, Split], names: tuple[str, ...]) -> int:
     h = hashlib.sha256()
-    for name in ("train", "val", "test"):
-        if name not in out:
-            continue
+    for name in names:
         for t in out[name].tokens:
             h.update(t.tobytes())
             h.update(b"|")
         h.update(out[name].offsets.tobytes())
-    fingerprint = int.from_bytes(h.digest()[:7], "little")
-    _save(Path(cache_dir) / f"lm-examples-{key}.npz", out, {"formats": formats, "fingerprint": fingerprint})
-    return LMData(out["train"], out["val"], formats, fingerprint, key, out.get("test"))
+    return int.from_bytes(h.digest()[:7], "little")
 
 
 def load_lm_data(spec: JobSpec, tokenizer, tokenizer_files: list[Path], cache_dir: Path) -> LMData:

@@ -288,8 +288,12 @@ def run(
     if start == 0:
         evaluate(0)
     else:
+        # By hand only: under a daemon rank 0's files may be another slot's, and the pool's own
+        # record (resume_max) keeps a resume from passing what it has not recorded.
+        by_hand = link is None
         redo_eval, redo_sample = metrics.unwritten(
-            group, start, start % spec.eval.every_steps == 0 or start == t.steps, start % spec.eval.sample_every_steps == 0 or start == t.steps,
+            group, start, by_hand and (start % spec.eval.every_steps == 0 or start == t.steps),
+            by_hand and (start % spec.eval.sample_every_steps == 0 or start == t.steps),
         )
         if redo_eval:
             evaluate(start)

@@ -79,7 +79,7 @@ def restore(
     if mine != step:
         found_in = None
     if step > 0 and fingerprints:
-        _check_same_input(spec, group, root, found_in, step, fingerprints, log)
+        _check_same_input(spec, group, root, run_dir, found_in, step, fingerprints, log)
     # Above the resume step lies a timeline that is not resumed (a damaged newer checkpoint, or
     # ones this rank wrote in a group that went on without the others): gone before anything is
     # written, so pruning keeps what this run writes and the pool never sees them as holdings.
@@ -134,14 +134,14 @@ def restore(
 
 
 def _check_same_input(
-    spec: JobSpec, group: Group, root: int, found_in: Path | None, step: int, fingerprints: dict[str, int], log,
+    spec: JobSpec, group: Group, root: int, run_dir: Path, found_in: Path | None, step: int, fingerprints: dict[str, int], log,
 ) -> None:
     """The checkpoint resumed was trained on the data and model this run reads (its manifest's
     fingerprints, checked by the rank that reads it: every rank holds rank 0's). By hand, files
     changed since refuse the resume (exit 2) rather than go on from a state of other data, as a
     checkpoint of another job file is refused; under a daemon the pool stages the job's files by
     content, and a difference (a tokenizer of another library version) is logged."""
-    names = sorted(fingerprints)
+    names = sorted(k for k in fingerprints if k != "test")  # what was trained on (every rank holds the same keys)
     changed = 0  # 1 + the index of the first that differs
     if group.rank == root and found_in is not None:
         recorded = (ckpt.read_manifest(found_in, step) or {}).get("fingerprints")
@@ -157,7 +157,7 @@ def _check_same_input(
         return
     raise ckpt.CheckpointMismatch(
         f"{key} = {source!r}: these files are not the ones the checkpoint of step {step} was trained on "
-        f"({ckpt.checkpoint_root(found_in or Path('.'))}); nothing was changed. Put the files back to resume, or train "
+        f"({ckpt.checkpoint_root(found_in or run_dir)}); nothing was changed. Put the files back to resume, or train "
         "from step 0 in another --run-dir"
     )
 

@@ -35,6 +35,8 @@ def source_named(spec: JobSpec, what: str) -> tuple[str, str]:
         return "data.hf_dataset", ", ".join(d.path for d in spec.data.hf_dataset)
     if what == "data":
         return "data.source", spec.data.source
+    if what == "test":
+        return "data.source (its test.jsonl)", spec.data.source
     if what == "adapters":
         return "model.adapters", str(spec.model.adapters)
     return "model.path", str(spec.model.path)
