@@ -76,10 +76,11 @@ def test_three_daemons_train_a_job_like_the_trainer_alone(local_pool: LocalPool,
     for name in ("n0", "n1", "n2"):
         assert list((tmp_path / f"state-{name}" / "jobs" / job_id).glob("slot-0/checkpoints/step-20/manifest.json"))
     status = pool.dpctl_json("status", job_id)
-    assert set(status) - {"comm"} == {  # "comm": what comm_share was predicted from, once the group reported its probe
+    assert set(status) == {  # every key whatever the job ("comm": what comm_share was predicted from, null before a probe)
         "id", "name", "state", "step", "steps", "generation", "world_size", "workers", "checkpoint_step", "loss", "val_loss", "error",
-        "submitted", "started", "finished", "elapsed_s", "eta_s", "staging", "comm_share", "test_loss",
+        "submitted", "started", "finished", "elapsed_s", "eta_s", "staging", "comm_share", "comm", "test_loss", "priority", "waiting",
     }
+    assert status["priority"] == 0 and status["waiting"] is None
     assert status["test_loss"] is None  # no [eval] test in this job
     assert status["comm_share"] is None  # a finished job has no running group to predict for
     assert status["submitted"] <= status["started"] <= status["finished"] and status["eta_s"] is None
