@@ -1514,27 +1514,27 @@ def test_an_upload_goes_to_a_node_with_a_data_channel_and_another_when_that_one_
     assert pool.fitness.offer([digest], ["a", "b"]).held == [digest]  # nothing to send
 
 
-def test_node_staging_says_the_bytes_to_fetch_once_the_fetch_knows_them() -> None:
-    """A node's first "staging" answer comes before its fetch has read the content's manifest (0
-    bytes): the event waits for the first answer with the size, and is recorded once."""
+def b_begins_a_fetch_of_what_a_holds() -> tuple[Driven, str, list[Any]]:
+    """Nodes a and b, job "j" naming content a holds; b's first "staging" answer, before its fetch
+    has read the content's manifest (0 bytes), and what it returned."""
     pool = Driven()
     for n in "ab":
         join(pool, n, 1)
     digest = "e" * 64
     pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
     staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
-    assert records(staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400"), "node.staging") == []
+    return pool, digest, staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400")
+
+
+def test_node_staging_says_the_bytes_to_fetch_once_the_fetch_knows_them() -> None:
+    """The event waits for the first answer with the size, and is recorded once."""
+    pool, _, first = b_begins_a_fetch_of_what_a_holds()
+    assert records(first, "node.staging") == []
     assert records(staged(pool, 0.7, "b", "staging", total_bytes=600, done_bytes=100), "node.staging") == [{"node": "b", "bytes": 500}]
     assert records(staged(pool, 1.2, "b", "staging", total_bytes=600, done_bytes=300), "node.staging") == []
 
 
 def test_a_fetch_done_before_it_reported_a_size_still_says_node_staging() -> None:
-    pool = Driven()
-    for n in "ab":
-        join(pool, n, 1)
-    digest = "f" * 64
-    pool.submit(0.0, "j", parse_job({**files_spec().to_dict(), "content": {"data": digest}}))
-    staged(pool, 0.1, "a", "ready", holds=[digest], endpoint="tcp://10.0.0.1:7400")
-    staged(pool, 0.2, "b", "staging", endpoint="tcp://10.0.0.2:7400")
+    pool, digest, _ = b_begins_a_fetch_of_what_a_holds()
     out = staged(pool, 0.4, "b", "ready", total_bytes=600, done_bytes=600, holds=[digest])
     assert records(out, "node.staging") == [{"node": "b", "bytes": 600}] and [r["node"] for r in records(out, "node.staged")] == ["b"]

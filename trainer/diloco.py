@@ -343,25 +343,10 @@ def train(
             if auto:
                 auto.observe_checkpoint(gather_s + cpu * group.crowding())
 
-    def sample(step: int) -> None:
-        row = {"step": step, "text": task.sample(step)}
-        metrics.append(metrics.samples, row)
-        if link:
-            link.sample(row)
-
     if start == 0:
         evaluate(0)
     else:
-        ended = rounds.ending(start)  # the outer step the checkpoint resumed ended
-        by_hand = link is None  # under a daemon the pool's record guards the rows (trainer/loop.py)
-        redo_eval, redo_sample = metrics.unwritten(
-            group, start, by_hand and (any(s % spec.eval.every_steps == 0 for s in ended) or start == t.steps),
-            by_hand and (any(s % spec.eval.sample_every_steps == 0 for s in ended) or start == t.steps),
-        )
-        if redo_eval:
-            evaluate(start)
-        if redo_sample and rank == 0:
-            sample(start)
+        metrics.catch_up(group, spec, start, rounds.ending(start), link, evaluate, task)  # the outer step that ended there
     stopped = False
     for steps in rounds.after(start, t.steps):
         mine = ranges[rank]
@@ -447,7 +432,7 @@ def train(
         if any(s % spec.eval.every_steps == 0 for s in steps) or last == t.steps:
             evaluate(last)
         if rank == 0 and (any(s % spec.eval.sample_every_steps == 0 for s in steps) or last == t.steps):
-            sample(last)
+            metrics.sample(last, task.sample(last), link)
         report(writer.completed())
         # Balance: replicas follow the ranks' measured speed, from the next outer step on. A
         # replica that changes hands takes its inner state along (gathered from its old owner).

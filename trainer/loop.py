@@ -279,26 +279,10 @@ def run(
             overhead=round(cost / (auto.interval * step_s), 4) if step_s else None,
         )
 
-    def sample(step: int) -> None:
-        row = {"step": step, "text": task.sample(step)}
-        metrics.append(metrics.samples, row)
-        if link:
-            link.sample(row)
-
     if start == 0:
         evaluate(0)
     else:
-        # By hand only: under a daemon rank 0's files may be another slot's, and the pool's own
-        # record (resume_max) keeps a resume from passing what it has not recorded.
-        by_hand = link is None
-        redo_eval, redo_sample = metrics.unwritten(
-            group, start, by_hand and (start % spec.eval.every_steps == 0 or start == t.steps),
-            by_hand and (start % spec.eval.sample_every_steps == 0 or start == t.steps),
-        )
-        if redo_eval:
-            evaluate(start)
-        if redo_sample and rank == 0:
-            sample(start)
+        metrics.catch_up(group, spec, start, (start,), link, evaluate, task)
     stopped = False
     last = time.perf_counter()
     for step in range(start + 1, t.steps + 1):
@@ -351,7 +335,7 @@ def run(
         if step % spec.eval.every_steps == 0 or step == t.steps:
             evaluate(step)
         if rank == 0 and (step % spec.eval.sample_every_steps == 0 or step == t.steps):
-            sample(step)
+            metrics.sample(step, task.sample(step), link)
         report_checkpoints(writer.completed())
         if kept is not None:
             report_kept(kept.completed())

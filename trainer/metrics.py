@@ -50,6 +50,27 @@ class MetricsLog:
             if self.report is not None and path == self.metrics:
                 self.report.row(row, **report)
 
+    def sample(self, step: int, text: str, link: Any) -> None:
+        """Rank 0's generated sample of `step`: to samples.jsonl, and to the daemon (`link`) if any."""
+        row = {"step": step, "text": text}
+        self.append(self.samples, row)
+        if link:
+            link.sample(row)
+
+    def catch_up(self, group: Any, spec: Any, start: int, ended: Any, link: Any, evaluate: Any, task: Any) -> None:
+        """At a resume from `start` (> 0), by hand: the evaluation and sample due at the step (or
+        outer step: the global steps `ended`) that ended there, when the files lack them. Under a
+        daemon rank 0's files may be another slot's, and the pool's own record (resume_max) keeps
+        a resume from passing what it has not recorded."""
+        by_hand, final = link is None, start == spec.train.steps
+        due_eval = by_hand and (final or any(s % spec.eval.every_steps == 0 for s in ended))
+        due_sample = by_hand and (final or any(s % spec.eval.sample_every_steps == 0 for s in ended))
+        redo_eval, redo_sample = self.unwritten(group, start, due_eval, due_sample)
+        if redo_eval:
+            evaluate(start)
+        if redo_sample and group.rank == 0:
+            self.sample(start, task.sample(start), link)
+
     def unwritten(self, group: Any, step: int, eval_due: bool, sample_due: bool) -> tuple[bool, bool]:
         """At a resume from `step`: whether its evaluation and its sample, due at that step, are
         not in the files. A run stopped after it handed that step's checkpoint to its writer and
