@@ -96,7 +96,7 @@ def pairs_for(nodes: list[str], clients: list[str], viewers: list[str] = []) -> 
     out = [Pair("coordinator"), Pair("client")]
     for role, names in (("node", nodes), ("client", clients), ("viewer", viewers)):
         out += [Pair(role, check_name(f"--{role}", n)) for n in names]
-    return out
+    return list(dict.fromkeys(out))  # a name given twice is one pair
 
 
 def _write_public(source: Path, dest: Path) -> None:

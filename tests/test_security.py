@@ -106,6 +106,13 @@ def test_keys_init_refuses_to_overwrite_without_force_and_adds_missing_pairs(tmp
     assert keys_init(d, "--node", "Bad Name").returncode == 2
 
 
+def test_keys_init_makes_a_name_given_twice_once(tmp_path: Path) -> None:
+    d = tmp_path / "keys"
+    r = keys_init(d, "--node", "mac1", "--node", "mac1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count(f"{d / 'node-mac1.key_secret'}\n") == 1, r.stdout
+
+
 def test_keys_add_node_and_add_client_issue_one_more_key(tmp_path: Path) -> None:
     d = tmp_path / "keys"
     assert keys_init(d, "--node", "mac1").returncode == 0
