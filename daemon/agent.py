@@ -725,6 +725,8 @@ class Agent(WarmTrainers):
             w.error = self.staging.named(w.job, w.error)  # the user's paths, not this node's cache's
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
+        if code == 2 and not w.stopping:
+            self.staging.verify(w.job, self._send)  # it refused its input: is this node's copy damaged?
         if code == 0:  # the job is done: what was kept for its restarts goes
             self._retire_spares(w.job, "its job finished")
             self.memory.remove(w.job, w.slot)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -98,6 +99,7 @@ class NodeStaging:
         self.names: collections.OrderedDict[str, list[tuple[str, str]]] = collections.OrderedDict()  # job -> tree_names, kept past its end (exports)
         self.sources: dict[str, list[StageSource]] = {}  # digest -> holders, as the coordinator said last
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.verifying: dict[str, asyncio.Task[None]] = {}  # job -> its full check (`verify`)
         self.pruning: asyncio.Task[None] | None = None
         self.asked: dict[str, JobStage] = {}  # job -> the job.stage its running check answers
         self.next_check: dict[str, tuple[JobStage, Callable[[Message], None]]] = {}  # a newer question, asked when that check ends
@@ -112,7 +114,7 @@ class NodeStaging:
         return self.endpoint
 
     def stop(self) -> None:
-        for t in self.tasks.values():
+        for t in [*self.tasks.values(), *self.verifying.values()]:
             t.cancel()
         if self.pruning is not None:
             self.pruning.cancel()
@@ -183,20 +185,20 @@ class NodeStaging:
         got = self.jobs.get(job)
         return spec if got is None else staged(spec, got.data, got.model, got.adapters)
 
-    async def recheck(self, job: str, send: Callable[[Message], None]) -> str | None:
+    async def recheck(self, job: str, send: Callable[[Message], None], *, full: bool = False) -> str | None:
         """Before a group of the job starts here: are the trees this node serves it from still the
         content the job names? A file edited, replaced or removed since it was staged (here, or in
         the user's own folder the node serves it from) shows in its stat: the cache's check. None
         when they are; else what changed, and the job is staged here again (the content fetched
         from the pool, or this node found unfit, naming the file). Without it the trainer found
         the difference only against rank 0's copy, and blamed the other nodes when rank 0's was
-        the one that changed."""
+        the one that changed. `full`: every file hashed, whatever its stat (`verify`)."""
         got = self.jobs.get(job)
         if got is None:
             return None
         for key, digest in got.digests:
             try:
-                folder, problem = await asyncio.to_thread(self.cache.check, digest)
+                folder, problem = await asyncio.to_thread(functools.partial(self.cache.check, digest, full=full))
             except Exception as e:  # a full or failing disk: this job on this node, never the daemon
                 self.log.exception("job.recheck_failed", job=job, key=key)
                 folder, problem = None, f"cannot check it: {e}"
@@ -210,6 +212,20 @@ class NodeStaging:
                 self.on_stage(asked, send)
             return f"{key}: this node's copy changed since it was staged ({why}); the node stages it again"
         return None
+
+    def verify(self, job: str, send: Callable[[Message], None]) -> None:
+        """A trainer of the job refused its input here (exit 2): hash every file this node serves it
+        from, in a task. Damage a stat cannot show (bytes changed with their times put back, a
+        disk's) is found so, and the job staged here again: without it the node sat the job out
+        for good, or trained on the damage where its copy was the only one."""
+        if job not in self.jobs or (job in self.verifying and not self.verifying[job].done()):
+            return
+        self.verifying[job] = asyncio.create_task(self._verify(job, send))
+
+    async def _verify(self, job: str, send: Callable[[Message], None]) -> None:
+        started = time.monotonic()
+        changed = await self.recheck(job, send, full=True)
+        self.log.info("job.verified", job=job, seconds=round(time.monotonic() - started, 3), intact=changed is None, problem=changed)
 
     def named(self, job: str, text: str) -> str:
         """`text` (a trainer's error) with the folders this node staged the job's sources in

@@ -55,7 +55,7 @@ from typing import Any
 import orjson
 
 from dpool.protocol.logs import get_logger
-from dpool.staging.integrity import damage, mtimes, seal, sealed
+from dpool.staging.integrity import damage, described, mtimes, seal, sealed
 from dpool.staging.manifest import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -126,6 +126,11 @@ def _write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     _rename_durably(tmp, path)
+
+
+def _never(_entry: Entry, _st: os.stat_result) -> bool:
+    """No stat shows a file as verified: hash it (a full check)."""
+    return False
 
 
 def _pread(path: Path, offset: int, length: int) -> bytes | None:
@@ -268,34 +273,37 @@ class Cache:
         there is none, or it was damaged (then dropped: fetch it again)."""
         return self.check(digest)[0]
 
-    def check(self, digest: str) -> tuple[Path | None, str | None]:
+    def check(self, digest: str, *, full: bool = False) -> tuple[Path | None, str | None]:
         """`tree`, and what was wrong with the tree it dropped (None when it held none, or an
-        intact one)."""
+        intact one). `full`: hash every file, whatever its stat says (a trainer found its input
+        not what the pool's other copies hold: damage a stat cannot show, such as bytes changed
+        with their times put back, or a disk's)."""
         if not _is_hex(digest):
             return None, None
         self._layout()
         with self._lock:
             folder = self._adopted.get(digest)
         if folder is not None:
-            return self._adopted_tree(digest, folder)
+            return self._adopted_tree(digest, folder, full)
         if not self._tree(digest).is_dir():
             return None, None
         m = self.manifest(digest)
         with self._tree_lock:
-            found, rehashed = damage(self._tree(digest), m, sealed) if m is not None else ((None, "its manifest is gone"), [])
+            found, rehashed = damage(self._tree(digest), m, _never if full else sealed) if m is not None else ([], [])
             for e in rehashed:
                 seal(self._blob(e.sha256))  # the same bytes, touched (or from before blobs were sealed)
-            if found is not None:
-                bad, problem = found
-                self.log.warning("cache.damaged", digest=digest, problem=problem, then="the tree is dropped and fetched again")
+            if found or m is None:
+                problem = described(found) if found else "its manifest is gone"
+                self.log.warning("cache.damaged", digest=digest, problem=problem, files=len(found), then="the tree is dropped and fetched again")
                 shutil.rmtree(self._tree(digest), ignore_errors=True)
-                if bad is not None and bad.size:
-                    self._blob(bad.sha256).unlink(missing_ok=True)
+                for bad, _ in found:  # every damaged file's blob: one fetch brings them all back
+                    if bad.size:
+                        self._blob(bad.sha256).unlink(missing_ok=True)
                 return None, f"{problem} (in this node's cache)"
         self._touch(digest)
         return self._tree(digest), None
 
-    def _adopted_tree(self, digest: str, folder: Path) -> tuple[Path | None, str | None]:
+    def _adopted_tree(self, digest: str, folder: Path, full: bool = False) -> tuple[Path | None, str | None]:
         m = self.manifest(digest)
         if not folder.is_dir() or m is None:
             why = f"{folder} is no longer a folder" if m is not None else "its manifest is gone"
@@ -306,9 +314,9 @@ class Cache:
             verified = orjson.loads(record.read_bytes())
         except (OSError, orjson.JSONDecodeError):
             verified = {}  # adopted before mtimes were recorded: every file is hashed once
-        found, rehashed = damage(folder, m, lambda e, st: verified.get(e.path) == st.st_mtime_ns)
-        if found is not None:
-            why = f"{found[1]}, in {folder}"
+        found, rehashed = damage(folder, m, _never if full else lambda e, st: verified.get(e.path) == st.st_mtime_ns)
+        if found:
+            why = f"{described(found)}, in {folder}"
             self._unadopt(digest, why)
             return None, why
         if rehashed or not verified:

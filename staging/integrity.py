@@ -46,18 +46,26 @@ def mtimes(folder: Path, manifest: Manifest) -> dict[str, int]:
     return out
 
 
-def damage(folder: Path, manifest: Manifest, unchanged: Callable[[Entry, os.stat_result], bool]) -> tuple[tuple[Entry, str] | None, list[Entry]]:
-    """(the first damaged entry in `folder` and what is wrong with it, or None; the entries hashed
-    again and found intact). `unchanged(entry, stat)`: whether the file's stat shows it as
-    verified (no hash needed)."""
+def damage(folder: Path, manifest: Manifest, unchanged: Callable[[Entry, os.stat_result], bool]) -> tuple[list[tuple[Entry, str]], list[Entry]]:
+    """(every damaged entry in `folder`, each with what is wrong with it; the entries hashed again
+    and found intact). `unchanged(entry, stat)`: whether the file's stat shows it as verified (no
+    hash needed). Every file is looked at, not only up to the first damaged one: a tree damaged in
+    several files is repaired in one fetch, not one file per use."""
+    found: list[tuple[Entry, str]] = []
     rehashed: list[Entry] = []
     for e in manifest.entries:
         problem = _problem(folder.joinpath(*e.path.split("/")), e, manifest.chunk_bytes, unchanged)
         if problem == "rehashed":
             rehashed.append(e)
         elif problem is not None:
-            return (e, f"{e.path}: {problem}"), rehashed
-    return None, rehashed
+            found.append((e, f"{e.path}: {problem}"))
+    return found, rehashed
+
+
+def described(found: list[tuple[Entry, str]]) -> str:
+    """What `damage` found, in a line: the first file's problem, and how many more."""
+    first = found[0][1]
+    return first if len(found) == 1 else f"{first} (and {len(found) - 1} more file(s))"
 
 
 def _problem(path: Path, e: Entry, chunk_bytes: int, unchanged: Callable[[Entry, os.stat_result], bool]) -> str | None:

@@ -81,9 +81,11 @@ def start(
     return start_ranks(tmp, [args] * world, env, pin)
 
 
-def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None = None, pin: list[list[str]] | None = None) -> Group:
+def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None = None, pin: list[list[str]] | None = None,
+                envs: list[dict[str, str]] | None = None) -> Group:
     """One trainer per entry of `per_rank` (its own arguments after `python -m dpool.trainer`), as
-    the ranks of one ring group when there are several."""
+    the ranks of one ring group when there are several. `envs`: each rank's own variables too
+    (a HOME of its own: `~/corpus` is another folder on each, as on several machines)."""
     tmp.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     hostfile = None
@@ -91,7 +93,7 @@ def start_ranks(tmp: Path, per_rank: list[list[str]], env: dict[str, str] | None
         hostfile = tmp / f"hosts-{os.getpid()}-{time.monotonic_ns()}.json"
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(len(per_rank))]))
     for rank, args in enumerate(per_rank):
-        extra = dict(env or {})
+        extra = {**(env or {}), **(envs[rank] if envs else {})}
         if hostfile:
             extra.update(MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
         log = tmp / f"rank{rank}-{time.monotonic_ns()}.log"

@@ -124,3 +124,74 @@ def test_the_message_names_every_rank_that_differs_and_both_kinds_of_difference(
     assert describe([row(a, [0, 0, 0], REFUSED), row(a, [4, 2, 2]), row(a, [0, 0, 0], REFUSED)]) == (
         "rank 0 refused its --shares (its own error says why) (rank 2 too): every rank must be given the same --shares"
     )
+
+
+def copies(tmp_path: Path, count: int) -> list[Path]:
+    """`count` folders holding the same corpus (standard-library sources)."""
+    import shutil
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = sorted(p.name for p in stdlib.glob("*.py"))[:12]
+    out = []
+    for i in range(count):
+        folder = tmp_path / f"copy{i}"
+        folder.mkdir()
+        for name in names:
+            shutil.copyfile(stdlib / name, folder / f"{name}.txt")
+        out.append(folder)
+    return out
+
+
+def damage_in_place(folder: Path) -> None:
+    """A few bytes of one file overwritten, its size and times kept: what no stat shows."""
+    victim = sorted(folder.iterdir())[3]
+    st = victim.stat()
+    with open(victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"#####")
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def per_rank_jobs(tmp_path: Path, folders: list[Path], content: str | None) -> list[Path]:
+    extra = {"content": {"data": content}} if content else {}
+    return [
+        write_job(tmp_path, "same", file=f"rank{r}.toml", train={"steps": 3, "global_batch": 8}, data={"source": str(f)}, checkpoint={"every_steps": 1}, **extra)
+        for r, f in enumerate(folders)
+    ]
+
+
+def test_a_damaged_copy_on_rank_0_leaves_rank_0_out_not_the_good_copies(tmp_path):
+    """Data named by content (`[content]`, as dpctl submit writes it), each rank's copy in a folder
+    of its own; rank 0's has a few bytes overwritten with its times put back. Rank 0 was the
+    reference: the good node exited 2 (left out of the job) and the damaged copy was trained on.
+    Now each rank hashes its copy against the job's digest: rank 0 refuses its input (exit 2,
+    its node sits the job out), rank 1 fails as its peer (exit 1)."""
+    from dpool.protocol.content import data_tree
+    from dpool.protocol.jobspec import load_job
+    from dpool.staging.manifest import scan
+
+    folders = copies(tmp_path, 2)
+    digest = scan(*data_tree(load_job(str(per_rank_jobs(tmp_path, folders[:1], None)[0])))).digest
+    damage_in_place(folders[0])
+    jobs = per_rank_jobs(tmp_path, folders, digest)
+    g = ring.start_ranks(tmp_path, [[str(j), "--run-dir", str(tmp_path / f"m-{r}")] for r, j in enumerate(jobs)])
+    assert ring.finish(g, TIMEOUT_S) == [2, 1], g.output(0)[-2000:] + g.output(1)[-2000:]
+    assert "this machine's copy is not the job's content (its files hash to" in error_line(g.output(0)), g.output(0)[-2000:]
+    assert "rank(s) 0 hold a copy of data.source" in g.output(1), g.output(1)[-2000:]
+    assert not list(tmp_path.glob("m-*/checkpoints/step-*"))
+
+
+def test_without_content_the_copy_most_ranks_hold_is_the_reference(tmp_path):
+    """By hand, no digest, `~/corpus` in each rank's own HOME: rank 0's copy differs from the two
+    others'; rank 0 is the one left out, not the two good ones."""
+    homes = [tmp_path / f"home{r}" for r in range(3)]
+    for home, folder in zip(homes, copies(tmp_path, 3), strict=True):
+        home.mkdir()
+        folder.rename(home / "corpus")
+    damage_in_place(homes[0] / "corpus")
+    job = write_job(tmp_path, "same", train={"steps": 3, "global_batch": 8}, data={"source": "~/corpus"}, checkpoint={"every_steps": 1})
+    g = ring.start_ranks(tmp_path, [[str(job), "--run-dir", str(tmp_path / f"m-{r}")] for r in range(3)], envs=[{"HOME": str(h)} for h in homes])
+    assert ring.finish(g, TIMEOUT_S) == [2, 1, 1], "".join(g.output(r)[-1500:] for r in range(3))
+    assert "this machine's data differs from the copy 2 of the group's 3 ranks hold (rank 1's)" in error_line(g.output(0)), g.output(0)[-2000:]
+    assert "rank(s) 0 hold different data than the other ranks" in g.output(1), g.output(1)[-2000:]

@@ -777,6 +777,36 @@ def test_a_damaged_cache_tree_is_dropped_and_fetched_again_never_used(tmp_path: 
     assert differences(cache.complete(m), m) == [] and cache.tree(m.digest) == tree
 
 
+def test_a_tree_damaged_in_several_files_loses_them_all_at_once_and_is_repaired_in_one_fetch(tmp_path: Path) -> None:
+    """Every damaged file is found in one check: the tree was dropped with its first damaged file
+    only, rebuilt from the other damaged blobs, and found damaged again at each use, one file a
+    time (a 200-step job restarted 15 times)."""
+    cache, m, tree = fetched(tmp_path)
+    overwrite(tree / "corpus" / "a.txt", 0, b"ALPHA")
+    overwrite(tree / "corpus" / "b.txt", 7, b"garbage")
+    with capture_logs() as logs:
+        folder, problem = cache.check(m.digest)
+    assert folder is None and problem is not None and "(and 1 more file(s))" in problem, problem
+    (said,) = [e for e in logs if e["event"] == "cache.damaged"]
+    assert said["files"] == 2
+    assert {e.path for e, _ in cache.missing(m)} == {"corpus/a.txt", "corpus/b.txt"}
+    fetch(cache, m, tmp_path / "sources" / "corpus")
+    assert differences(cache.complete(m), m) == [] and cache.check(m.digest) == (tree, None)
+
+
+def test_bytes_changed_with_their_times_put_back_pass_a_stat_but_not_a_full_check(tmp_path: Path) -> None:
+    """What no stat shows (the bytes overwritten, the seal's mtime put back; a disk's own damage) is
+    found by `check(full=True)`, which a node runs when a trainer refused its copy."""
+    cache, m, tree = fetched(tmp_path)
+    b = tree / "corpus" / "b.txt"
+    overwrite(b, 5, b"garbage")
+    os.utime(b, ns=(SEAL_NS, SEAL_NS))
+    assert cache.check(m.digest) == (tree, None)  # the stat says verified
+    folder, problem = cache.check(m.digest, full=True)
+    assert folder is None and problem is not None and problem.startswith("corpus/b.txt: its bytes changed since they were verified"), problem
+    assert {e.path for e, _ in cache.missing(m)} == {"corpus/b.txt"}
+
+
 def test_a_touched_file_with_the_same_bytes_is_hashed_once_and_kept(tmp_path: Path) -> None:
     cache, m, tree = fetched(tmp_path)
     b = tree / "corpus" / "b.txt"

@@ -303,3 +303,43 @@ def test_a_node_whose_files_change_during_a_job_is_left_out_at_the_next_start_no
     assert "changed since it was staged" in unfit[0]["reason"] and "doc03.txt" in unfit[0]["reason"], unfit
     assert pool.dpctl("cancel", job_id).returncode == 0
     pool.wait_end(job_id, JOB_TIMEOUT)
+
+
+def test_a_cached_copy_damaged_where_no_stat_shows_it_is_left_out_checked_in_full_and_fetched_again(pool: HomesPool, processes: Processes, tmp_path: Path) -> None:
+    """n0's cached copy of a job's data has bytes overwritten with their times put back (what a
+    stat cannot show: a disk's damage, a tool that keeps times), and n0 holds rank 0. Rank 0's copy
+    was the reference: n1, whose copy is the job's, was left out and the job trained on the damage.
+    Now the ranks hash their copies against the job's digest: n0 sits out, its dpd checks its cache
+    in full, drops the damaged file, fetches it again from n1 and trains with the group again."""
+    pool.start(1, 1)
+    for name in ("n0", "n1"):
+        corpus(pool.home(name) / "corpus")
+    away = tmp_path / "laptop"  # submitted from a home no node has: the files go into n0's cache
+    corpus(away / "corpus")
+    first = write_job(tmp_path, "first", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"}, train={"steps": 3}, base=NO_WARMUP)
+    r = dpctl(pool, "submit", str(first), home=away)
+    assert r.returncode == 0, r.stderr
+    assert pool.wait_end(r.stdout.strip(), JOB_TIMEOUT).state == "succeeded"
+    (cached,) = list((pool.root / "state-n0" / "cache" / "trees").rglob("doc03.txt"))
+    st = cached.stat()
+    os.chmod(cached, 0o644)
+    with open(cached, "r+b") as f:
+        f.seek(10)
+        f.write(b"#####")
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    endless = {"steps": 100_000, "lr_schedule": constant_lr(3e-3)}
+    job = write_job(tmp_path, "damaged", workers={"min": 1, "max": 2}, data={"source": "~/corpus/*.txt"}, train=endless, base=NO_WARMUP)
+    r = dpctl(pool, "submit", str(job), home=away)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    unfit = wait_for("n0 left out", lambda: events(pool, job_id, "node.unfit"), JOB_TIMEOUT)
+    assert {e["node"] for e in unfit} == {"n0"} and "not the job's content" in unfit[0]["reason"], unfit
+    back = pool.wait_status(job_id, "n0 back with a good copy", lambda s: s.state == "running" and s.world_size == 2 and s.step > 0, JOB_TIMEOUT)
+    assert {w.node for w in back.workers} == {"n0", "n1"}, back
+    log = (pool.root / "dpd-n0.log").read_text()
+    assert '"event":"job.verified"' in log and '"intact":false' in log, "n0 checked its copy in full"
+    assert pool.dpctl("cancel", job_id).returncode == 0
+    pool.wait_end(job_id, JOB_TIMEOUT)
+    refused = [e for e in pool.dpctl_json("events", job_id) if e["kind"] == "worker.failed" and e.get("code") == 2]
+    assert refused and {e["node"] for e in refused} == {"n0"}, refused  # n1 never refused its (good) copy

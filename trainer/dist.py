@@ -240,3 +240,7 @@ class Group:
     def sum_ints(self, values: Sequence[int]) -> list[int]:
         x = self.all_sum(mx.array(list(values), dtype=mx.int64))
         return [int(v) for v in x.tolist()]
+
+    def gather_ints(self, value: int) -> list[int]:
+        """Each rank's integer, in rank order (exact: int64, one all_sum)."""
+        return self.sum_ints([value if r == self.rank else 0 for r in range(self.size)])

@@ -33,8 +33,9 @@ from dpool.trainer.memstate import MemoryState, memory_dir
 from dpool.trainer.metrics import MetricsLog
 from dpool.trainer.restore import generation_of
 from dpool.trainer.restore import restore as _restore
+from dpool.trainer.sameinput import same_everywhere
 from dpool.trainer.step import Stepper
-from dpool.trainer.task import build_task, source_named
+from dpool.trainer.task import build_task
 from dpool.trainer.testloss import report_test, test_loss
 
 EXIT_DONE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 75
@@ -84,21 +85,6 @@ def _refuse_together(group: Group, task: Any, refused: Exception | None) -> Any:
     if refused is not None:
         raise refused
     return task
-
-
-def _same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -> None:
-    """Every rank must train the same data on the same base model; name what differs."""
-    for what, mine in sorted(fingerprints.items()):
-        (fp0,) = group.broadcast_ints([mine])
-        (differ,) = group.sum_ints([int(fp0 != mine)])
-        if differ:
-            key, source = source_named(spec, what)
-            hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
-            if fp0 != mine:
-                # Bad input on this machine (exit 2): its node sits the job out, and the group
-                # restarts without it instead of failing the same way again.
-                raise DataError(f"{key} = {source!r}: this machine's {what} differs from rank 0's; every node needs the same files{hint}")
-            raise RuntimeError(f"{differ} rank(s) hold different {what} than rank 0 for {key} = {source!r}; every node needs the same files{hint}")
 
 
 def run(
@@ -176,7 +162,7 @@ def run(
             refused = e
         mark("model_and_data")
     task = _refuse_together(group, task, refused)
-    _same_everywhere(group, task.fingerprints, spec)
+    same_everywhere(group, task.fingerprints, spec)
     hand = None if link else handstop.SignalStop(log).install()  # by hand: a first SIGTERM or Ctrl-C checkpoints, then stops
     if spec.sync.mode == "diloco":
         describe = {**task.describe(), "startup_s": marks, "warm": warm}
