@@ -91,11 +91,21 @@ def check_name(flag: str, name: str) -> str:
     return name
 
 
+def named_pair(role: str, flag: str, name: str) -> Pair:
+    """Pair `role` NAME, its name checked. A client may not be named `client`: its public key would
+    take allowed/clients/client.key, the place of dpctl's default pair's, and lock out the dpctl of
+    the machine that serves."""
+    pair = Pair(role, check_name(flag, name))
+    if pair.allowed == Pair("client").allowed:
+        raise ValueError(f"{flag} {name!r}: that name is the default client's (its key is allowed/clients/client.key); choose another")
+    return pair
+
+
 def pairs_for(nodes: list[str], clients: list[str], viewers: list[str] = []) -> list[Pair]:  # noqa: B006 -- never mutated
     """The coordinator's pair, dpctl's default, then the named ones."""
     out = [Pair("coordinator"), Pair("client")]
     for role, names in (("node", nodes), ("client", clients), ("viewer", viewers)):
-        out += [Pair(role, check_name(f"--{role}", n)) for n in names]
+        out += [named_pair(role, f"--{role}", n) for n in names]
     return list(dict.fromkeys(out))  # a name given twice is one pair
 
 
@@ -287,7 +297,7 @@ def add_viewer(directory: Path, name: str, *, force: bool = False) -> list[Path]
     """Viewer NAME: its read-only pair (as add-client --read-only) and its dashboard token
     (dashboard/auth.py): the token in DIR/viewer-NAME.token and the bundle's viewer.token, its hash
     in allowed/viewers/NAME.token."""
-    pair = Pair("viewer", check_name("add-viewer", name))
+    pair = named_pair("viewer", "add-viewer", name)
     written = add_key(directory, pair, force=force)
     token = auth.new_token(name)
     old_umask = os.umask(0o077)
@@ -326,7 +336,7 @@ def cmd_keys_add(a: argparse.Namespace) -> int:
         directory = keys_dir(a.dir or getattr(a, "keys", None))
         if directory is None:
             raise KeysError("no key directory: pass --dir DIR (the pool's, made by `dpctl keys init DIR`), or set $DPOOL_KEYS")
-        pair = Pair(role, check_name(a.keys_command, a.name))
+        pair = named_pair(role, a.keys_command, a.name)
         return add_key(directory, pair, force=a.force), (
             f"\nCopy {directory / BUNDLES / a.name}/ to that machine, and only there (e.g. scp -rp it HOST:dpool-keys):\n"
             f"{_bundle_lines(directory, [pair])}\n"
@@ -345,7 +355,7 @@ def add_parser(sub: Any) -> None:
     init.add_argument("--client", action="append", metavar="NAME", help="also a pair for client NAME; repeatable")
     init.add_argument("--force", action="store_true", help="replace existing pairs")
     init.set_defaults(fn=None, local_fn=cmd_keys_init)
-    for command, what in (("add-node", "a node: its pair, allowed/nodes/NAME.key and bundles/NAME/"), ("add-client", "a client: its pair, allowed/clients/NAME.key and bundles/NAME/")):
+    for command, what in (("add-node", "node: its pair, allowed/nodes/NAME.key and bundles/NAME/"), ("add-client", "client: its pair, allowed/clients/NAME.key and bundles/NAME/")):
         p = ksub.add_parser(command, help=f"issue keys for one more {what}")
         p.add_argument("name", help="its name (a node's: the --name its dpd runs under)")
         p.add_argument("--dir", help="the pool's key directory (default: --keys, else $DPOOL_KEYS)")

@@ -113,6 +113,19 @@ def test_keys_init_makes_a_name_given_twice_once(tmp_path: Path) -> None:
     assert r.stdout.count(f"{d / 'node-mac1.key_secret'}\n") == 1, r.stdout
 
 
+def test_a_client_named_client_is_refused_it_would_replace_the_default_clients_key(tmp_path: Path) -> None:
+    """Its key took allowed/clients/client.key, and the serving machine's dpctl was locked out."""
+    r = keys_init(tmp_path / "new", "--node", "mac1", "--client", "client")
+    assert r.returncode == 2 and "--client 'client': that name is the default client's" in r.stderr, r.stderr
+    assert not (tmp_path / "new").exists()
+    d = tmp_path / "keys"
+    assert keys_init(d, "--node", "mac1").returncode == 0
+    before = (d / "allowed" / "clients" / "client.key").read_bytes()
+    r = dpctl("keys", "add-client", "client", "--dir", str(d))
+    assert r.returncode == 2 and "that name is the default client's" in r.stderr, r.stderr
+    assert (d / "allowed" / "clients" / "client.key").read_bytes() == before
+
+
 def test_keys_add_node_and_add_client_issue_one_more_key(tmp_path: Path) -> None:
     d = tmp_path / "keys"
     assert keys_init(d, "--node", "mac1").returncode == 0
