@@ -23,8 +23,8 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from dpool.client.rpc import Client
-from dpool.protocol.content import adapters_tree, data_tree, model_tree
-from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.content import adapters_tree, data_tree, model_tree, source_root
+from dpool.protocol.jobspec import JobSpec, data_files, data_location
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
 from dpool.staging.manifest import HashCache, Manifest, ManifestError, scan
@@ -44,6 +44,8 @@ def hash_cache() -> HashCache:
 
 def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
     """The job with `[content]` filled for each tree that exists here, and those trees."""
+    if (empty := _empty_here(spec)) is not None:
+        raise StageError(empty)
     hashes = hash_cache()
     trees: list[tuple[Path, Manifest]] = []
     content = spec.content
@@ -120,3 +122,20 @@ def _send_all(reply: StageOfferReply, todo: list[tuple[Path, Manifest]], keys: C
     if sys.stderr.isatty():
         print(file=sys.stderr)
     return sent
+
+
+def _empty_here(spec: JobSpec) -> str | None:
+    """A data folder that exists here but holds no data: the job would be queued, and fail on every
+    node ("no node can serve this job"). A path that does not exist here is no error: a node may
+    hold it."""
+    if spec.data.source == "stdlib" or spec.data.hf_dataset is not None:
+        return None
+    if spec.model.kind == "mlx_lm":
+        kind, folder = data_location(spec)
+        if kind == "dir" and os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "train.jsonl")):
+            return f"data.source = {spec.data.source!r}: the folder {folder} holds no train.jsonl"
+        return None
+    root = source_root(spec.resolved_source())
+    if root.is_dir() and not data_files(spec):
+        return f"data.source = {spec.data.source!r}: no .txt or .jsonl files match it in {root}"
+    return None

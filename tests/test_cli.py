@@ -157,6 +157,28 @@ def test_flags_after_the_subcommand_are_read_and_json_where_it_does_not_apply_is
         assert time.monotonic() - started < 5 and nowhere in capsys.readouterr().err
 
 
+def test_a_data_folder_here_that_holds_no_data_is_refused_at_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was queued, and failed on every node ("no node can serve this job"). A path that does not
+    exist here is still submitted (a node may hold it), with a note in a dry run."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("not data")
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "valid.jsonl").write_text("{}\n")
+    cases = (
+        (write_job(tmp_path, "gpt", data={"source": "empty"}), "data.source = 'empty': no .txt or .jsonl files match it in"),
+        (write_job(tmp_path, "glob", data={"source": "notes/*.txt"}), "data.source = 'notes/*.txt': no .txt or .jsonl files match it in"),
+        (write_job(tmp_path, "lm", base={}, model={"kind": "mlx_lm", "path": "some/model"}, data={"source": "lm"}), "holds no train.jsonl"),
+    )
+    for job, said in cases:
+        assert cli.main(["--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.2", "submit", str(job)]) == 2, job
+        err = capsys.readouterr().err
+        assert said in err, err
+    elsewhere = write_job(tmp_path, "elsewhere", data={"source": "nothere/*.txt"})
+    assert cli.main(["--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.2", "submit", str(elsewhere), "--dry-run"]) == 0
+    assert "the pool's nodes then look for it at that path" in capsys.readouterr().err
+
+
 def test_times_come_from_events_and_the_eta_from_the_running_groups_pace() -> None:
     def event(t: float, kind: str, **fields: Any) -> EventRow:
         return EventRow.from_wire({"t": t, "kind": kind, **fields})
