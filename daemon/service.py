@@ -161,6 +161,21 @@ def state_dir_for(host: Host, args: argparse.Namespace) -> Path:
     return Path(host.env.get("XDG_STATE_HOME") or host.home / ".local" / "state") / "dpool"
 
 
+PRIVATE_TMPS = (Path("/tmp"), Path("/var/tmp"))  # what PrivateTmp=yes gives the system unit a folder of its own for
+
+
+def private_tmp_problem(host: Host, state_dir: Path) -> str | None:
+    """The system unit runs with PrivateTmp=yes: a state dir under /tmp or /var/tmp would be the
+    service's own private folder, emptied whenever it restarts, checkpoints and cache with it."""
+    if host.platform == "darwin" or not host.system_unit:
+        return None
+    for tmp in PRIVATE_TMPS:
+        if state_dir == tmp or tmp in state_dir.parents:
+            return (f"--state-dir {state_dir}: the system service runs with PrivateTmp=yes, so under {tmp} it would be the service's "
+                    "own private folder, emptied at each restart (checkpoints and the cache with it); choose one outside /tmp and /var/tmp")
+    return None
+
+
 # -- rendering (pure) ----------------------------------------------------------------------------
 
 
@@ -643,6 +658,9 @@ def main(args: argparse.Namespace, run_parser: argparse.ArgumentParser, host: Ho
         print(f"dpd: {e}", file=sys.stderr)
         return 2
     state_dir = state_dir_for(host, args)
+    if (problem := private_tmp_problem(host, state_dir)) is not None:
+        print(f"dpd: {problem}", file=sys.stderr)
+        return 2
     # The coordinator as `dpd run` resolves it (a flag, else serving, else the config file, else
     # $DPOOL_COORDINATOR): written into the service only where it came from the environment.
     env_join = s.join if args.join is None and s.serve is None and s.join == host.env.get("DPOOL_COORDINATOR") else None

@@ -226,8 +226,21 @@ def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path) -> N
     verify_unit(path, user=False, tmp=tmp_path)
 
 
-def test_a_state_dir_elsewhere_is_made_writable(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_system_service_refuses_a_state_dir_its_private_tmp_would_hide(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """PrivateTmp=yes: under /tmp the service's state would be a private folder, emptied at each
+    restart. Refused before anything is written; a user unit (no PrivateTmp) may use it."""
     fake("linux", uid=0)
+    state = tmp_path / "state"
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--print"]) == 2
+    assert f"--state-dir {state}: the system service runs with PrivateTmp=yes" in capsys.readouterr().err
+    assert not (tmp_path / "etc-systemd-system" / "dpd.service").exists() and not state.exists()
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--print"]) == 0
+
+
+def test_a_state_dir_elsewhere_is_made_writable(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake("linux", uid=0)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp
     state = tmp_path / "data dir"
     assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state)]) == 0
     text = (tmp_path / "etc-systemd-system" / "dpd.service").read_text()
