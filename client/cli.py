@@ -54,6 +54,7 @@ from dpool.protocol.jobspec import (
     read_toml,
 )
 from dpool.protocol.payloads import (
+    MAX_WORLD,
     EvalRow,
     EventRow,
     ExportFile,
@@ -444,11 +445,30 @@ def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_logs(c: Client, a: argparse.Namespace) -> int:
     if a.follow:
+        if a.rank is not None and (world := c.call(m.Status(job=a.job), m.StatusReply).jobs[0].world_size) and a.rank >= world:
+            print(f"note: --rank {a.rank}: the job's group has ranks 0-{world - 1} now; its lines show if the job grows to {a.rank + 1} workers", file=sys.stderr)
         return follow_logs(c, a.job, a.rank, json=a.json)
+    printed = False
     for reply in pages(lambda after: c.call(m.Logs(job=a.job, after=after, rank=a.rank), m.LogsReply)):
         for line in reply.lines:
             print(log_text(line, a.json))
+            printed = True
+    if a.rank is not None and not printed:
+        job = c.call(m.Status(job=a.job), m.StatusReply).jobs[0]
+        if job.world_size and a.rank >= job.world_size:
+            raise BadInput(f"--rank {a.rank}: job {job.id} has no such rank (its {'last ' if job.state in TERMINAL else ''}group had ranks 0-{job.world_size - 1})")
     return EXIT_OK
+
+
+def rank_arg(text: str) -> int:
+    """--rank: a rank, 0 or more (argparse's type)."""
+    try:
+        rank = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no rank: an integer, 0 or more") from None
+    if not 0 <= rank < MAX_WORLD:
+        raise argparse.ArgumentTypeError(f"{rank} is no rank: an integer from 0 to {MAX_WORLD - 1}")
+    return rank
 
 
 def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
@@ -778,7 +798,7 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("logs", help="worker output, merged and prefixed by rank")
     s.add_argument("job")
     s.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends (exit 1 unless it succeeds)")
-    s.add_argument("--rank", type=int, help="only this rank")
+    s.add_argument("--rank", type=rank_arg, help="only this rank")
     s.add_argument("--json", action="store_true", help='one object a line: {"seq", "t", "rank", "generation", "text"}')
     s.set_defaults(fn=cmd_logs)
 

@@ -342,6 +342,10 @@ def test_json_on_every_command_with_times_and_state_filters(pool: LocalPool, ctl
     assert logs and all({"seq", "t", "rank", "generation", "text"} <= row.keys() for row in logs)
     code, out, _ = ctl("logs", job_id, "--json", "-f")
     assert code == 0 and [json.loads(line) for line in out.splitlines()] == logs  # a finished job: all of it
+    code, out, err = ctl("logs", job_id, "--rank", "3")  # it printed nothing, exit 0
+    assert code == 2 and not out and f"--rank 3: job {job_id} has no such rank (its last group had ranks 0-0)" in err, err
+    r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "logs", job_id, "--rank", "-1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "-1 is no rank: an integer from 0 to 16383" in r.stderr and "null" not in r.stderr, r.stderr
     metrics = ctl_json(ctl, "metrics", job_id)
     assert [r["step"] for r in metrics if r["kind"] == "train"] == list(range(1, 13))
     assert "job.succeeded" in [e["kind"] for e in ctl_json(ctl, "events", job_id)]
