@@ -25,6 +25,7 @@ from jobs import write_job
 from dpool.protocol.jobfile import dump_job
 from dpool.protocol.jobspec import JobFileError, load_job, parse_job
 from dpool.protocol.messages import Submit, decode
+from dpool.trainer.report import writer_error
 from dpool.trainer.wandb_writer import Tokens, Writer, logged_step, wandb_row
 
 STEPS = 600  # long enough that W&B holds steps of the run well before its end (opening it takes a second or more)
@@ -209,6 +210,22 @@ def _step(metrics: Path) -> int:
     return max(steps, default=0)
 
 
+def test_the_writers_last_error_is_found_at_the_end_of_its_log(tmp_path: Path) -> None:
+    """The trainer's `report.unfinished` said "W&B unreachable?" where the writer knew the cause
+    ("No API key configured"), in its report.log only."""
+    log = tmp_path / "report.log"
+    assert writer_error(log) is None  # no log at all
+    log.write_text(
+        '{"event":"report.starting","level":"info"}\n'
+        "wandb: a line that is no JSON\n"
+        '{"to":"wandb","error":"No API key configured. Use `wandb login` to log in.","event":"report.unavailable","level":"warning"}\n'
+        '{"event":"report.exiting","level":"info"}\n'
+    )
+    assert writer_error(log) == "No API key configured. Use `wandb login` to log in."
+    log.write_text('{"event":"report.done"}\n')
+    assert writer_error(log) is None
+
+
 def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(tmp_path: Path) -> None:
     # W&B never opens the run, so the trainer's end, not a step count, is what the writer waits
     # for: a short run (60 steps, 6 s here) tests what 600 do
@@ -223,6 +240,8 @@ def test_an_unreachable_wandb_holds_neither_the_training_nor_the_trainers_exit(t
     assert '"report.unfinished"' in r.stdout + r.stderr  # the trainer says so, in its own output
     said = (run_dir / "report.log").read_text()  # and the writer why, in its own file
     assert '"report.abandoned"' in said or '"report.unavailable"' in said, said[-2000:]
+    if (why := writer_error(run_dir / "report.log")) is not None:  # the writer's own reason reaches the trainer's output
+        assert why in r.stdout + r.stderr, why
     # and the writer is gone too, by itself
     wait_for("the W&B writer to exit", lambda: not [p for p in psutil.process_iter(["cmdline"]) if "dpool.trainer.wandb_writer" in " ".join(p.info["cmdline"] or ()) and _cwd(p) == str(run_dir)], 60)
     # A writer that gives up leaves nothing in the machine's temporary folder (wandb's own folders

@@ -112,7 +112,8 @@ class Reporter:
                 self.log.warning("report.dropped", to="wandb", why="the W&B writer is behind; rows are dropped, training goes on")
         except OSError as e:  # the writer is gone (it could not reach W&B, or it failed)
             self.gone = True
-            self.log.warning("report.stopped", to="wandb", error=str(e), why=f"the W&B writer exited (see {self.output}); training goes on without it")
+            said = writer_error(self.output)
+            self.log.warning("report.stopped", to="wandb", error=said or str(e), why=f"the W&B writer exited (see {self.output}); training goes on without it")
 
     def close(self, code: int) -> None:
         """Tell the writer the trainer's exit and let it finish the run, within CLOSE_S; a failing
@@ -128,7 +129,9 @@ class Reporter:
                 self.log.warning("report.unfinished", to="wandb", after_s=CLOSE_S[code], why=f"the W&B writer finishes by itself; the trainer does not wait longer (see {self.output})")
                 return
             if done != 0 and not self.gone:
-                self.log.warning("report.unfinished", to="wandb", code=done, why=f"the W&B run was not written (W&B unreachable?): see {self.output}")
+                said = writer_error(self.output)
+                self.log.warning("report.unfinished", to="wandb", code=done, error=said,
+                                 why=f"the W&B run was not written ({said or 'W&B unreachable?'}): see {self.output}")
 
     def _write(self, data: bytes, wait: float) -> None:
         """Write all of `data`, waiting at most `wait` seconds for room; give up quietly after."""
@@ -157,3 +160,22 @@ def _peak_memory_gb() -> float:
     import mlx.core as mx
 
     return mx.get_peak_memory() / 1e9  # mlx-lm's unit
+
+
+def writer_error(log_file: Path, tail_bytes: int = 64 << 10) -> str | None:
+    """The last error the W&B writer logged (`report.unavailable`/`report.failed`: no API key, no
+    network, a bad entity), from the end of its log; None when it logged none."""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        try:
+            entry = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("error"), str):
+            return entry["error"][:300]
+    return None

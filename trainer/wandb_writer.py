@@ -357,7 +357,11 @@ def main() -> int:
         run = writer.open()
     except Exception as e:
         writer.log.warning("report.unavailable", to="wandb", error=str(e)[:500], why="training goes on without W&B")
-        return EXIT_UNREPORTED
+        # Not a return: the interpreter's shutdown would meet the reading thread inside stdin's
+        # lock ("Fatal Python error: _enter_buffered_busy"), and the writer would die on SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNREPORTED)
     opened.set()
     try:
         for row in backlog(Path(opening["run_dir"]), int(opening.get("backlog_bytes", 0)), int(opening.get("resume_step", 0))):
