@@ -1,6 +1,6 @@
 """`dpctl cache`: what each node's staging cache holds, and pruning it.
 
-    dpctl cache [NODE] [--json]        one row per node and tree: digest, size, files, last use,
+    dpctl cache [NODE] [--json]        one row per node and tree: digest, size (held of total), files, last use,
                                        whether a live job uses it, and where it is served from
     dpctl cache prune [NODE] [--json]  every node (or NODE) deletes the trees no live job uses
 
@@ -24,7 +24,7 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("cache", help="what each node's staging cache holds; `cache prune [NODE]` deletes the trees no live job uses")
     s.add_argument("action", nargs="?", default=None, help="`prune`, or a node name to list that node's cache only")
     s.add_argument("node", nargs="?", default=None, help="prune: this node only (default: every live node)")
-    s.add_argument("--json", action="store_true", help="list: a JSON array of {node, digest, bytes, files, last_used, complete, pinned, adopted}; prune: {\"nodes\": [...]}")
+    s.add_argument("--json", action="store_true", help="list: a JSON array of {node, digest, bytes, held, files, last_used, complete, pinned, adopted}; prune: {\"nodes\": [...]}")
     s.set_defaults(fn=cmd_cache)
 
 
@@ -47,7 +47,15 @@ def cmd_cache(c: Client, a: Any) -> int:
         return 0
     now = time.time()
     print(table(
-        ["NODE", "DIGEST", "SIZE", "FILES", "USED", "LIVE JOB", "FROM"],
-        [[r.node, r.digest[:12], size(r.bytes), r.files, age(now - r.last_used) if r.last_used else "never", "yes" if r.pinned else "", r.adopted or ("cache" if r.complete else "partial")] for r in rows],
+        ["NODE", "DIGEST", "SIZE", "FILES", "USED", "IN USE", "FROM"],
+        [[r.node, r.digest[:12], held(r.held, r.bytes, r.complete), r.files, age(now - r.last_used) if r.last_used else "never", "yes" if r.pinned else "", r.adopted or ("cache" if r.complete else "partial")] for r in rows],
     ))
     return 0
+
+
+def held(part: int | None, total: int, complete: bool) -> str:
+    """A tree's size, and for one not complete what of it the node holds: `12.0MiB of 22.9MiB`."""
+    whole = size(total) or "0B"
+    if complete or part is None:
+        return whole
+    return f"{size(part) or '0B'} of {whole}"

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import orjson
 
+from dpool.client.cache import held
+from dpool.client.tables import age, size, table
 from dpool.staging.cache import Cache
 
 
@@ -49,12 +51,11 @@ def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
             print(f"the cache at {cache.root} is empty")
             return 0
         now = time.time()
-        print(f"{'DIGEST':14} {'SIZE':>10} {'FILES':>6} {'USED':>9}  FROM")
-        for e in entries:
-            used = f"{(now - e.last_used) / 3600:.1f}h ago" if e.last_used else "never"
-            where = e.adopted or ("cache" if e.complete else "partial")
-            print(f"{e.digest[:12]:14} {e.bytes / 1e6:9.1f}M {e.files:6} {used:>9}  {where}")
-        print(f"{sum(e.bytes for e in entries if not e.adopted) / 1e6:.1f} MB in {cache.root}")
+        print(table(
+            ["DIGEST", "SIZE", "FILES", "USED", "FROM"],
+            [[e.digest[:12], held(e.held, e.bytes, e.complete), e.files, age(now - e.last_used) if e.last_used else "never", e.adopted or ("cache" if e.complete else "partial")] for e in entries],
+        ))
+        print(f"{size(sum(e.held for e in entries if not e.adopted)) or '0B'} in {cache.root}")
         return 0
     try:
         held = lock(state)
@@ -66,7 +67,8 @@ def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
         if args.digest:
             found = [e.digest for e in entries if e.digest.startswith(args.digest)]
             if len(found) != 1:
-                print(f"dpd cache prune: {args.digest!r} names {len(found)} trees in {cache.root}; give a longer prefix", file=sys.stderr)
+                why = "; give a longer prefix" if found else " (`dpd cache` lists them)"
+                print(f"dpd cache prune: {args.digest!r} names {len(found)} trees in {cache.root}{why}", file=sys.stderr)
                 return 2
             digest = found[0]
         freed = cache.prune(digest)

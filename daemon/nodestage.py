@@ -152,7 +152,7 @@ class NodeStaging:
 
     def cached(self) -> list[CacheRow]:
         return [
-            CacheRow(digest=e.digest, bytes=e.bytes, files=e.files, last_used=max(0.0, e.last_used), complete=e.complete, pinned=bool(e.pinned_by), adopted=e.adopted)
+            CacheRow(digest=e.digest, bytes=e.bytes, files=e.files, last_used=max(0.0, e.last_used), complete=e.complete, pinned=bool(e.pinned_by), adopted=e.adopted, held=e.held)
             for e in self.cache.entries()[:CACHE_ROWS_MAX]
         ]
 

@@ -66,6 +66,7 @@ class CacheRow(Record):
     pinned: bool  # a live job uses it: never evicted
     adopted: Annotated[str, Str(4096)] | None = None  # served from this folder outside the cache (the node's own copy)
     node: Annotated[str, Str(63)] = ""
+    held: Count | None = None  # of `bytes`, what the node holds verified (a tree being fetched: part of them)
 
 
 @message

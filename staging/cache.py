@@ -90,6 +90,7 @@ class CacheEntry:
     complete: bool  # its tree is there (or it is adopted)
     pinned_by: tuple[str, ...]
     adopted: str | None  # the folder it is served from, when adopted
+    held: int = 0  # of `bytes`, what this cache holds verified (all of them when complete)
 
 
 @dataclass
@@ -877,6 +878,20 @@ class Cache:
             freed = sum(self._drop(d, kept) for d in self._digests() - set(pinned) - active)
             return freed + self._drop_orphans(kept)
 
+    def _held(self, m: Manifest) -> int:
+        """The bytes of an incomplete tree this cache holds verified: its files' blobs, and the
+        chunks of those still being fetched."""
+        held = 0
+        for sha, (entry, chunk_bytes) in _unique([m]).items():
+            if self._blob(sha).exists():
+                held += entry.size
+                continue
+            p = self._loaded(sha)
+            with self._lock:
+                have = sorted(p.have) if p is not None and p.chunk_bytes == chunk_bytes else []
+            held += sum(min(chunk_bytes, entry.size - i * chunk_bytes) for i in have)
+        return held
+
     def entries(self) -> list[CacheEntry]:
         """Every manifest the cache knows, most recently used first."""
         pinned = self._pinned()
@@ -890,15 +905,18 @@ class Cache:
         for d in self._digests():
             m = self.manifest(d)
             folder = adopted.get(d)
+            complete = folder is not None or self._tree(d).is_dir()
+            total = m.total_bytes if m is not None else 0
             out.append(
                 CacheEntry(
                     digest=d,
-                    bytes=m.total_bytes if m is not None else 0,
+                    bytes=total,
                     files=len(m.entries) if m is not None else 0,
                     last_used=self._last_used(d),
-                    complete=folder is not None or self._tree(d).is_dir(),
+                    complete=complete,
                     pinned_by=pinned.get(d, ()),
                     adopted=str(folder) if folder is not None else None,
+                    held=total if complete else self._held(m) if m is not None else 0,
                 )
             )
         return sorted(out, key=lambda e: (-e.last_used, e.digest))

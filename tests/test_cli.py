@@ -460,3 +460,12 @@ def test_watch_rides_out_a_coordinator_killed_and_restarted(pool: LocalPool, ctl
     assert ctl("cancel", job_id)[0] == 0
     assert watcher.wait(timeout=60) == 1, log.read_text()[-3000:]
     assert re.search(rf"job {job_id} +cancelled", log.read_text().splitlines()[-1]), log.read_text()[-2000:]
+
+
+def test_dpctl_cache_shows_what_a_node_holds_of_a_tree_it_is_fetching() -> None:
+    from dpool.client.cache import held
+
+    assert held(12 << 20, 24 << 20, False) == "12.0MiB of 24.0MiB"
+    assert held(0, 24 << 20, False) == "0B of 24.0MiB"  # a manifest alone
+    assert held(24 << 20, 24 << 20, True) == "24.0MiB"
+    assert held(None, 24 << 20, False) == "24.0MiB"  # a node that did not say

@@ -415,15 +415,20 @@ def test_a_fetch_interrupted_half_way_resumes_with_only_the_missing_chunks(tmp_p
     todo = first.missing(m)
     assert len(todo) == 6 + 3 + 1
     fetch(first, m, source, todo[::2])
+    written = sum(min(m.chunk_bytes, e.size - i * m.chunk_bytes) for e, i in todo[::2])
+    (entry,) = first.entries()  # what it holds of the tree, not the tree's size (dpctl cache said 22.9MiB of a manifest alone)
+    assert not entry.complete and entry.bytes == m.total_bytes and entry.held == written < m.total_bytes
     del first  # the daemon was killed: nothing but the files remains
     again = Cache(tmp_path / "cache")
     assert again.manifest(m.digest) == m
+    assert again.entries()[0].held == written  # read back from the partial files' records
     rest = again.missing(m)
     assert rest == todo[1::2]
     assert all(again.has_chunk(e.sha256, i) for e, i in todo[::2] if e.size > SMALL)  # complete ones are blobs
     fetch(again, m, source, rest)
     assert differences(again.complete(m), m) == []
     assert list((tmp_path / "cache" / "partial").iterdir()) == []
+    assert again.entries()[0].held == m.total_bytes
 
 
 def test_a_torn_chunk_is_detected_when_a_fetch_resumes(tmp_path: Path) -> None:
