@@ -127,6 +127,10 @@ def test_sigkill_of_a_trainer_resumes_from_the_checkpoint(pool: Pool, tmp_path: 
     # all the same, and blamed on its node.
     failed = [f for f in kinds(events, "worker.failed") if f.get("code") != 1]
     assert failed[0]["node"] == "n1" and failed[0]["reason"] == "exit" and failed[0]["code"] == -9, kinds(events, "worker.failed")
+    # A peer's exit 1 says why (it often stops the group before the kill is in: the reason says
+    # it lost a peer, not only "exit code 1").
+    peers = [f for f in kinds(events, "worker.failed") if f.get("code") == 1]
+    assert all(f.get("error") for f in peers), peers
     resumed = kinds(events, "group.resumed")
     assert resumed and resumed[0]["generation"] >= 2 and resumed[0]["cause"] == "failure"
     assert 0 <= resumed[0]["steps_recomputed"] < 4 + 6  # at most a checkpoint interval (plus steps in flight)

@@ -130,6 +130,10 @@ def _main(argv: list[str]) -> int:
         return 130
     except RuntimeError as e:  # e.g. "[ring] connection to a peer was lost": the daemon restarts the group
         get_logger().error("trainer.failed", error=str(e))
+        # Its `error:` line too: the daemon carries it with the exit, so a group stopped by this
+        # rank's exit says that it lost a peer, not only "exit code 1" (it often arrives before
+        # the exit of the rank that really failed).
+        print(f"error: {e}", file=sys.stderr)
         return loop.EXIT_FAILED
 
 
