@@ -67,6 +67,7 @@ class Fit:
     started: float = 0.0  # when it began fetching (its place in the chain)
     fetch_failed: bool = False  # UNFIT from STAGING: its fetch failed; asked again when the content's holders change
     told: bool = False  # STAGING: its `node.staging` event is recorded (once the bytes to fetch are known)
+    unsaid: bool = False  # UNFIT, its `node.unfit` held back: another node's answer may yet name the content it lacks
 
 
 @dataclass(slots=True)
@@ -91,6 +92,12 @@ class Found:
 def needs_files(spec: JobSpec) -> bool:
     """Whether a node must check files before it serves the job (the built-in corpus needs none)."""
     return spec.model.kind == "mlx_lm" or spec.data.source != "stdlib"
+
+
+def unnamed(spec: JobSpec) -> bool:
+    """Whether the job's content may yet be named by a node's answer: it was submitted from a
+    machine without its files (no digest for a tree it uses)."""
+    return (spec.data.source != "stdlib" and spec.content.data is None) or (spec.model.kind == "mlx_lm" and spec.content.model is None)
 
 
 def digests(spec: JobSpec) -> list[str]:
@@ -242,8 +249,14 @@ class Fitness:
         if old is not None and old.state is FitState.STAGING and state is FitState.UNFIT:
             actions += self._resend(set(digests(spec)), exclude=node)  # the fetchers behind it read elsewhere now
         if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or old.reason != msg.reason):
-            # -> UNFIT: the node sits this job out, and says why (once per reason)
-            actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
+            # -> UNFIT: the node sits this job out, and says why (once per reason). Not yet where
+            # the job names no content and other nodes still check theirs: one of them may find
+            # the files, and then this node fetches them instead (it said node.unfit, then
+            # node.staged, and trained).
+            if unnamed(spec):
+                fit.unsaid = True  # said below, once no other node may name the content
+            else:
+                actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
         elif state is FitState.READY and old is not None and old.state is FitState.STAGING:
             # STAGING -> READY: it fetched what it lacked (`total_bytes`: how much)
             if not old.told:  # done before it reported a size
@@ -256,7 +269,17 @@ class Fitness:
             # Said once the fetch knows its size (its first answer comes before the manifest: 0 bytes).
             fit.told = True
             actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))
+        named = any(isinstance(a, Found) for a in actions)  # every node is asked again, against it
+        if state in (FitState.READY, FitState.UNFIT) and not named and not self._others_checking(msg.job, ""):
+            # every node has answered and none named the content: the unfit ones sit it out
+            for name, held in sorted(fits.items()):
+                if held.unsaid and held.state is FitState.UNFIT:
+                    held.unsaid = False
+                    actions.append(Record(msg.job, "node.unfit", now, {"node": name, "reason": held.reason or "unfit"}))
         return actions
+
+    def _others_checking(self, job_id: str, node: str) -> bool:
+        return any(f.state in (FitState.ASKED, FitState.CHECKING) for n, f in self.fits.get(job_id, {}).items() if n != node)
 
     def unfit(self, now: float, job_id: str, node: str, reason: str) -> list[Record]:
         """A rank of the job refused its input on `node` (exit 2): that node sits the job out."""

@@ -56,7 +56,6 @@ from dpool.staging.fetch import Fetch
 from dpool.staging.parts import (
     HOLD_S,
     IO_THREADS,
-    RATE_WINDOW_S,
     STATS,
     TIMEOUT_S,
     WINDOW,
@@ -176,7 +175,7 @@ class Stager:
             job = self._fetches.get(digest)
         if job is None:
             return None
-        rate = job.rate_bps if time.monotonic() - job.rate_at < RATE_WINDOW_S else 0.0  # nothing came of late
+        rate = job.rate_bps if time.monotonic() - job.rate_at < job.quiet_s() else 0.0  # nothing came of late
         return Progress(digest, job.done_bytes, job.total_bytes, rate, list(job.source_names))
 
     def set_rate(self, digest: str | None, rate_bps: float | None) -> None:

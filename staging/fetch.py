@@ -203,6 +203,7 @@ class Fetch:
         missing = await io(cache.missing, manifest)
         items = [_Item(chunk_key(e.sha256, i), e.chunk_size(i, manifest.chunk_bytes), e, i) for e, i in missing]
         self.done_bytes = max(0, self.total_bytes - sum(it.size for it in items))
+        self.samples.append((time.monotonic(), self.done_bytes))  # the first chunk's rate counts from here
         keys = [it.key for it in items]
         self.keys += keys
         self.s.expect(keys)
@@ -551,3 +552,12 @@ class Fetch:
             t0, b0 = self.samples[0]
             self.rate_bps = (self.done_bytes - b0) / (now - t0) if now > t0 else 0.0
             self.rate_at = now
+
+    def quiet_s(self) -> float:
+        """How long without a chunk landing before the fetch reads as stalled (rate 0): the rate
+        window, or twice the pace chunks land at where that is slower (4 MiB chunks paced at
+        1 MB/s land every 4 s; the rate read 0 between them)."""
+        if len(self.samples) < 2:
+            return RATE_WINDOW_S
+        gap = (self.samples[-1][0] - self.samples[0][0]) / (len(self.samples) - 1)
+        return max(RATE_WINDOW_S, 2 * gap)

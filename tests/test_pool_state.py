@@ -1471,6 +1471,33 @@ def test_a_node_names_a_jobs_content_and_an_answer_about_other_files_given_befor
     assert pool.fitness.eligible("j", pool.jobs["j"].spec, "a") and not pool.fitness.eligible("j", pool.jobs["j"].spec, "b")
 
 
+def test_a_node_lacking_files_another_node_may_yet_name_says_unfit_only_once_every_node_answered() -> None:
+    """Submitted from a machine without the files: a answers first that it has none. b and c still
+    check theirs; b finds them, and a then fetches. a said `node.unfit` (then `node.staged`, and
+    trained): now its unfit waits for the others, and is said only if none names the content."""
+    pool = Driven()
+    for n in "abc":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())
+    seen = staged(pool, 0.1, "a", "unfit", "data.source = '~/corpus/*.txt': no such files on this machine")
+    assert records(seen, "node.unfit") == []
+    out = staged(pool, 0.2, "b", "ready", found_data="b" * 64)
+    assert records(out, "job.content") == [{"node": "b", "data": "b" * 64}]
+    seen += out + staged(pool, 0.3, "c", "ready", found_data=None)
+    seen += staged(pool, 0.4, "a", "staging", done_bytes=0, total_bytes=100)
+    out = staged(pool, 0.5, "a", "ready", total_bytes=100)
+    assert records(out, "node.staged") and records(seen + out, "node.unfit") == []
+
+    other = Driven()
+    for n in "abc":
+        join(other, n, 1)
+    other.submit(0.0, "j", files_spec())
+    staged(other, 0.1, "a", "unfit", "no such files on a")
+    assert records(staged(other, 0.2, "b", "unfit", "no such files on b"), "node.unfit") == []
+    out = staged(other, 0.3, "c", "unfit", "no such files on c")  # the last answer: no node names it
+    assert records(out, "node.unfit") == [{"node": n, "reason": f"no such files on {n}"} for n in "abc"]
+
+
 def test_unfit_about_the_job_before_it_named_its_content_does_not_count() -> None:
     """b lacks the files and says so about the job as submitted; its answer arrives after a named
     them (the node echoes what it was asked). It is asked again at once, not after the recheck,

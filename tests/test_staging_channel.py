@@ -387,6 +387,31 @@ def test_a_paced_fetch_takes_at_least_its_size_over_its_rate(nodes: Nodes, src: 
     assert_same_files(got, folder, m)
 
 
+def test_a_fetch_whose_chunks_land_slower_than_the_rate_window_never_reads_as_stalled(nodes: Nodes, src: tuple[Path, Manifest], monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 MiB chunks paced at 1 MB/s land every 4 s, more than the 3 s rate window: status read
+    rate 0 and no ETA between them. Here the window is 0.2 s and chunks land every ~0.5 s."""
+    import dpool.staging.fetch as fetch_module
+
+    monkeypatch.setattr(fetch_module, "RATE_WINDOW_S", 0.2)
+    _, m = src
+    a = nodes.node("a", holds=src)
+    f = nodes.node("f", bind=None)
+    future = f.fetch(m, a, rate_bps=CHUNK / 0.5)
+    wait_for("the first chunk", lambda: f.stats()["chunks_fetched"] >= 1, 30, 0.01)
+    first = f.stager.progress(m.digest)
+    assert first is not None
+    assert first.rate_bps > 0, first  # counted from the fetch's start, not only from a second chunk
+    rates = []
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and (p := f.stager.progress(m.digest)) is not None:
+        rates.append(p.rate_bps)
+        time.sleep(0.02)
+    assert len(rates) > 20 and min(rates) > 0, rates
+    f.stager.cancel(m.digest)
+    with pytest.raises(concurrent.futures.CancelledError):
+        future.result(10)
+
+
 def test_a_fetch_paced_to_a_crawl_finishes_once_its_pace_is_lifted(nodes: Nodes, src: tuple[Path, Manifest]) -> None:
     folder, m = src
     a = nodes.node("a", holds=src)
