@@ -435,8 +435,8 @@ def cmd_nodes(c: Client, a: argparse.Namespace) -> int:
         job = n.job
         if job and n.ranks:
             job = f"{job}/{','.join(str(r) for r in n.ranks)}"
-        state, reason = (f"yielding ({n.reason})", None) if n.state == "yielding" and n.reason else (n.state, n.reason)  # to its owner, for why
-        rows.append([n.name, n.address, n.interface, state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), links_text(n), reason])
+        # REASON says why a node is not idle or busy (drained, set aside, yielding to its owner: "on battery"), as --json's "reason"
+        rows.append([n.name, n.address, n.interface, n.state, n.platform, n.chip, size(n.memory_bytes), n.mlx_version, f"{n.busy_slots}/{n.slots}", job, age(n.heartbeat_age_s), links_text(n), n.reason])
     # ADDRESS and INTERFACE: where the ring reaches the node, and over which link (bridge0: Thunderbolt);
     # LINKS: what the groups' probes measured to other nodes (Mbit/s / latency), the slowest first
     print(table(["NAME", "ADDRESS", "INTERFACE", "STATE", "PLATFORM", "CHIP", "MEMORY", "MLX", "SLOTS", "JOB/RANK", "HEARTBEAT", "LINKS", "REASON"], rows))

@@ -361,7 +361,7 @@ def add_parser(sub: Any) -> None:
         p.add_argument("--dir", help="the pool's key directory (default: --keys, else $DPOOL_KEYS)")
         p.add_argument("--force", action="store_true", help="replace its existing pair")
         if command == "add-client":
-            p.add_argument("--read-only", action="store_true", help="a viewer (allowed/viewers/): status, nodes, metrics, events, samples, logs only")
+            p.add_argument("--read-only", action="store_true", help="a viewer (allowed/viewers/): requests that only read (status, queue, logs, ...)")
         p.set_defaults(fn=None, local_fn=cmd_keys_add)
     p = ksub.add_parser("add-viewer", help="issue a viewer: a read-only key (allowed/viewers/NAME.key) and a dashboard token (bundles/NAME/viewer.token)")
     p.add_argument("name", help="its name (a-z, 0-9, '-')")

@@ -60,6 +60,7 @@ from dpool.protocol.peerbudget import PeerBudget
 from dpool.protocol.security import (
     HANDSHAKE_EVENTS,
     REFUSAL_LOG_S,
+    ROLE_RULE,
     ROLE_SENDS,
     CurveServer,
     ServerKeys,
@@ -735,9 +736,6 @@ class Coordinator:
             self._relay(self.exports.node_restarted(now, msg.name))
         actions += [Send(msg.name, m.JobRemove(job=job)) for job in removed]  # after the welcome, as every action
         return m.NodeRegistered(heartbeat_s=self.pool.cadence.period_s, liveness=self.pool.liveness), actions
-
-
-ROLE_RULE = "node keys send node.*, client keys dpctl's requests, viewer keys only status, nodes, metrics, events, samples and logs"
 
 
 def _page(limit: int) -> int:

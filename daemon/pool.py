@@ -846,8 +846,8 @@ class Pool:
             if d.targets[job_id] == 0 and job.state is JobState.RECOVERING:
                 # RECOVERING -> QUEUED: stopped, and the slots it could run on go to jobs ahead of it.
                 note, job.resize = job.resize, None
-                if note is not None and note.how is sched.How.PREEMPT:
-                    actions.append(Record(job.id, "job.preempted", now, sched.preempted_event(note, now, job.step, job.checkpoint_step)))
+                if note is not None:  # a stop the pool asked for (a preemption, or a node that left below its minimum)
+                    actions.append(Record(job.id, "job.preempted", now, sched.preempted_event(note, now, job.step, job.checkpoint_step, why)))
                 actions += self._feed(job, js.Requeue(why), now)
         claimed: set[tuple[str, int]] = set()  # slots growths warm this round: one job each
         growing = {r.job for r in d.resizes if r.how is sched.How.GROW}

@@ -230,7 +230,7 @@ def plan(now: float, capacity: int, free: int, jobs: Iterable[JobView], policy: 
         given = from_free.get(j.id)
         if j.phase is Phase.WAITING:
             if target[j.id] == 0:
-                d.waits[j.id] = _why_not(j, order[: rank[j.id]], target, capacity)
+                d.waits[j.id] = _why_not(j, order, rank, target, capacity)
                 continue
             takes = d.takes.get(j.id, [])
             waits_for = [t for t in takes if t.job in coming]
@@ -249,15 +249,35 @@ def plan(now: float, capacity: int, free: int, jobs: Iterable[JobView], policy: 
     return d
 
 
-def _why_not(j: JobView, ahead_of: Sequence[JobView], target: dict[str, int], capacity: int) -> str:
-    """Why a job has no target: it never fits, or the jobs ahead of it hold the slots."""
+def _why_not(j: JobView, order: Sequence[JobView], rank: dict[str, int], target: dict[str, int], capacity: int) -> str:
+    """Why a job has no target: it never fits, or other jobs hold the slots. Every job due slots
+    is named, those behind it too (backfilled into what it cannot use: they give way once it can
+    start), so that the named slots and the free ones add up to the usable ones."""
     room = j.capacity if j.capacity is not None else capacity
     if j.min > room:
         return f"workers.min = {j.min} is more than the {room} usable slot(s) that can serve it"
-    ahead = [o for o in ahead_of if target[o.id] > 0]
-    named = ", ".join(f"{o.id} ({target[o.id]}{'' if o.priority == j.priority else f', priority {o.priority}'})" for o in ahead[:NAMED_MAX])
-    more = f" and {len(ahead) - NAMED_MAX} more" if len(ahead) > NAMED_MAX else ""
-    return f"{j.min} free slot(s) (workers.min); jobs ahead of it hold them: {named}{more}" if ahead else f"{j.min} free slot(s) (workers.min)"
+    holders = [o for o in order if o.id != j.id and target[o.id] > 0]
+    named = [_holder(o, j, rank, target[o.id]) for o in holders[:NAMED_MAX]]
+    if len(holders) > NAMED_MAX:
+        named.append(f"{len(holders) - NAMED_MAX} more ({sum(target[o.id] for o in holders[NAMED_MAX:])})")
+    why = f"{j.min} free slot(s) (workers.min)"
+    if not named:
+        return why
+    held_by = f"{', '.join(named[:-1])} and {named[-1]}" if len(named) > 1 else named[0]
+    # The free ones: only where every usable slot can serve it (else the holders' slots may lie
+    # on nodes it cannot use, and the sum would say nothing).
+    idle = capacity - sum(target[o.id] for o in holders) if j.capacity is None else 0
+    return f"{why}; {idle} free, the rest held by {held_by}" if idle > 0 else f"{why}; held by {held_by}"
+
+
+def _holder(o: JobView, j: JobView, rank: dict[str, int], slots: int) -> str:
+    """`o-1 (2)`, `o-1 (1, priority 5)`, `o-1 (1, behind it: backfill)`."""
+    notes = [str(slots)]
+    if o.priority != j.priority:
+        notes.append(f"priority {o.priority}")
+    if rank[o.id] > rank[j.id]:
+        notes.append("behind it: backfill")
+    return f"{o.id} ({', '.join(notes)})"
 
 
 def _why_waiting(j: JobView, takes: list[Take], by_id: dict[str, JobView], uncovered: int) -> str:
@@ -300,8 +320,15 @@ def resumed_event(note: Note, world_size: int, resumed: dict[str, object]) -> tu
     return kind, fields
 
 
-def preempted_event(note: Note, now: float, step: int, checkpoint_step: int | None) -> dict[str, object]:
-    """`job.preempted`'s fields, once its group has stopped: who took the slots, the checkpoint it
-    resumes from and the steps past it (0: it stopped at a checkpoint), how long the stop took."""
+def preempted_event(note: Note, now: float, step: int, checkpoint_step: int | None, waits: str) -> dict[str, object]:
+    """`job.preempted`'s fields, once a group the pool asked to stop has stopped and the job is
+    back in the queue (whatever the resize asked for: its minimum no longer fits): who took the
+    slots, or else why (`cause`, `by` empty, as in `job.shrunk`: the node that left it, or, for a
+    job stopped to grow whose slots went to others meanwhile, what it now `waits` for), the
+    checkpoint it resumes from and the steps past it (0: it stopped at a checkpoint), how long the
+    stop took. Its restart's cost is the `group.resumed` of the group that takes it back."""
     saved = checkpoint_step or 0
-    return {"by": list(note.by), "from": note.world_size, "step": saved, "steps_lost": max(0, step - saved), "stop_s": round(now - note.at, 3)}
+    fields: dict[str, object] = {"by": list(note.by), "from": note.world_size}
+    if note.cause is not None or not note.by:
+        fields["cause"] = note.cause or waits
+    return fields | {"step": saved, "steps_lost": max(0, step - saved), "stop_s": round(now - note.at, 3)}

@@ -70,6 +70,9 @@ ROLE_SENDS: dict[str, frozenset[MsgType]] = {
     "client": m.FROM_CLIENT,
     "viewer": READ_ONLY,
 }
+# What a key refused for its role is told (daemon/coordinator.py): written from the sets above, so
+# that it names every request a viewer may send however READ_ONLY grows.
+ROLE_RULE = f"node keys send node.*, client keys dpctl's requests, viewer keys only {', '.join(str(t) for t in MsgType if t in READ_ONLY)}"
 
 
 def user_parts(user_id: str) -> tuple[str, str, str]:

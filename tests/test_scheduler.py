@@ -90,7 +90,7 @@ def test_a_job_at_its_minimum_is_preempted_when_a_higher_one_needs_its_slots() -
     # Stopped, it waits in the queue, saying for whom.
     d = plan(2, job("low", 2, 2, at=0, started_at=0.0), job("high", 1, 1, p=5, at=50))
     assert d.starts == [Start("high", 1)]
-    assert d.waits["low"] == "2 free slot(s) (workers.min); jobs ahead of it hold them: high (1, priority 5)"
+    assert d.waits["low"] == "2 free slot(s) (workers.min); 1 free, the rest held by high (1, priority 5)"
 
 
 def test_victims_are_the_lowest_priority_first_then_the_most_recently_started() -> None:
@@ -170,7 +170,20 @@ def test_a_small_job_backfills_slots_the_head_of_the_queue_cannot_use() -> None:
     jobs = (job("a", 1, 1, phase=RUNNING, held=1), job("big", 2, 2, at=1), job("small", 1, 1, at=2))
     d = plan(2, *jobs)
     assert d.starts == [Start("small", 1)]
-    assert d.waits["big"] == "2 free slot(s) (workers.min); jobs ahead of it hold them: a (1)"
+    assert d.waits["big"] == "2 free slot(s) (workers.min); held by a (1) and small (1, behind it: backfill)"
+
+
+def test_why_a_job_waits_names_every_job_due_its_slots_those_behind_it_too() -> None:
+    """The audit's pool of 3: x holds 2, y needs all 3, z (behind y) backfilled the third. Named
+    and free, the slots add up to the pool's."""
+    jobs = (job("x", 1, 2, phase=RUNNING, held=2), job("y", 3, 3, at=1), job("z", 1, 1, p=-1, at=2, phase=RUNNING, held=1))
+    assert plan(3, *jobs).waits["y"] == "3 free slot(s) (workers.min); held by x (2) and z (1, priority -1, behind it: backfill)"
+    assert plan(3, job("x", 1, 1, phase=RUNNING, held=1), job("y", 3, 3, at=1)).waits["y"] == "3 free slot(s) (workers.min); 2 free, the rest held by x (1)"
+    many = [job(f"j{k}", 1, 1, at=k, phase=RUNNING, held=1) for k in range(7)]
+    why = plan(9, *many, job("y", 3, 3, at=10)).waits["y"]
+    assert why == "3 free slot(s) (workers.min); 2 free, the rest held by j0 (1), j1 (1), j2 (1), j3 (1) and 3 more (3)"
+    # Where only some slots can serve it, the others' slots may lie elsewhere: no sum of free ones.
+    assert plan(4, job("x", 2, 2, phase=RUNNING, held=2), job("y", 3, 3, at=1, capacity=3)).waits["y"] == "3 free slot(s) (workers.min); held by x (2)"
 
 
 def test_a_backfilled_job_yields_once_the_job_it_jumped_can_start() -> None:
@@ -218,7 +231,18 @@ def test_resize_events_carry_who_took_the_slots_and_the_cost() -> None:
     )
     assert s.resumed_event(grew, 1, {}) is None
     pre = s.Note(How.PREEMPT, 2, ("high",), 10.0)
-    assert s.preempted_event(pre, 11.25, 40, 40) == {"by": ["high"], "from": 2, "step": 40, "steps_lost": 0, "stop_s": 1.25}
+    assert s.preempted_event(pre, 11.25, 40, 40, "1 free slot(s)") == {"by": ["high"], "from": 2, "step": 40, "steps_lost": 0, "stop_s": 1.25}
+
+
+def test_a_job_requeued_by_no_job_says_why_in_cause() -> None:
+    """A node that left it (a drain, its owner) below its minimum: the node, as job.shrunk says it.
+    A job stopped to grow whose slots went to others meanwhile: what it now waits for."""
+    left = s.Note(How.SHRINK, 2, (), 10.0, cause="node b yields to its owner (on battery)")
+    assert s.preempted_event(left, 10.5, 41, 40, "2 free slot(s) (workers.min)") == {
+        "by": [], "from": 2, "cause": "node b yields to its owner (on battery)", "step": 40, "steps_lost": 1, "stop_s": 0.5,
+    }
+    grew = s.Note(How.GROW, 1, (), 10.0)
+    assert s.preempted_event(grew, 10.5, 40, 40, "2 free slot(s) (workers.min); held by h (2, priority 3)")["cause"] == "2 free slot(s) (workers.min); held by h (2, priority 3)"
 
 
 def test_many_jobs_plan_quickly_enough_to_run_every_round() -> None:

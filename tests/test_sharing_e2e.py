@@ -169,7 +169,7 @@ def test_a_job_at_its_minimum_is_requeued_with_its_checkpoint_and_resumes_with_n
     high = pool.submit_with(job_file(tmp_path, "high", 1, 1, SHORT), "--priority", "1")
     queued = pool.wait(low, "back in the queue", lambda s: s.state == "queued", timeout=60)
     assert queued.checkpoint_step is not None and queued.checkpoint_step == queued.step
-    assert queued.waiting is not None and f"jobs ahead of it hold them: {high}" in queued.waiting, queued
+    assert queued.waiting is not None and f"held by {high} (1, priority 1)" in queued.waiting, queued
     pool.finish(high, references(SHORT))
     back = pool.wait(low, "running again", lambda s: s.state == "running" and s.generation > queued.generation)
     pool.wait(low, "a few steps past its resume", lambda s: s.step >= back.step + 5)

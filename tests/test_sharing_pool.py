@@ -100,7 +100,7 @@ def test_a_job_at_its_minimum_is_preempted_requeued_with_its_checkpoint_and_resu
     (pre,) = records(out, "job.preempted")
     assert pre == {"by": ["h"], "from": 2, "step": 8, "steps_lost": 0, "stop_s": 0.2}
     assert records(out, "job.queued") and [s.msg.job for s in sends(out, m.GroupPrepare)] == ["h"]  # type: ignore[attr-defined]
-    assert "jobs ahead of it hold them: h (1, priority 1)" in (job.waiting or "")
+    assert job.waiting == "2 free slot(s) (workers.min); 1 free, the rest held by h (1, priority 1)"
     h_out = up(pool, "h", out, 2.3)
     out = exit_all(pool, "h", 3.0, code=0)
     assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
@@ -132,7 +132,7 @@ def test_backfill_starts_a_small_job_the_big_head_cannot_block() -> None:
     assert [s.msg.job for s in sends(out, m.GroupPrepare)] == ["small"]  # type: ignore[attr-defined]
     rows = queue_rows(pool.live.values(), pool.decision)
     assert [(r.position, r.id, r.state, r.target) for r in rows] == [(1, "first", "running", 1), (2, "big", "queued", 0), (3, "small", "starting", 1)]
-    assert rows[1].waiting == "2 free slot(s) (workers.min); jobs ahead of it hold them: first (1)"
+    assert rows[1].waiting == "2 free slot(s) (workers.min); held by first (1) and small (1, behind it: backfill)"
 
 
 def test_a_priority_raised_moves_a_queued_job_ahead() -> None:

@@ -49,8 +49,10 @@ from dpool.daemon.conditions import (
     parse_vm_pressure_level,
     parse_yield_when,
 )
+from dpool.daemon.jobstate import JobState
 from dpool.daemon.owner import OwnerWatch
 from dpool.daemon.pool import Hold
+from dpool.daemon.records import Record
 from dpool.daemon.yieldpolicy import Change, YieldPolicy
 from dpool.protocol import messages as m
 from dpool.protocol.owner_messages import NodeYield
@@ -427,6 +429,25 @@ def test_a_yielding_node_drains_with_no_step_lost_takes_no_work_and_comes_back()
     assert pool.jobs["j"].machine.restarts == 0  # a yield is a membership change, never a failure
 
 
+def test_a_job_a_yield_leaves_below_its_minimum_is_preempted_naming_the_yield() -> None:
+    """The job needs both nodes; b's owner needs b back: the job stops at a checkpoint and waits in
+    the queue, and says so as a preemption by no job, its cause the yield (as job.shrunk says a
+    shrink's)."""
+    pool = running_pool(("a", "b"), lo=2)
+    out = say(pool, 2.0, "b", "memory pressure")
+    assert sends(out, m.GroupStop)
+    pool.progress(2.1, "j", 1, 0, 8, 192, 0.05)  # the step the stop was fused into
+    for r, n in enumerate("ab"):
+        pool.checkpoint(2.15, n, "j", 1, r, 0, 8, 0.01)
+    out = []
+    for r, n in enumerate("ab"):
+        out += pool.worker_exited(2.25, n, "j", 1, r, 0, 75, False)
+    assert pool.jobs["j"].state is JobState.QUEUED
+    assert [a.kind for a in out if isinstance(a, Record) and a.kind.startswith("job.")] == ["job.preempted", "job.queued"]
+    (pre,) = records(out, "job.preempted")
+    assert pre == {"by": [], "from": 2, "cause": "node b yields to its owner (memory pressure)", "step": 8, "steps_lost": 0, "stop_s": 0.25}
+
+
 def test_a_users_drain_outlasts_the_yield_and_an_undrain_while_yielding_keeps_it_yielding() -> None:
     pool = running_pool(("a", "b"))
     say(pool, 2.0, "b", "on battery")
@@ -481,6 +502,34 @@ def test_a_yield_is_the_dpds_to_say_after_a_restart() -> None:
 # -- end to end: real dpds -------------------------------------------------------------------------
 
 
+def table_row(text: str, name: str) -> dict[str, str]:
+    """`dpctl nodes`' row for node `name`, by column (the header's words start each column)."""
+    header, *rows = text.splitlines()
+    starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+
+    def cells(line: str) -> list[str]:
+        return [line[a:b].strip() for a, b in zip(starts, [*starts[1:], None], strict=True)]
+
+    return next(dict(zip(cells(header), cells(r), strict=True)) for r in rows if r.startswith(name + " "))
+
+
+def test_dpctl_nodes_says_why_a_node_yields_in_its_reason_column(processes: Processes, tmp_path: Path) -> None:
+    """A real dpd on battery (its /sys through DPOOL_YIELD_PROBE_DIR) yields as it registers: the
+    table's STATE says yielding and REASON why, as `nodes --json`'s "reason" does (REASON showed
+    "-" and the reason sat in STATE)."""
+    ps = "sys/class/power_supply"
+    probe = write_tree(tmp_path / "probe", {f"{ps}/AC/type": "Mains", f"{ps}/AC/online": "0", f"{ps}/BAT0/type": "Battery", f"{ps}/BAT0/present": "1", f"{ps}/BAT0/status": "Discharging"})
+    pool = LocalPool(processes, tmp_path)
+    pool.start_daemon("n0", serve=True, args=["--yield-when", "battery"], env={"DPOOL_YIELD_PROBE_DIR": str(probe), "DPOOL_YIELD_PERIOD_S": "0.1"})
+    pool.wait_registered(1)
+    wait_for("n0 yielding", lambda: any(n.name == "n0" and n.state == "yielding" for n in pool.nodes()), 30, every=0.05)
+    assert [(n["state"], n["reason"]) for n in pool.dpctl_json("nodes")] == [("yielding", "on battery")]
+    table = pool.dpctl("nodes")
+    assert table.returncode == 0, table.stderr
+    row = table_row(table.stdout, "n0")
+    assert (row["STATE"], row["REASON"]) == ("yielding", "on battery"), table.stdout
+
+
 @pytest.mark.slow
 def test_a_node_whose_owner_becomes_active_drains_and_returns(processes: Processes, tmp_path: Path) -> None:
     """(e): n2's owner sits down (logind says a session is active): n2 yields, its work moves to
@@ -503,7 +552,7 @@ def test_a_node_whose_owner_becomes_active_drains_and_returns(processes: Process
     shrunk = pool.wait_status(job, "the job on n0 and n1 alone", lambda s: s.state == "running" and s.world_size == 2 and s.generation >= 2, timeout=60, every=0.05)
     assert {w.node for w in shrunk.workers} == {"n0", "n1"}
     table = pool.dpctl("nodes")
-    assert table.returncode == 0 and "yielding (owner active)" in table.stdout, table.stdout
+    assert table.returncode == 0 and (table_row(table.stdout, "n2")["STATE"], table_row(table.stdout, "n2")["REASON"]) == ("yielding", "owner active"), table.stdout
     undrain = pool.dpctl("undrain", "n2")  # a user's undrain does not overrule the owner
     assert undrain.returncode == 0 and "yields to its owner (owner active)" in undrain.stdout, undrain.stdout
     step = pool.wait_status(job, "steps without n2", lambda s: s.step >= shrunk.step + 3, timeout=60, every=0.05).step
