@@ -81,16 +81,19 @@ def viewers_dir(keys: Path | None) -> Path | None:
 
 def check(listen: str, coordinator: str, *, keys: Path | None, tokens: Path | None, insecure: bool, poll_s: float = DEFAULT_POLL_S, timeout_s: float = 3.0, parent_pid: int | None = None, flag: str = "--listen") -> Options:
     """The options, or OptionsError naming what is wrong. A non-loopback address needs tokens
-    (`tokens`, else the key directory's viewers) or `insecure`."""
+    (`tokens`, else the key directory's viewers) or `insecure`. `flag` names where `listen` came
+    from: `--listen` (dpctl dashboard) or `--dashboard` (dpd run, which the message then speaks to)."""
     where = parse_listen(listen, flag)
     if tokens is not None and not tokens.is_dir():
         raise OptionsError(f"--tokens {tokens}: no such folder; it is the pool's allowed/viewers/ (or a copy), where `dpctl keys add-viewer NAME` writes NAME.token")
     chosen = tokens or viewers_dir(keys)
     if not where.loopback and chosen is None and not insecure:
+        # Each command's remedy in its own flags: `dpd run --dashboard` takes no --tokens (its
+        # dashboard checks the key directory's viewers), `dpctl dashboard --listen` does.
+        keyed = "run dpd with the pool's key directory (--keys DIR)" if flag == "--dashboard" else "run the dashboard with the pool's key directory (--keys DIR) or --tokens DIR"
         raise OptionsError(
             f"{flag} {listen}: refusing to show the pool beyond this machine without viewer tokens; "
-            "issue one with `dpctl keys add-viewer NAME` and run the dashboard with the pool's key directory (--keys DIR) "
-            "or --tokens DIR, keep it on 127.0.0.1, or pass --insecure on a network you trust"
+            f"issue one with `dpctl keys add-viewer NAME` and {keyed}, keep it on 127.0.0.1, or pass --insecure on a network you trust"
         )
     if tokens is None and where.loopback:
         chosen = None  # loopback answers this machine's users, as a pool without keys does

@@ -134,7 +134,8 @@ class Poller:
         self._all_jobs: list[JobStatus] = []  # the whole job list, for /metrics
         self._all_wire: dict[str, dict[str, Any]] = {}  # the same, as `status --json` prints them
         self._all_read_at = -METRICS_LIST_S
-        self.metrics_snapshot: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]] = ([], [], {})
+        # None until the coordinator first answered a round for /metrics: no pool to count yet, not an empty one
+        self.metrics_snapshot: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]] | None = None
         self.thread = threading.Thread(target=self.run, name="dashboard-poller", daemon=True)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -191,6 +192,8 @@ class Poller:
             self.poll(wanted)
             self.render(wanted, full=full)
         except Exception as e:
+            if self._stop.is_set():
+                return  # cut short by the stop (the process exiting closes the socket under the request): no failure to report
             now = time.monotonic()
             if now - self._failed_said > 60:
                 print(f"dashboard: a round failed ({type(e).__name__}: {e}); trying again", file=sys.stderr, flush=True)
@@ -405,7 +408,7 @@ class Poller:
     def _render(self, view: str) -> tuple[Any, Callable[[], views.Rendered]] | None:
         """The view's inputs (a page renders again when they change) and how to render it."""
         conn = self.conn
-        said = (conn.ok, conn.error, conn.since)
+        said = (conn.ok, conn.error, conn.since, time.localtime()[:3])  # and the day: past midnight a time shows its date
         if view == "pool":
             return (said, self._nodes_version, self._active_version), lambda: views.pool_view(self.nodes, self.active, conn)
         if view == "jobs" or view.startswith("jobs?"):

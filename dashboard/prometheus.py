@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 NODE_STATES = ("idle", "busy", "draining", "lost", "yielding")  # always exposed, 0 when none: a series that exists
 JOB_STATES = ("queued", "starting", "running", "recovering", "succeeded", "failed", "cancelled")
 ENDED = frozenset({"succeeded", "failed", "cancelled"})
+WITH_GROUP = frozenset({"starting", "running", "recovering"})  # the states in which a job has a group of workers
 CAUSES = ("failure", "membership")  # group.resumed's cause (daemon/jobstate.py Cause); absent: failure
 MAX_ACTIVE = 100  # jobs not ended that get series of their own (running ones first)
 MAX_ENDED = 10  # and the jobs that ended last
@@ -51,13 +52,15 @@ ACTIVE_ORDER = {"running": 0, "recovering": 1, "starting": 2, "queued": 3}
 
 def render(
     nodes: Sequence[Mapping[str, Any]], jobs: Sequence[Mapping[str, Any]], events: Mapping[str, Sequence[Mapping[str, Any]]],
-    accept: str = "", *, up: bool = True, answered_at: float | None = None,
+    accept: str = "", *, up: bool = True, answered_at: float | None = None, known: bool = True,
 ) -> tuple[bytes, str]:
     """The exposition body of the snapshot and its content type (`accept`: the scraper's Accept
     header; OpenMetrics when it asks for it, else Prometheus' text format). `up`: whether the
-    coordinator answered the dashboard's newest poll; `answered_at`: the unix time it last did."""
+    coordinator answered the dashboard's newest poll; `answered_at`: the unix time it last did;
+    `known`: whether there is a snapshot at all (False before the coordinator first answered:
+    then only dpool_up is said, not a pool of 0 nodes and 0 jobs)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PoolCollector(nodes, jobs, events, up=up, answered_at=answered_at))
+    registry.register(PoolCollector(nodes, jobs, events, up=up, answered_at=answered_at, known=known))
     encode, content_type = choose_encoder(accept)
     return encode(registry), content_type
 
@@ -77,9 +80,9 @@ class PoolCollector(Collector):
     """The metric families of one snapshot of the pool."""
 
     def __init__(self, nodes: Sequence[Mapping[str, Any]], jobs: Sequence[Mapping[str, Any]], events: Mapping[str, Sequence[Mapping[str, Any]]],
-                 *, up: bool = True, answered_at: float | None = None) -> None:
+                 *, up: bool = True, answered_at: float | None = None, known: bool = True) -> None:
         self.nodes, self.jobs, self.events = nodes, jobs, events
-        self.up, self.answered_at = up, answered_at
+        self.up, self.answered_at, self.known = up, answered_at, known
 
     def collect(self) -> Iterator[Metric]:
         # Whether the rest is the pool as it is: a dashboard that lost its coordinator serves the
@@ -89,6 +92,8 @@ class PoolCollector(Collector):
         if self.answered_at is not None:
             answered.add_metric([], self.answered_at)
         yield answered
+        if not self.known:
+            return  # nothing read yet: a count of 0 would be a claim about the pool, which nobody has seen
         yield from self._nodes()
         shown = set(series_jobs(self.jobs))
         yield from self._jobs([j for j in self.jobs if j.get("id") in shown])
@@ -124,7 +129,7 @@ class PoolCollector(Collector):
             (GaugeMetricFamily("dpool_job_loss", "The job's newest training loss.", labels=["job"]), lambda j: j.get("loss")),
             (GaugeMetricFamily("dpool_job_val_loss", "The job's newest validation loss.", labels=["job"]), lambda j: j.get("val_loss")),
             (GaugeMetricFamily("dpool_job_tokens_per_second", "Tokens a second the job's workers train, together.", labels=["job"]), _tokens_per_s),
-            (GaugeMetricFamily("dpool_job_world_size", "Workers in the job's running group.", labels=["job"]), lambda j: 0 if j.get("state") in ENDED else j.get("world_size")),
+            (GaugeMetricFamily("dpool_job_world_size", "Workers in the job's group; no sample while it has none (queued, ended).", labels=["job"]), _world_size),
             (GaugeMetricFamily("dpool_job_generation", "Groups the job has started (1: never restarted).", labels=["job"]), lambda j: j.get("generation")),
             (GaugeMetricFamily("dpool_job_eta_seconds", "Seconds the running job has left at its recent pace.", labels=["job"], unit="seconds"), lambda j: j.get("eta_s")),
             (GaugeMetricFamily("dpool_job_comm_share", "Predicted share of a step the running group spends in all_sum (the ring model on its probe).",
@@ -178,6 +183,13 @@ def _buckets(values: list[float]) -> list[tuple[str, float]]:
 
 def _le(bound: float) -> str:
     return repr(float(bound))
+
+
+def _world_size(j: Mapping[str, Any]) -> Any:
+    """The size of the job's group while it has one. A queued or ended job has none: status's
+    world_size is then its last group's (or 0 before any), which as a gauge of workers would
+    read either as workers still held or as a known 0; it is left out, as any unknown value is."""
+    return j.get("world_size") if j.get("state") in WITH_GROUP else None
 
 
 def _tokens_per_s(j: Mapping[str, Any]) -> float | None:

@@ -43,6 +43,8 @@ PING_S = 15.0  # a comment line on an idle stream, so proxies keep it open
 FIRST_WAIT_S = 1.0  # beyond the coordinator's timeout: how long a first load waits for its page
 RETRY_MS = 2000  # the stream's `retry:`: how soon a browser reconnects after the stream ends
 STATIC = {"dash.css": "text/css", "dash.js": "text/javascript"}
+POLLER_JOIN_S = 0.5  # at shutdown, the poller's thread is waited for this long: a request to a live coordinator ends well within it
+POLLER = web.AppKey("poller", Poller)
 CSP = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 HEADERS = {
     "Content-Security-Policy": CSP,
@@ -214,9 +216,9 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
             render = render_metrics()
         except ImportError as e:
             return _plain(501, f"501: /metrics is not available in this version ({e}).\n")
-        nodes, jobs_, events = poller.metrics_snapshot
-        conn = poller.conn
-        body, content_type = render(nodes, jobs_, events, request.headers.get("Accept", ""), up=conn.ok, answered_at=conn.polled)
+        snapshot, conn = poller.metrics_snapshot, poller.conn
+        nodes, jobs_, events = snapshot or ([], [], {})
+        body, content_type = render(nodes, jobs_, events, request.headers.get("Accept", ""), up=conn.ok, answered_at=conn.polled, known=snapshot is not None)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def static(request: web.Request) -> web.StreamResponse:
@@ -228,11 +230,13 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
 
     async def on_startup(application: web.Application) -> None:
         loop_box["loop"] = asyncio.get_running_loop()
-        interest.ask("pool")  # the first look at the pool starts now, not at the first browser
-        poller.start()
+        interest.ask("pool")  # the first look at the pool, as soon as serve() listens: not at the first browser
 
     async def on_shutdown(application: web.Application) -> None:
         poller.stop()
+        if poller.thread.is_alive():
+            # its own client closed by its own thread, not by the interpreter's exit under a request in flight
+            await asyncio.to_thread(poller.thread.join, POLLER_JOIN_S)
 
     application = web.Application(middlewares=[guard], client_max_size=1024)
     application.router.add_get("/", pool)
@@ -244,6 +248,7 @@ def app(poller: Poller, tokens: Tokens | None, *, render_metrics: Callable[[], C
     application.on_startup.append(on_startup)
     application.on_shutdown.append(on_shutdown)
     application["hub"] = hub
+    application[POLLER] = poller  # started by serve() once it listens
     return application
 
 
@@ -252,16 +257,20 @@ def _plain(status: int, text: str, headers: dict[str, str] | None = None) -> web
 
 
 async def serve(application: web.Application, host: str, port: int, *, ready: Callable[[str], None] | None = None, stopping: asyncio.Event | None = None) -> None:
-    """Serve until `stopping` is set (or forever)."""
+    """Serve until `stopping` is set (or forever); OSError when it cannot listen. The app's poller
+    starts once the address is bound: a dashboard that cannot listen asks the coordinator nothing,
+    and exits with its one error."""
     runner = web.AppRunner(application, access_log=None, handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True)  # a stream whose browser left ends at once
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    bound = runner.addresses[0] if runner.addresses else (host, port)
-    if ready is not None:
-        shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
-        ready(f"http://{shown}:{bound[1]}/")
     try:
+        site = web.TCPSite(runner, host, port, reuse_address=True)
+        await site.start()
+        if (poller := application.get(POLLER)) is not None:
+            poller.start()
+        bound = runner.addresses[0] if runner.addresses else (host, port)
+        if ready is not None:
+            shown = f"[{bound[0]}]" if ":" in str(bound[0]) else str(bound[0])
+            ready(f"http://{shown}:{bound[1]}/")
         await (stopping.wait() if stopping is not None else asyncio.Event().wait())
     finally:
         await runner.cleanup()

@@ -18,12 +18,13 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from html import escape
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, urlencode
 
 from dpool.client.jobtimes import JobTimes
-from dpool.client.tables import age, clock, duration, num, size, when
+from dpool.client.tables import age, duration, num, shown, size
 from dpool.dashboard import chart
 from dpool.dashboard.follow import LOG_RANKS_MAX
 from dpool.protocol.payloads import EventRow, JobStatus, NodeRow
@@ -87,7 +88,42 @@ def list_offset(view: str) -> int:
 
 
 def e(v: Any) -> str:
-    return "-" if v is None or v == "" else escape(str(v))
+    return "-" if v is None or v == "" else html_text(str(v))
+
+
+def html_text(v: str) -> str:
+    """Text from the pool as HTML: control characters written as `dpctl samples` writes them
+    (`\\x00`: a generated sample may hold a NUL, an HTML parse error, or an ESC), then escaped."""
+    return escape(shown(v))
+
+
+def moment(t: float | None, now: float, *, ms: bool = False) -> str:
+    """A moment as the pages show it: the time of day and the zone of the dashboard's clock, with
+    the date first unless it is today's (`2026-12-04 13:45:57 UTC`), in a <time> element whose
+    `datetime` is the instant (ISO 8601, with its offset): a viewer in another zone reads it right."""
+    if t is None:
+        return "-"
+    try:
+        at, today = datetime.fromtimestamp(t).astimezone(), datetime.fromtimestamp(now).astimezone().date()
+    except (OverflowError, OSError, ValueError):
+        return e(t)  # out of the clock's range: the number as it came
+    words = at.strftime("%H:%M:%S") + (f".{at.microsecond // 1000:03d}" if ms else "")
+    if at.date() != today:
+        words = at.strftime("%Y-%m-%d ") + words
+    zone = at.strftime("%Z") or at.strftime("UTC%z")
+    return f'<time datetime="{at.isoformat(timespec="milliseconds" if ms else "seconds")}">{escape(f"{words} {zone}")}</time>'
+
+
+def value_text(v: Any) -> str:
+    """An event field's value in words, as a person reads it (never a Python repr): a list as its
+    items (`n1, n1`), null and an empty list as `-`, a bool as JSON writes it."""
+    if isinstance(v, list | tuple):
+        return ", ".join(value_text(x) for x in v) or "-"
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
 
 
 def table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
@@ -110,8 +146,9 @@ def conn_text(conn: Conn) -> str:
         return '<span class="live" title="the coordinator answers">live</span>'
     if conn.since is None:
         return '<span class="waiting">asking the coordinator…</span>'
-    shown = f", showing what it said at {when(conn.polled)}" if conn.polled else ""
-    return f'<span class="down" title="{escape(conn.error or "")}">coordinator not answering since {when(conn.since)}{shown}; retrying</span>'
+    now = time.time()
+    said = f", showing what it said at {moment(conn.polled, now)}" if conn.polled else ""
+    return f'<span class="down" title="{html_text(conn.error or "")}">coordinator not answering since {moment(conn.since, now)}{said}; retrying</span>'
 
 
 def eta_of(s: JobStatus, now: float) -> float | None:
@@ -170,7 +207,7 @@ def jobs_table(root: str, jobs: list[JobStatus], now: float) -> str:
         eta = eta_of(j, now)
         rows.append([
             job_link(root, j.id), e(j.name), state_badge(j.state), progress(j), e(num(j.loss)), e(num(j.val_loss)),
-            e(duration(eta)), str(j.world_size or "-"), str(j.generation), e(when(j.submitted, now)), e(j.error[:200] if j.error else None),
+            e(duration(eta)), str(j.world_size or "-"), str(j.generation), moment(j.submitted, now), e(j.error[:200] if j.error else None),
         ])
     return table(["job", "name", "state", "step", "loss", "val loss", "ETA", "workers", "gen", "submitted", "error"], rows, "jobs")
 
@@ -179,7 +216,7 @@ def jobs_view(page: ListPage, offset: int, conn: Conn) -> Rendered:
     root = ""
     now = time.time()
     if page.missing:
-        body = f'<p class="error">{escape(page.missing)}</p><p><a href="{root}jobs">newest jobs</a></p>'
+        body = f'<p class="error">{html_text(page.missing)}</p><p><a href="{root}jobs">newest jobs</a></p>'
         return Rendered.of("Jobs", {"conn": conn_text(conn), "jobs": body}, root=root, nav="jobs", status=404)
     total = f" of {page.total}" if page.total is not None else ""
     if page.total is not None:
@@ -206,7 +243,7 @@ def job_view(f: JobFollow, conn: Conn) -> Rendered:
     root = "../"
     if f.status is None:
         text = f.missing or "asking the coordinator…"
-        return Rendered.of(f"Job {f.ref}", {"conn": conn_text(conn), "summary": f'<p class="error">{escape(text)}</p>'}, root=root, nav="jobs", status=404 if f.missing else 200)
+        return Rendered.of(f"Job {f.ref}", {"conn": conn_text(conn), "summary": f'<p class="error">{html_text(text)}</p>'}, root=root, nav="jobs", status=404 if f.missing else 200)
     s, now = f.status, time.time()
     t = JobTimes.of(s)
     restarts = f.restarts()
@@ -222,7 +259,7 @@ def job_view(f: JobFollow, conn: Conn) -> Rendered:
         ("workers", str(s.world_size)),
         ("ETA", e(duration(t.eta_s(s, now)))),
         ("elapsed", e(duration(t.elapsed_s(now)))),
-        ("submitted / started / finished", " / ".join(e(when(v, now)) for v in (s.submitted, s.started, s.finished))),
+        ("submitted / started / finished", " / ".join(moment(v, now) for v in (s.submitted, s.started, s.finished))),
         ("checkpoint", e(s.checkpoint_step)),
     ]
     if s.test_loss is not None:
@@ -247,7 +284,7 @@ def job_view(f: JobFollow, conn: Conn) -> Rendered:
         "summary": summary,
         "chart": memo(f, "chart", (f.train.changes, f.evals.changes, len(f.resumed), s.steps), figure),
         "workers": "<h2>Workers and shares</h2>" + workers,
-        "events": memo(f, "events", (f.event_count, s.id), lambda: "<h2>Events</h2>" + events_html(f)),
+        "events": memo(f, "events", (f.event_count, s.id, time.localtime(now)[:3]), lambda: "<h2>Events</h2>" + events_html(f, now)),  # the day: a time shows its date from the next
         "logs": memo(f, "logs", (f.log_version,), lambda: "<h2>Newest output, by rank</h2>" + logs_html(f)),
         "samples": memo(f, "samples", (len(f.samples), f.samples[-1].step if f.samples else None), lambda: "<h2>Samples</h2>" + samples_html(f)),
     }
@@ -278,17 +315,17 @@ def cost(ev: EventRow) -> str:
     return ""
 
 
-def events_html(f: JobFollow) -> str:
-    shown = list(f.events)[-EVENTS_SHOWN:][::-1]
-    if not shown:
+def events_html(f: JobFollow, now: float) -> str:
+    newest = list(f.events)[-EVENTS_SHOWN:][::-1]
+    if not newest:
         return '<p class="quiet">no events yet</p>'
     rows = []
-    for ev in shown:
-        details = " ".join(f"{k}={v}" for k, v in ev.fields.items())
+    for ev in newest:
+        details = " ".join(f"{k}={value_text(v)}" for k, v in ev.fields.items())
         cls = "failure" if ev.kind in ("worker.failed", "group.aborted") else ("restart" if ev.kind == "group.resumed" else "")
-        rows.append([f'<span class="{cls}">{escape(clock(ev.t))}</span>', f'<span class="{cls}">{escape(ev.kind)}</span>', escape(details[:400]), escape(cost(ev))])
-    more = f.event_count - len(shown)
-    note = f'<p class="quiet">the newest {len(shown)} of {f.event_count} events (`dpctl events {escape(f.status.id if f.status else f.ref)}` lists them all)</p>' if more > 0 else ""
+        rows.append([f'<span class="{cls}">{moment(ev.t, now, ms=True)}</span>', f'<span class="{cls}">{html_text(ev.kind)}</span>', html_text(details[:400]), escape(cost(ev))])
+    more = f.event_count - len(newest)
+    note = f'<p class="quiet">the newest {len(newest)} of {f.event_count} events (`dpctl events {escape(f.status.id if f.status else f.ref)}` lists them all)</p>' if more > 0 else ""
     return table(["time", "event", "details", "cost"], rows, "events") + note
 
 
@@ -297,7 +334,7 @@ def logs_html(f: JobFollow) -> str:
         return '<p class="quiet">no output yet</p>'
     parts = []
     for rank in sorted(f.logs):
-        lines = "\n".join(escape(line.text) for line in f.logs[rank])
+        lines = "\n".join(html_text(line.text) for line in f.logs[rank])
         parts.append(f'<div class="log"><h3>rank {rank}</h3><pre>{lines}</pre></div>')
     if f.status is not None and f.status.world_size > len(f.logs) >= LOG_RANKS_MAX:
         parts.append(f'<p class="quiet">the first {LOG_RANKS_MAX} ranks\' output (`dpctl logs {escape(f.status.id)} --rank N`: any rank)</p>')
@@ -307,7 +344,7 @@ def logs_html(f: JobFollow) -> str:
 def samples_html(f: JobFollow) -> str:
     if not f.samples:
         return '<p class="quiet">no samples yet</p>'
-    return "".join(f'<div class="sample"><h3>step {r.step}</h3><pre>{escape(r.text)}</pre></div>' for r in reversed(f.samples))
+    return "".join(f'<div class="sample"><h3>step {r.step}</h3><pre>{html_text(r.text)}</pre></div>' for r in reversed(f.samples))
 
 
 # -- the page around the sections ----------------------------------------------------------------------

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
@@ -19,7 +21,9 @@ import psutil
 import pytest
 from conftest import LocalPool, Processes, alive, free_port, wait_for
 from dashboard_harness import SubPathProxy, get, hrefs, sse_events, start_dashboard, wait_page
+from fakenode import FakeRank0
 from jobs import write_job
+from peers import Running
 
 from dpool.client.keys import add_viewer, init_keys
 from dpool.client.rpc import Client, RemoteError
@@ -117,6 +121,23 @@ def test_a_dashboard_beyond_loopback_needs_tokens_or_insecure(tmp_path: Path) ->
     assert r.returncode == 2 and "--insecure" in r.stderr and "dpctl keys add-viewer" in r.stderr, r.stderr
 
 
+def test_dpd_refusing_a_dashboard_beyond_loopback_names_only_flags_dpd_takes(tmp_path: Path) -> None:
+    """dpd run has --keys and --insecure, not dpctl dashboard's --tokens: its refusal says so."""
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DPOOL_")}
+    r = subprocess.run(
+        [sys.executable, "-m", "dpool.daemon.boot", "run", "--config", str(config), "--serve", f"tcp://127.0.0.1:{free_port()}", "--name", "n1",
+         "--state-dir", str(tmp_path / "state"), "--dashboard", "0.0.0.0:7453"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "--dashboard 0.0.0.0:7453" in r.stderr and "--keys DIR" in r.stderr and "--insecure" in r.stderr, r.stderr
+    assert "--tokens" not in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "dpool.client.cli", "dashboard", "--listen", "0.0.0.0:7341"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--tokens DIR" in r.stderr, r.stderr  # dpctl dashboard has it
+
+
 def test_a_viewer_token_holds_until_its_viewer_key_or_token_file_is_removed(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     init_keys(keys, nodes=["n0"])
@@ -159,6 +180,16 @@ def test_what_the_pool_says_is_escaped_on_the_page() -> None:
     assert "<script>alert" not in page and "<img src=x" not in page and "&lt;script&gt;" in page
 
 
+def test_a_time_not_of_today_shows_its_date_and_every_time_its_zone() -> None:
+    t = time.mktime((2026, 12, 4, 13, 45, 57, 0, 0, -1))
+    zone = time.strftime("%Z", time.localtime(t))
+    assert views.moment(t, t + 60).endswith(f">13:45:57 {zone}</time>")
+    assert views.moment(t, t + 3 * 86400).endswith(f">2026-12-04 13:45:57 {zone}</time>")
+    assert views.moment(t + 0.25, t + 86400, ms=True).endswith(f">2026-12-04 13:45:57.250 {zone}</time>")
+    assert re.match(r'<time datetime="2026-12-04T13:45:57[+-]\d\d:\d\d">', views.moment(t, t))  # the instant, whatever the zone
+    assert views.moment(None, t) == "-"
+
+
 def test_a_job_page_is_bounded_however_much_the_job_says() -> None:
     f = JobFollow("j-1")
     f.saw_status(JobStatus(id="j-1", name="j", state="running", step=10**6, steps=10**6, generation=9, world_size=1000, workers=[], checkpoint_step=None, loss=1.0, val_loss=None, error=None))
@@ -189,6 +220,34 @@ def _conn() -> object:
     from dpool.dashboard.poller import Conn
 
     return Conn(True, None, 1.0, 1.0)
+
+
+# -- starting and stopping -------------------------------------------------------------------------
+
+
+def test_a_dashboard_that_cannot_listen_says_so_alone_and_exits_1(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "dpool.client.cli", "--coordinator", f"tcp://127.0.0.1:{free_port()}", "--timeout", "5", "dashboard", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith(f"dashboard: cannot listen on 127.0.0.1:{port}: ") and "address already in use" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr  # that line alone: no round of the poller, cut short, reported as failed
+
+
+def test_a_dashboard_stopped_while_its_coordinator_is_silent_exits_quietly(tmp_path: Path, processes: Processes) -> None:
+    """Its poller waits on a coordinator that does not answer (a 5 s timeout) when SIGTERM comes:
+    the request cut short by the exit is no failure to report."""
+    d = start_dashboard(processes, tmp_path, f"tcp://127.0.0.1:{free_port()}", "--timeout", "5", name="dash-stop")
+    time.sleep(0.5)  # its first round is in flight
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0
+    said = d.log.read_text()
+    assert "round failed" not in said and said.count("\n") == 1, said  # its address, nothing else
 
 
 # -- against a real pool -----------------------------------------------------------------------------
@@ -305,6 +364,8 @@ def test_metrics_are_served_in_prometheus_text_format(plain: tuple[LocalPool, st
     nodes = {s.labels["state"]: s.value for s in families["dpool_nodes"].samples}
     jobs = {s.labels["state"]: s.value for s in families["dpool_jobs"].samples}
     assert nodes["idle"] == 2 and jobs["cancelled"] == 130 and jobs["succeeded"] == 1, (nodes, jobs)
+    # the jobs shown all ended: none has a group, so none a world size (not a 0 that reads as known)
+    assert families["dpool_job_step"].samples and not families["dpool_job_world_size"].samples, families["dpool_job_world_size"].samples
 
 
 def test_many_open_pages_cost_the_coordinator_what_one_does(plain: tuple[LocalPool, str, Path, Processes]) -> None:
@@ -315,6 +376,92 @@ def test_many_open_pages_cost_the_coordinator_what_one_does(plain: tuple[LocalPo
     assert r.returncode == 0, r.stderr[-3000:]
     got = orjson.loads(r.stdout.strip().splitlines()[-1])
     assert got["one"] > 0 and got["eight"] == got["one"], got
+
+
+# -- what a job says, as the pages show it ------------------------------------------------------------
+
+ODD_SAMPLE = 'a\x00b\x07c\x1b[31m<red> & "q" \'s\'\tend\nline 2'  # NUL, BEL, ESC: a generated sample may hold any
+ODD_LOG = "log\x00line \x1b[0mdone"
+DAYS_BEHIND = 3
+
+
+@pytest.fixture(scope="module")
+def told(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Running, str, str]]:
+    """A real coordinator whose wall clock runs DAYS_BEHIND days behind (none of its times is
+    today's), a node of the test's own speaking the real protocol whose one-rank job prints
+    ODD_LOG, samples ODD_SAMPLE and succeeds at step 3, and `dpctl dashboard` on it:
+    (coordinator, job, the dashboard's URL)."""
+    root = tmp_path_factory.mktemp("told")
+    procs = Processes(root)
+    coordinator = Running(root / "coordinator", wall=lambda: time.time() - DAYS_BEHIND * 86400)
+    node = None
+    try:
+        node = FakeRank0(coordinator.addr)
+        spec = parse_job({"name": "odd", "workers": {"min": 1, "max": 1}, "train": {"steps": 3, "warmup_steps": 1}}).to_dict()
+        job = coordinator.call(m.Submit(job=spec, source="odd.toml"), m.Submitted).job_id
+        generation = node.take(job)
+        node.report(m.NodeLogs(job=job, generation=generation, rank=0, lines=[ODD_LOG]))
+        node.report(m.NodeSample(job=job, generation=generation, row=SampleRow(step=3, text=ODD_SAMPLE)))
+        for step in (1, 2, 3):
+            node.progress(step)
+        node.report(m.NodeCheckpoint(job=job, generation=generation, rank=0, slot=node.slot, step=3, seconds=0.01))
+        node.running = False
+        node.report(m.NodeWorkerExited(job=job, generation=generation, rank=0, slot=node.slot, code=0, stopped=False))
+        wait_for("the job to succeed", lambda: coordinator.call(m.Status(job=job), m.StatusReply).jobs[0].state == "succeeded", 20, every=0.05)
+        d = start_dashboard(procs, root, coordinator.addr, poll=0.2, name="dash-told")
+        yield coordinator, job, d.url
+    finally:
+        procs.stop_all()
+        if node is not None:
+            node.close()
+        coordinator.stop()
+
+
+def test_control_characters_of_output_and_samples_are_written_as_dpctl_samples_writes_them(told: tuple[Running, str, str]) -> None:
+    coordinator, job, url = told
+    body = wait_page(url + f"jobs/{job}", ["step 3</h3>", "rank 0</h3>"])
+    assert "<pre>a\\x00b\\x07c\\x1b[31m&lt;red&gt; &amp; &quot;q&quot; &#x27;s&#x27;\tend\nline 2</pre>" in body, body
+    assert "<pre>log\\x00line \\x1b[0mdone</pre>" in body
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", body)  # nothing an HTML parser rejects or a terminal would obey
+    assert "a\\x00b\\x07c\\x1b[31m" in coordinator.dpctl("samples", job).stdout  # as dpctl shows it
+    _kind, data = next(e for e in sse_events("127.0.0.1", int(urlsplit(url).port or 0), f"/stream?view=job:{job}") if e[0] == "update")
+    fragments = orjson.loads(data)["f"]
+    assert "a\\x00b\\x07c\\x1b[31m&lt;red&gt;" in fragments["samples"] and "log\\x00line" in fragments["logs"]
+    assert not any(re.search(r"[\x00-\x08\x0b-\x1f\x7f]", v) for v in fragments.values())
+
+
+def test_an_events_lists_read_as_their_items(told: tuple[Running, str, str]) -> None:
+    _coordinator, job, url = told
+    body = wait_page(url + f"jobs/{job}", ["job.succeeded"])
+    assert "nodes=fake ranks=fake shares=64" in body, re.findall(r"group\.starting.{0,300}", body)
+    assert "[&#x27;" not in body and "[64]" not in body  # no Python repr of a list
+    f = JobFollow("j-1")  # and a list of several, a null and a bool, as on any page
+    f.saw_events([EventRow(t=1.0, kind="group.starting", fields={"nodes": ["n1"], "ranks": ["n1", "n1"], "shares": [4, 2], "cause": None, "warm": True})], 1)
+    assert "nodes=n1 ranks=n1, n1 shares=4, 2 cause=- warm=true" in views.events_html(f, 1.0)
+
+
+def test_times_not_of_today_show_their_date_and_every_time_its_zone(told: tuple[Running, str, str]) -> None:
+    coordinator, job, url = told
+    submitted = coordinator.call(m.Status(job=job), m.StatusReply).jobs[0].submitted
+    day, zone = time.strftime("%Y-%m-%d", time.localtime(submitted)), time.strftime("%Z", time.localtime(submitted))
+    moment = r'<time datetime="(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{3})?[+-]\d\d:\d\d)">(\S+) (\d\d:\d\d:\d\d(?:\.\d{3})?) (\S+)</time>'
+    for page, least in ((url + "jobs", 1), (url + f"jobs/{job}", 6)):  # the job page: submitted, started, finished, events
+        times = re.findall(moment, wait_page(page, ["job.succeeded"] if "/jobs/" in page else [job]))
+        assert len(times) >= least, (page, times)
+        assert all(shown_day == day and shown_zone == zone for _iso, shown_day, _clock, shown_zone in times), (page, times)
+        assert times[0][0].startswith(day + "T") and times[0][2] in times[0][0], times[0]
+
+
+def test_an_ended_job_has_no_world_size_in_metrics(told: tuple[Running, str, str]) -> None:
+    """status --json keeps the last group's size; the gauge of the group's workers has no sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    coordinator, job, url = told
+    assert orjson.loads(coordinator.dpctl("status", job, "--json").stdout)["world_size"] == 1
+    got = wait_for("the job in /metrics", lambda: (b := get(url + "metrics")[2]) and f'dpool_job_step{{job="{job}"}}' in b and b, 20)
+    families = {f.name: f for f in text_string_to_metric_families(got)}
+    assert [s.value for s in families["dpool_job_step"].samples if s.labels["job"] == job] == [3]
+    assert not [s for s in families["dpool_job_world_size"].samples if s.labels["job"] == job], got
 
 
 # -- keys and tokens ------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import LocalPool, Processes, wait_for
+from conftest import LocalPool, Processes, free_port, wait_for
 from dashboard_harness import get, start_dashboard
 from jobs import write_job
 from prometheus_client.openmetrics.parser import (
@@ -91,6 +91,9 @@ def test_jobs_are_counted_by_state_and_a_running_job_has_its_progress_loss_and_s
     assert got["dpool_job_val_loss", job] == 2.75
     assert got["dpool_job_tokens_per_second", job] == 2000.0  # its workers together
     assert got["dpool_job_world_size", job] == 2
+    # no group, no world size: not the ended job's last group (status --json still says 2), not the queued job's 0
+    idle = scrape(NODES, [status("gpt-eeeeee", "succeeded", world_size=2), QUEUED], {})
+    assert ("dpool_job_step", (("job", "gpt-eeeeee"),)) in idle and not [k for k in idle if k[0] == "dpool_job_world_size"], idle
     assert got["dpool_job_generation", job] == 3
     assert got["dpool_job_eta_seconds", job] == 12.5
     assert got["dpool_job_comm_share", job] == 0.35  # predicted
@@ -160,7 +163,21 @@ def test_a_scraper_that_asks_for_openmetrics_gets_it() -> None:
     assert families["dpool_recovery_seconds"].unit == "seconds"
 
 
+def test_before_any_snapshot_only_dpool_up_is_said() -> None:
+    body, _ = render([], [], {}, up=False, known=False)
+    assert [(s.name, s.value) for f in text_string_to_metric_families(body.decode()) for s in f.samples] == [("dpool_up", 0)]
+
+
 # -- a scrape of a real pool ---------------------------------------------------------------------
+
+
+def test_a_dashboard_whose_coordinator_never_answered_says_dpool_up_0_and_counts_nothing(processes: Processes, tmp_path: Path) -> None:
+    """No node or job counted at 0: nobody has seen the pool, which a 0 would claim is empty."""
+    d = start_dashboard(processes, tmp_path, f"tcp://127.0.0.1:{free_port()}", "--timeout", "1")
+    status, headers, body = get(d.url + "metrics")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain"), (status, body[:500])
+    samples = [(s.name, s.labels, s.value) for f in text_string_to_metric_families(body) for s in f.samples]
+    assert samples == [("dpool_up", {}, 0)], body
 
 
 def scrape_url(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
