@@ -76,5 +76,17 @@ def clock(t: float) -> str:
 
 
 def event_details(e: EventRow) -> str:
-    """An event's fields beyond its time and kind, as `key=value` words."""
-    return " ".join(f"{k}={v}" for k, v in e.fields.items())
+    """An event's fields beyond its time and kind, as `key=value` words (`ranks=n1,n2`)."""
+    return " ".join(f"{k}={value_text(v, ',')}" for k, v in e.fields.items())
+
+
+def value_text(v: Any, sep: str = ", ") -> str:
+    """An event field's value in words, as a person reads it (never a Python repr): a list as its
+    items (`n1, n1`), null and an empty list as `-`, a bool as JSON writes it."""
+    if isinstance(v, list | tuple):
+        return sep.join(value_text(x, sep) for x in v) or "-"
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)

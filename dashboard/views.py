@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, urlencode
 
 from dpool.client.jobtimes import JobTimes
-from dpool.client.tables import age, duration, num, shown, size
+from dpool.client.tables import age, duration, num, shown, size, value_text
 from dpool.dashboard import chart
 from dpool.dashboard.follow import LOG_RANKS_MAX
 from dpool.protocol.payloads import EventRow, JobStatus, NodeRow
@@ -112,18 +112,6 @@ def moment(t: float | None, now: float, *, ms: bool = False) -> str:
         words = at.strftime("%Y-%m-%d ") + words
     zone = at.strftime("%Z") or at.strftime("UTC%z")
     return f'<time datetime="{at.isoformat(timespec="milliseconds" if ms else "seconds")}">{escape(f"{words} {zone}")}</time>'
-
-
-def value_text(v: Any) -> str:
-    """An event field's value in words, as a person reads it (never a Python repr): a list as its
-    items (`n1, n1`), null and an empty list as `-`, a bool as JSON writes it."""
-    if isinstance(v, list | tuple):
-        return ", ".join(value_text(x) for x in v) or "-"
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
 
 
 def table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:

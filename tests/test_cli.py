@@ -469,3 +469,11 @@ def test_dpctl_cache_shows_what_a_node_holds_of_a_tree_it_is_fetching() -> None:
     assert held(0, 24 << 20, False) == "0B of 24.0MiB"  # a manifest alone
     assert held(24 << 20, 24 << 20, True) == "24.0MiB"
     assert held(None, 24 << 20, False) == "24.0MiB"  # a node that did not say
+
+
+def test_event_details_read_lists_as_their_items_never_a_python_repr() -> None:
+    from dpool.client.tables import event_details
+    from dpool.protocol.payloads import EventRow
+
+    e = EventRow(t=1.0, kind="group.starting", fields={"nodes": ["n1", "n2"], "ranks": ["n1"], "by": [], "cause": None, "warm": True, "reason": "a b"})
+    assert event_details(e) == "nodes=n1,n2 ranks=n1 by=- cause=- warm=true reason=a b"
