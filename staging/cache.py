@@ -779,12 +779,23 @@ class Cache:
         return freed
 
     def _full(self, digest: str, need: int, final: int, free: int) -> str:
-        pinned = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in self._pinned().items()) or "nothing"
+        """Why `digest` does not fit, and what would make room: only the remedies that apply."""
+        others = {d: o for d, o in self._pinned().items() if d != digest}  # not the tree being made room for
+        too_big = self.max_bytes is not None and final > self.max_bytes
         budget = "no budget" if self.max_bytes is None else f"a budget of {self.max_bytes} bytes ({final} once the fetches in flight are done)"
+        remedies = []
+        if too_big:
+            remedies.append("raise the cache's budget (dpd run --cache-max)")
+        if need + self.min_free > free:
+            remedies.append("free disk space")
+        if others:
+            remedies.append("end the jobs that pin trees")
+        uses = ", ".join(f"{d[:12]} by {' '.join(o)}" for d, o in others.items())
+        pinned = f"; pinned: {uses}" if others else ""
         return (
-            f"the cache at {self.root} has no room for {digest[:12]}: {need} more bytes needed, {budget}; "
-            f"pinned: {pinned}; {free} bytes free on its disk, keeping {self.min_free} free. "
-            "Raise the cache's budget, free disk space, or end the jobs that pin trees."
+            f"the cache at {self.root} has no room for {digest[:12]}: {need} more bytes needed, {budget}{pinned}; "
+            f"{free} bytes free on its disk, keeping {self.min_free} free. "
+            f"{' or '.join(remedies).capitalize() or 'Free disk space'}."
         )
 
     def _has_orphans(self, kept: dict[str, tuple[Entry, int]]) -> bool:

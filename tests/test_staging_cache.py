@@ -536,6 +536,12 @@ def test_budget_eviction_is_least_recently_used_first_and_never_takes_a_pinned_t
     message = str(full.value)
     assert f"{2 * size + 1} more bytes needed" in message and f"a budget of {3 * size} bytes" in message
     assert f"pinned: {a.digest[:12]} by job-1" in message and "bytes free on its disk" in message
+    assert "Raise the cache's budget (dpd run --cache-max) or end the jobs that pin trees." in message
+    cache.pin(big.digest, "job-2")  # the tree being made room for, pinned by its own job: never named as in the way
+    with pytest.raises(CacheFull) as full:
+        cache.reserve(big)
+    assert big.digest[:12] not in str(full.value).split("more bytes needed")[1], str(full.value)
+    cache.unpin("job-2")
     assert {x.digest for x in cache.entries() if x.complete} == {a.digest, c.digest, e.digest}
     cache.unpin("job-1")
     complete_tree(cache, tmp_path, "f", size, used=6000)
@@ -546,7 +552,7 @@ def test_reserve_keeps_room_on_the_disk(tmp_path: Path) -> None:
     _, m = staged(tmp_path, "corpus", TREE)
     margin = shutil.disk_usage(tmp_path).free + (1 << 40)  # more than the disk will have free
     cache = Cache(tmp_path / "cache", min_free=margin)
-    with pytest.raises(CacheFull, match=rf"{m.total_bytes} more bytes needed, no budget; pinned: nothing; \d+ bytes free on its disk, keeping {margin} free"):
+    with pytest.raises(CacheFull, match=rf"{m.total_bytes} more bytes needed, no budget; \d+ bytes free on its disk, keeping {margin} free\. Free disk space\."):
         cache.reserve(m)
     Cache(tmp_path / "cache", min_free=0).reserve(m)
 
