@@ -69,6 +69,7 @@ from dpool.daemon.sysinfo import node_info
 from dpool.daemon.worker import EarlyReports, Worker, write_file
 from dpool.protocol import messages as m
 from dpool.protocol.checkpoints import EXIT_DISK, memory_root, newest_step, valid_job_id
+from dpool.protocol.content import NOT_THE_CONTENT
 from dpool.protocol.jobspec import JobFileError
 from dpool.protocol.link_messages import NodeLink, WorkerLink
 from dpool.protocol.logs import RotatingFile, Throttle, get_logger
@@ -725,8 +726,8 @@ class Agent(WarmTrainers):
             w.error = self.staging.named(w.job, w.error)  # the user's paths, not this node's cache's
         self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
-        if code == 2 and not w.stopping:
-            self.staging.verify(w.job, self._send)  # it refused its input: is this node's copy damaged?
+        if code == 2 and w.error is not None and NOT_THE_CONTENT in w.error:
+            self.staging.verify(w.job, self._send)  # its copy does not hash to the job's digest: find the damage, fetch it again
         if code == 0:  # the job is done: what was kept for its restarts goes
             self._retire_spares(w.job, "its job finished")
             self.memory.remove(w.job, w.slot)

@@ -214,8 +214,8 @@ class NodeStaging:
         return None
 
     def verify(self, job: str, send: Callable[[Message], None]) -> None:
-        """A trainer of the job refused its input here (exit 2): hash every file this node serves it
-        from, in a task. Damage a stat cannot show (bytes changed with their times put back, a
+        """A trainer of the job found its copy here not the job's content (its ranks compared
+        theirs, trainer/sameinput.py): hash every file this node serves it from, in a task. Damage a stat cannot show (bytes changed with their times put back, a
         disk's) is found so, and the job staged here again: without it the node sat the job out
         for good, or trained on the damage where its copy was the only one."""
         if job not in self.jobs or (job in self.verifying and not self.verifying[job].done()):
@@ -244,9 +244,9 @@ class NodeStaging:
         self.rates.pop(job, None)
         self.next_check.pop(job, None)
         self.asked.pop(job, None)
-        task = self.tasks.pop(job, None)
-        if task is not None:
-            task.cancel()
+        for task in (self.tasks.pop(job, None), self.verifying.pop(job, None)):
+            if task is not None:
+                task.cancel()
         return had
 
     # -- job.stage -----------------------------------------------------------------------------

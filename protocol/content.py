@@ -28,6 +28,9 @@ from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_loc
 WILDCARDS = frozenset("*?[")
 LM_DATA_FILES = ("train.jsonl", "valid.jsonl", "test.jsonl")
 ADAPTER_FILES = ("adapters.safetensors", "adapter_config.json")
+# A trainer's refusal when its machine's copy of a tree does not hash to the job's digest
+# (trainer/sameinput.py); its dpd then checks its copy in full (daemon/nodestage.py `verify`).
+NOT_THE_CONTENT = "this machine's copy is not the job's content"
 
 
 def source_root(resolved: str) -> Path:

@@ -178,7 +178,7 @@ def test_a_damaged_copy_on_rank_0_leaves_rank_0_out_not_the_good_copies(tmp_path
     g = ring.start_ranks(tmp_path, [[str(j), "--run-dir", str(tmp_path / f"m-{r}")] for r, j in enumerate(jobs)])
     assert ring.finish(g, TIMEOUT_S) == [2, 1], g.output(0)[-2000:] + g.output(1)[-2000:]
     assert "this machine's copy is not the job's content (its files hash to" in error_line(g.output(0)), g.output(0)[-2000:]
-    assert "rank(s) 0 hold a copy of data.source" in g.output(1), g.output(1)[-2000:]
+    assert "rank(s) 0 hold a copy of the job's files that is not its content (data differs)" in g.output(1), g.output(1)[-2000:]
     assert not list(tmp_path.glob("m-*/checkpoints/step-*"))
 
 

@@ -7,18 +7,22 @@ the others go on. Rank 0's copy alone was the reference once, so one damaged cop
 machine left every good node out and the job trained on the damage.
 
 - A job that names its files by content (`[content]`, written by `dpctl submit`): each rank hashes
-  its own copy (only now, when copies differ) and compares it with the job's digest. A copy that
-  is not the job's content refuses (exit 2; its dpd then checks its cache in full and fetches the
-  damaged files again); ranks whose copies are intact fail as peers (exit 1).
-- Otherwise (by hand, the built-in corpus): the copy most ranks hold is the reference, rank 0's on
-  a tie.
+  its own copies of every tree the job names (only now, when something differs: an mlx_lm job's
+  tokens depend on the model's tokenizer too) and compares them with the job's digests. A rank
+  with a copy that is not the job's content refuses (exit 2; its dpd then checks its copy in full
+  and fetches the damaged files again); ranks whose copies are intact fail as peers (exit 1).
+- Otherwise, or where every copy is the job's content (a cache of tokens made by another version,
+  say): the copy most ranks hold is the reference, rank 0's on a tie.
+
+What the fingerprints cover decides what is caught: the data's documents (or tokens), the model's
+config and its files' names and sizes, not every byte of its weights.
 """
 
 from __future__ import annotations
 
 import collections
 
-from dpool.protocol.content import adapters_tree, data_tree, model_tree
+from dpool.protocol.content import NOT_THE_CONTENT, adapters_tree, data_tree, model_tree
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.logs import get_logger
 from dpool.staging.manifest import ManifestError, scan
@@ -28,8 +32,6 @@ from dpool.trainer.task import source_named
 
 log = get_logger(component="trainer")
 
-# A fingerprint's kind -> the [content] tree it is built from ("test": test.jsonl, in the data's tree).
-CONTENT_OF = {"data": "data", "test": "data", "model": "model", "adapters": "adapters"}
 TREES = {"data": data_tree, "model": model_tree, "adapters": adapters_tree}
 
 
@@ -42,17 +44,15 @@ def same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -
             continue
         key, source = source_named(spec, what)
         hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
-        kind = CONTENT_OF.get(what)
-        expected = getattr(spec.content, kind) if kind is not None else None
-        if expected is not None:
-            problem = _not_the_content(spec, kind, expected)
+        if any(getattr(spec.content, k) is not None for k in TREES):
+            problem = _not_the_content(spec)
             intact = group.gather_ints(int(problem is None))
             log.warning("input.differs", what=what, fingerprints=held, intact=intact, problem=problem)
-            if 0 < sum(intact) < group.size or problem is not None:
-                if problem is not None:
-                    raise DataError(f"{key} = {source!r}: this machine's copy is not the job's content ({problem}); every node needs the same files")
+            if problem is not None:
+                raise DataError(f"{problem}; every node needs the same files")
+            if sum(intact) < group.size:
                 bad = [r for r, ok in enumerate(intact) if not ok]
-                raise RuntimeError(f"rank(s) {', '.join(map(str, bad))} hold a copy of {key} = {source!r} that is not the job's content")
+                raise RuntimeError(f"rank(s) {', '.join(map(str, bad))} hold a copy of the job's files that is not its content ({what} differs)")
         counts = collections.Counter(held)
         most = max(counts.values())
         reference = next(fp for fp in held if counts[fp] == most)  # in rank order: rank 0's on a tie
@@ -67,14 +67,22 @@ def same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -
         raise RuntimeError(f"rank(s) {', '.join(map(str, odd))} hold different {what} than the other ranks for {key} = {source!r}; every node needs the same files{hint}")
 
 
-def _not_the_content(spec: JobSpec, kind: str, expected: str) -> str | None:
-    """None when this machine's tree of `kind` hashes to the job's digest; else what it is."""
-    tree = TREES[kind](spec)
-    if tree is None:
-        return "no such files here"
-    root, files = tree
-    try:
-        digest = scan(root, files).digest
-    except (ManifestError, OSError) as e:
-        return f"cannot read it: {e}"
-    return None if digest == expected else f"its files hash to {digest[:12]}, the job's to {expected[:12]}"
+def _not_the_content(spec: JobSpec) -> str | None:
+    """None when this machine's copy of every tree the job names by content hashes to its digest;
+    else which one does not, and what it is."""
+    keys = {"data": "data.source", "model": "model.path", "adapters": "model.adapters"}
+    for kind, tree_of in TREES.items():
+        expected = getattr(spec.content, kind)
+        if expected is None:
+            continue
+        tree = tree_of(spec)
+        if tree is None:
+            return f"{keys[kind]}: {NOT_THE_CONTENT} (no such files here)"
+        root, files = tree
+        try:
+            digest = scan(root, files).digest
+        except (ManifestError, OSError) as e:
+            return f"{keys[kind]}: {NOT_THE_CONTENT} (cannot read it: {e})"
+        if digest != expected:
+            return f"{keys[kind]}: {NOT_THE_CONTENT} (its files hash to {digest[:12]}, the job's to {expected[:12]})"
+    return None
