@@ -289,8 +289,13 @@ class Cache:
         if not self._tree(digest).is_dir():
             return None, None
         m = self.manifest(digest)
+        hashed = None
+        if full and m is not None:
+            # Every byte hashed (a model's gigabytes: minutes), not under the tree lock: fetches,
+            # uploads and evictions go on meanwhile. What it found is dropped under the lock.
+            hashed = damage(self._tree(digest), m, _never)
         with self._tree_lock:
-            found, rehashed = damage(self._tree(digest), m, _never if full else sealed) if m is not None else ([], [])
+            found, rehashed = hashed or (damage(self._tree(digest), m, sealed) if m is not None else ([], []))
             for e in rehashed:
                 seal(self._blob(e.sha256))  # the same bytes, touched (or from before blobs were sealed)
             if found or m is None:
@@ -890,18 +895,31 @@ class Cache:
             return freed + self._drop_orphans(kept)
 
     def _held(self, m: Manifest) -> int:
-        """The bytes of an incomplete tree this cache holds verified: its files' blobs, and the
-        chunks of those still being fetched."""
+        """The bytes of an incomplete tree this cache holds: its files' blobs, and the chunks of
+        those still being fetched. A listing, on the caller's thread: it reads what the partial
+        files' records claim, never hashes, and changes nothing."""
         held = 0
-        for sha, (entry, chunk_bytes) in _unique([m]).items():
-            if self._blob(sha).exists():
-                held += entry.size
+        for e in m.entries:
+            if not e.size or self._blob(e.sha256).exists():
+                held += e.size
                 continue
-            p = self._loaded(sha)
             with self._lock:
-                have = sorted(p.have) if p is not None and p.chunk_bytes == chunk_bytes else []
-            held += sum(min(chunk_bytes, entry.size - i * chunk_bytes) for i in have)
+                p = self._partials.get(e.sha256)
+                have = list(p.have) if p is not None and p.chunk_bytes == m.chunk_bytes else None
+            if have is None:
+                have = self._claimed(e.sha256, m.chunk_bytes)
+            held += sum(min(m.chunk_bytes, e.size - i * m.chunk_bytes) for i in have if 0 <= i * m.chunk_bytes < e.size)
         return held
+
+    def _claimed(self, sha: str, chunk_bytes: int) -> list[int]:
+        """The chunks a partial file's record lists (unverified: `_load` checks them)."""
+        try:
+            lines = self._have_file(sha).read_bytes().split(b"\n")
+        except OSError:
+            return []
+        if not lines[0].endswith(f" {chunk_bytes}".encode()):
+            return []
+        return [int(part) for line in lines[1:-1] if (part := line.split(b" ")[0]).isdigit()]
 
     def entries(self) -> list[CacheEntry]:
         """Every manifest the cache knows, most recently used first."""
