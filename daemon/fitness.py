@@ -239,6 +239,7 @@ class Fitness:
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fit.told = state is FitState.STAGING and old is not None and old.state is FitState.STAGING and old.told
         fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
+        fit.unsaid = state is FitState.UNFIT and old is not None and old.unsaid and old.reason == msg.reason  # still to be said
         if state is FitState.READY and old is not None and old.state is FitState.STAGING and not fit.rate and now > fit.started > 0:
             fit.rate = msg.total_bytes / (now - fit.started)  # a fetch done: its row shows the pace it kept, not 0
         fits[node] = fit
@@ -270,12 +271,8 @@ class Fitness:
             fit.told = True
             actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes - msg.done_bytes}))
         named = any(isinstance(a, Found) for a in actions)  # every node is asked again, against it
-        if state in (FitState.READY, FitState.UNFIT) and not named and not self._others_checking(msg.job, ""):
-            # every node has answered and none named the content: the unfit ones sit it out
-            for name, held in sorted(fits.items()):
-                if held.unsaid and held.state is FitState.UNFIT:
-                    held.unsaid = False
-                    actions.append(Record(msg.job, "node.unfit", now, {"node": name, "reason": held.reason or "unfit"}))
+        if state in (FitState.READY, FitState.UNFIT) and not named:
+            actions += self._say_unfit(msg.job, now)  # every node has answered and none named the content
         return actions
 
     def _others_checking(self, job_id: str, node: str) -> bool:
@@ -290,13 +287,28 @@ class Fitness:
             return []
         return [Record(job_id, "node.unfit", now, {"node": node, "reason": reason})]
 
-    def node_gone(self, node: str) -> list[Send]:
-        """A node lost or stopped: it serves nothing now, and is asked afresh when it is back."""
+    def node_gone(self, node: str, now: float) -> list[Record | Send]:
+        """A node lost or stopped: it serves nothing now, and is asked afresh when it is back. An
+        unfit held back for its answer is said now."""
         ch = self.channels.pop(node, None)
-        for fits in self.fits.values():
-            fits.pop(node, None)
+        said: list[Record | Send] = []
+        for job_id, fits in self.fits.items():
+            if fits.pop(node, None) is not None:
+                said += self._say_unfit(job_id, now)
         out = self._resend(ch.holds, exclude=node) if ch is not None and ch.holds else []
-        return out + (self._peers() if ch is not None and ch.key else [])
+        return said + out + (self._peers() if ch is not None and ch.key else [])
+
+    def _say_unfit(self, job_id: str, now: float) -> list[Record | Send]:
+        """Once no node checks its files any more and none named the content: the node.unfit of
+        each node held back for that (`unsaid`)."""
+        if self._others_checking(job_id, ""):
+            return []
+        out: list[Record | Send] = []
+        for name, held in sorted(self.fits.get(job_id, {}).items()):
+            if held.unsaid and held.state is FitState.UNFIT:
+                held.unsaid = False
+                out.append(Record(job_id, "node.unfit", now, {"node": name, "reason": held.reason or "unfit"}))
+        return out
 
     def track(self, job_id: str, spec: JobSpec, doc: JobDoc) -> None:
         """A live job that names files: a new holder of its content is sent to its fetchers."""

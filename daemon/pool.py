@@ -216,7 +216,7 @@ class Pool:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
-            actions += self.fitness.node_gone(name)  # a new dpd process: what it serves is asked afresh
+            actions += self.fitness.node_gone(name, now)  # a new dpd process: what it serves is asked afresh
             node = Node(name=name, incarnation=msg.incarnation, info=msg.info, joined_at=now, last_seen=now)
             # A hold outlives a dpd restart; a yield is the new dpd's to say (node.yield once registered).
             if old is not None and old.hold not in (None, Hold.YIELDING):
@@ -437,7 +437,7 @@ class Pool:
     def _node_gone(self, node: Node, now: float, reason: str) -> list[Action]:
         node.lost = True
         self.cadence.forget(node.name)
-        actions_: list[Action] = list(self.fitness.node_gone(node.name))
+        actions_: list[Action] = list(self.fitness.node_gone(node.name, now))
         if node.hold is None:
             node.reason = reason
         actions: list[Action] = [*actions_, Record(None, "node.lost", now, {"node": node.name, "reason": reason}), NodeChanged(node.name)]

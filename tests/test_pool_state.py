@@ -1497,6 +1497,18 @@ def test_a_node_lacking_files_another_node_may_yet_name_says_unfit_only_once_eve
     out = staged(other, 0.3, "c", "unfit", "no such files on c")  # the last answer: no node names it
     assert records(out, "node.unfit") == [{"node": n, "reason": f"no such files on {n}"} for n in "abc"]
 
+    # The node still checking is lost instead of answering: the held ones are said then.
+    third = Driven()
+    for n in "abc":
+        join(third, n, 1)
+    third.submit(0.0, "j", files_spec())
+    staged(third, 0.1, "a", "unfit", "no such files on a")
+    staged(third, 0.2, "b", "checking")
+    assert records(staged(third, 0.3, "a", "unfit", "no such files on a"), "node.unfit") == []  # said again, still held
+    assert records(staged(third, 0.4, "c", "unfit", "no such files on c"), "node.unfit") == []  # b still checks
+    out = third.bye(0.5, "b")
+    assert records(out, "node.unfit") == [{"node": n, "reason": f"no such files on {n}"} for n in "ac"]
+
 
 def test_unfit_about_the_job_before_it_named_its_content_does_not_count() -> None:
     """b lacks the files and says so about the job as submitted; its answer arrives after a named
