@@ -222,6 +222,11 @@ def test_the_writers_last_error_is_found_at_the_end_of_its_log(tmp_path: Path) -
         '{"event":"report.exiting","level":"info"}\n'
     )
     assert writer_error(log) == "No API key configured. Use `wandb login` to log in."
+    later = log.stat().st_size  # the next generation's writer: an earlier one's error is not its own
+    with open(log, "a") as f:
+        f.write('{"event":"report.abandoned","why":"the W&B run was not open 30 s after the trainer ended"}\n')
+        f.write('{"event":"report.row_skipped","error":"not why it gave up"}\n')
+    assert writer_error(log, later) is None
     log.write_text('{"event":"report.done"}\n')
     assert writer_error(log) is None
 

@@ -84,6 +84,7 @@ class Reporter:
         # end before it takes the trainer's exit, which the writer (and its wandb-core) must not hold.
         self.output = run_dir / "report.log"
         with open(self.output, "ab") as out:
+            self.output_from = out.tell()  # this writer's lines start here (earlier generations' precede them)
             self.proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "dpool.trainer.wandb_writer"], stdin=subprocess.PIPE, stdout=out, stderr=out, cwd=str(run_dir),
             )
@@ -112,7 +113,7 @@ class Reporter:
                 self.log.warning("report.dropped", to="wandb", why="the W&B writer is behind; rows are dropped, training goes on")
         except OSError as e:  # the writer is gone (it could not reach W&B, or it failed)
             self.gone = True
-            said = writer_error(self.output)
+            said = writer_error(self.output, self.output_from)
             self.log.warning("report.stopped", to="wandb", error=said or str(e), why=f"the W&B writer exited (see {self.output}); training goes on without it")
 
     def close(self, code: int) -> None:
@@ -129,7 +130,7 @@ class Reporter:
                 self.log.warning("report.unfinished", to="wandb", after_s=CLOSE_S[code], why=f"the W&B writer finishes by itself; the trainer does not wait longer (see {self.output})")
                 return
             if done != 0 and not self.gone:
-                said = writer_error(self.output)
+                said = writer_error(self.output, self.output_from)
                 self.log.warning("report.unfinished", to="wandb", code=done, error=said,
                                  why=f"the W&B run was not written ({said or 'W&B unreachable?'}): see {self.output}")
 
@@ -162,12 +163,16 @@ def _peak_memory_gb() -> float:
     return mx.get_peak_memory() / 1e9  # mlx-lm's unit
 
 
-def writer_error(log_file: Path, tail_bytes: int = 64 << 10) -> str | None:
-    """The last error the W&B writer logged (`report.unavailable`/`report.failed`: no API key, no
-    network, a bad entity), from the end of its log; None when it logged none."""
+WRITER_ERRORS = ("report.unavailable", "report.failed")  # the writer's lines that say why it gave up
+
+
+def writer_error(log_file: Path, start: int = 0, tail_bytes: int = 64 << 10) -> str | None:
+    """The error this writer logged (`report.unavailable`/`report.failed`: no API key, no network,
+    a bad entity) in its log from byte `start` (its own lines, not an earlier generation's); None
+    when it logged none."""
     try:
         with open(log_file, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            f.seek(max(start, f.seek(0, os.SEEK_END) - tail_bytes))
             lines = f.read().splitlines()
     except OSError:
         return None
@@ -176,6 +181,6 @@ def writer_error(log_file: Path, tail_bytes: int = 64 << 10) -> str | None:
             entry = orjson.loads(raw)
         except orjson.JSONDecodeError:
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("error"), str):
+        if isinstance(entry, dict) and entry.get("event") in WRITER_ERRORS and isinstance(entry.get("error"), str):
             return entry["error"][:300]
     return None

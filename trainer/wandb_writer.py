@@ -48,7 +48,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from dpool.protocol.jobspec import JobSpec, parse_job
 from dpool.protocol.logs import configure_logging, get_logger
@@ -344,6 +344,15 @@ def read_rows(rows: queue.Queue[dict[str, Any] | None], ended: dict[str, int], o
         log.warning("report.dropped", to="wandb", rows=dropped, why="W&B was slower than the training")
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit while the reading thread may sit in stdin: not by a return, whose interpreter shutdown
+    would meet that thread inside stdin's lock ("Fatal Python error: _enter_buffered_busy") and die
+    on SIGABRT."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> int:
     configure_logging("info")
     opening = json.loads(sys.stdin.buffer.readline() or b"{}")
@@ -357,11 +366,7 @@ def main() -> int:
         run = writer.open()
     except Exception as e:
         writer.log.warning("report.unavailable", to="wandb", error=str(e)[:500], why="training goes on without W&B")
-        # Not a return: the interpreter's shutdown would meet the reading thread inside stdin's
-        # lock ("Fatal Python error: _enter_buffered_busy"), and the writer would die on SIGABRT.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(EXIT_UNREPORTED)
+        _leave(EXIT_UNREPORTED)
     opened.set()
     try:
         for row in backlog(Path(opening["run_dir"]), int(opening.get("backlog_bytes", 0)), int(opening.get("resume_step", 0))):
@@ -375,7 +380,7 @@ def main() -> int:
     except Exception as e:
         writer.log.warning("report.failed", to="wandb", error=str(e)[:500], why="training goes on without W&B")
         done.set()
-        return EXIT_UNREPORTED
+        _leave(EXIT_UNREPORTED)
     done.set()
     return 0
 
