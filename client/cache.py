@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from dpool.client.rpc import Client
-from dpool.client.tables import age, size, table
+from dpool.client.tables import age, held, table
 from dpool.protocol.stage_messages import Cache, CachePrune, CachePruneReply, CacheReply
 
 
@@ -52,10 +52,3 @@ def cmd_cache(c: Client, a: Any) -> int:
     ))
     return 0
 
-
-def held(part: int | None, total: int, complete: bool) -> str:
-    """A tree's size, and for one not complete what of it the node holds: `12.0MiB of 22.9MiB`."""
-    whole = size(total) or "0B"
-    if complete or part is None:
-        return whole
-    return f"{size(part) or '0B'} of {whole}"

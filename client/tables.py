@@ -36,6 +36,14 @@ def size(n: int | None) -> str | None:
     return None
 
 
+def held(part: int | None, total: int, complete: bool) -> str:
+    """A tree's size, and for one not complete what of it the node holds: `12.0MiB of 22.9MiB`."""
+    whole = size(total) or "0B"
+    if complete or part is None:
+        return whole
+    return f"{size(part) or '0B'} of {whole}"
+
+
 def age(seconds: float | None) -> str | None:
     if seconds is None:
         return None

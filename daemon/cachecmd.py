@@ -19,8 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from dpool.client.cache import held
-from dpool.client.tables import age, size, table
+from dpool.client.tables import age, held, size, table
 from dpool.staging.cache import Cache
 
 

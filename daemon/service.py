@@ -169,6 +169,7 @@ def private_tmp_problem(host: Host, state_dir: Path) -> str | None:
     service's own private folder, emptied whenever it restarts, checkpoints and cache with it."""
     if host.platform == "darwin" or not host.system_unit:
         return None
+    state_dir = state_dir.resolve()  # a link into /tmp is /tmp
     for tmp in PRIVATE_TMPS:
         if state_dir == tmp or tmp in state_dir.parents:
             return (f"--state-dir {state_dir}: the system service runs with PrivateTmp=yes, so under {tmp} it would be the service's "

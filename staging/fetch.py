@@ -30,6 +30,7 @@ from dpool.staging.parts import (
     RATE_WINDOW_S,
     RETRY_S,
     SOURCES_EVERY_S,
+    TIMEOUT_S,
     FetchError,
     Key,
     Pacer,
@@ -555,9 +556,9 @@ class Fetch:
 
     def quiet_s(self) -> float:
         """How long without a chunk landing before the fetch reads as stalled (rate 0): the rate
-        window, or twice the pace chunks land at where that is slower (4 MiB chunks paced at
-        1 MB/s land every 4 s; the rate read 0 between them)."""
+        window, or twice the last gap between landings where that is longer (4 MiB chunks paced
+        at 1 MB/s land every 4 s; the rate read 0 between them), at most TIMEOUT_S."""
         if len(self.samples) < 2:
             return RATE_WINDOW_S
-        gap = (self.samples[-1][0] - self.samples[0][0]) / (len(self.samples) - 1)
-        return max(RATE_WINDOW_S, 2 * gap)
+        gap = self.samples[-1][0] - self.samples[-2][0]
+        return min(TIMEOUT_S, max(RATE_WINDOW_S, 2 * gap))

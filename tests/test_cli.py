@@ -463,7 +463,7 @@ def test_watch_rides_out_a_coordinator_killed_and_restarted(pool: LocalPool, ctl
 
 
 def test_dpctl_cache_shows_what_a_node_holds_of_a_tree_it_is_fetching() -> None:
-    from dpool.client.cache import held
+    from dpool.client.tables import held
 
     assert held(12 << 20, 24 << 20, False) == "12.0MiB of 24.0MiB"
     assert held(0, 24 << 20, False) == "0B of 24.0MiB"  # a manifest alone

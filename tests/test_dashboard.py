@@ -242,10 +242,15 @@ def test_a_dashboard_that_cannot_listen_says_so_alone_and_exits_1(tmp_path: Path
 def test_a_dashboard_stopped_while_its_coordinator_is_silent_exits_quietly(tmp_path: Path, processes: Processes) -> None:
     """Its poller waits on a coordinator that does not answer (a 5 s timeout) when SIGTERM comes:
     the request cut short by the exit is no failure to report."""
-    d = start_dashboard(processes, tmp_path, f"tcp://127.0.0.1:{free_port()}", "--timeout", "5", name="dash-stop")
-    time.sleep(0.5)  # its first round is in flight
-    d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(10) == 0
+    with socket.socket() as silent:  # a "coordinator" that takes the connection and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(30)
+        d = start_dashboard(processes, tmp_path, f"tcp://127.0.0.1:{silent.getsockname()[1]}", "--timeout", "5", name="dash-stop")
+        conn, _ = silent.accept()  # its first round is in flight
+        with conn:
+            d.proc.send_signal(signal.SIGTERM)
+            assert d.proc.wait(10) == 0
     said = d.log.read_text()
     assert "round failed" not in said and said.count("\n") == 1, said  # its address, nothing else
 

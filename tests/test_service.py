@@ -226,10 +226,11 @@ def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path) -> N
     verify_unit(path, user=False, tmp=tmp_path)
 
 
-def test_a_system_service_refuses_a_state_dir_its_private_tmp_would_hide(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_a_system_service_refuses_a_state_dir_its_private_tmp_would_hide(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """PrivateTmp=yes: under /tmp the service's state would be a private folder, emptied at each
     restart. Refused before anything is written; a user unit (no PrivateTmp) may use it."""
     fake("linux", uid=0)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", (tmp_path.resolve(),))  # this test's /tmp, wherever the machine's is
     state = tmp_path / "state"
     assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--print"]) == 2
     assert f"--state-dir {state}: the system service runs with PrivateTmp=yes" in capsys.readouterr().err
