@@ -143,7 +143,7 @@ class NodeStaging:
         self.log.info("staging.upload_accepted", client=msg.client, digests=[d[:12] for d in msg.digests])
 
     def holds(self) -> list[str]:
-        return sorted(e.digest for e in self.cache.entries() if e.complete)[:16]
+        return sorted(e.digest for e in self.cache.entries(held=False) if e.complete)[:16]
 
     def hello(self) -> NodeStaged:
         """What this node serves and its cache holds, for the coordinator (sent after it
@@ -282,10 +282,14 @@ class NodeStaging:
         found: dict[str, str] = {}  # a job without [content]: what this node found at its paths
         asked = asked_content(msg)
 
+        listed = [False]  # the fetch's tree is in the cache listing sent (`dpctl cache` shows it, partial)
+
         def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
-            final = state in ("ready", "unfit")  # the cache listing changes only with a fetch's end
+            final = state in ("ready", "unfit")  # the cache listing changes with a fetch's start and end
+            begun = state == "staging" and total > 0 and not listed[0]
+            listed[0] = listed[0] or begun
             send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
-                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final else None,
+                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final or begun else None,
                             found_data=found.get("data") if final else None, found_model=found.get("model") if final else None,
                             asked=asked))
 

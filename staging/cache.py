@@ -921,8 +921,9 @@ class Cache:
             return []
         return [int(part) for line in lines[1:-1] if (part := line.split(b" ")[0]).isdigit()]
 
-    def entries(self) -> list[CacheEntry]:
-        """Every manifest the cache knows, most recently used first."""
+    def entries(self, *, held: bool = True) -> list[CacheEntry]:
+        """Every manifest the cache knows, most recently used first (`held`: with what it holds of
+        each incomplete one; without, 0 for those)."""
         pinned = self._pinned()
         with self._lock:
             adopted = dict(self._adopted)
@@ -945,7 +946,7 @@ class Cache:
                     complete=complete,
                     pinned_by=pinned.get(d, ()),
                     adopted=str(folder) if folder is not None else None,
-                    held=total if complete else self._held(m) if m is not None else 0,
+                    held=total if complete else self._held(m) if m is not None and held else 0,
                 )
             )
         return sorted(out, key=lambda e: (-e.last_used, e.digest))

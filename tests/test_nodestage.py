@@ -65,3 +65,41 @@ def test_the_same_question_again_during_a_check_is_not_checked_twice(tmp_path: P
     q = JobStage(job="j-1", spec=_doc(str(tmp_path / "missing" / "*.txt")))
     sent = _answers(tmp_path, [q, q, q])  # the pool sends job.stage again with fresh sources
     assert [s.state for s in sent] == ["checking", "unfit"]
+
+
+def test_a_fetch_under_way_is_in_the_cache_listing_the_node_sends_as_it_starts(tmp_path: Path) -> None:
+    """`dpctl cache NODE` said the node held nothing while it was a third into a fetch: the listing
+    was sent only with a fetch's end. Now the first progress that knows the tree's size carries it,
+    partial, with what is held of it."""
+    from dpool.protocol.stage_messages import StageSource
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " * 20_000)
+    sent: dict[str, list[NodeStaged]] = {"a": [], "b": []}
+
+    async def run() -> None:
+        a = NodeStaging(tmp_path / "a", bind="tcp://127.0.0.1:0", memory_bytes=1 << 30, log=structlog.get_logger())
+        b = NodeStaging(tmp_path / "b", bind="tcp://127.0.0.1:0", memory_bytes=1 << 30, log=structlog.get_logger())
+        a.start()
+        b.start()
+        try:
+            a.on_stage(JobStage(job="j-1", spec=_doc(str(corpus / "*.txt"))), sent["a"].append)
+            await a.tasks["j-1"]
+            (found,) = [s.found_data for s in sent["a"] if s.state == "ready"]
+            assert found is not None
+            spec = parse_job(job("corpus", data={"source": str(tmp_path / "elsewhere" / "*.txt")}, content={"data": found})).to_dict()
+            total = sum(p.stat().st_size for p in corpus.iterdir())
+            b.on_stage(JobStage(job="j-1", spec=spec, sources=[StageSource(digest=found, node="a", endpoint=a.endpoint)], rate_bps=total / 1.5), sent["b"].append)
+            await b.tasks["j-1"]
+        finally:
+            a.stop()
+            b.stop()
+
+    asyncio.run(run())
+    staging = [s for s in sent["b"] if s.state == "staging" and s.cached is not None]
+    assert staging, [(s.state, s.total_bytes) for s in sent["b"]]
+    (row,) = [r for r in staging[0].cached or [] if not r.complete]
+    assert row.bytes > 0 and row.held is not None and row.held < row.bytes
+    assert sent["b"][-1].state == "ready" and all(r.complete for r in sent["b"][-1].cached or [])
