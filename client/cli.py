@@ -486,8 +486,15 @@ def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
             out.append([r.step, "test", num(r.test_loss), None, None, None, None, None])  # LOSS: the test loss
         else:
             out.append([r.step, "train", num(r.loss), None, f"{r.lr:.2e}", f"{r.tokens_per_s:.0f}", r.world_size, r.generation])
-    print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else "no metrics yet")
+    print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else none_yet(c, a.job, "metrics"))
     return EXIT_OK
+
+
+def none_yet(c: Client, job: str, what: str) -> str:
+    """What an empty listing says: "no metrics yet" while the job may still log some, else that it
+    ended without any."""
+    status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
+    return f"no {what}: job {status.id} {status.state} without any" if status.state in TERMINAL else f"no {what} yet"
 
 
 def cmd_events(c: Client, a: argparse.Namespace) -> int:
@@ -512,7 +519,7 @@ def cmd_samples(c: Client, a: argparse.Namespace) -> int:
         emit_json([r.to_wire() for r in rows])
         return EXIT_OK
     if not rows:
-        print("no samples yet")
+        print(none_yet(c, a.job, "samples"))
     for r in rows:
         print(f"--- step {r.step} ---")
         print(shown(r.text))

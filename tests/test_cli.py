@@ -281,6 +281,16 @@ def test_dry_run_prints_the_resolved_job_and_submits_nothing(pool: LocalPool, ct
     assert not [j for j in ctl_json(ctl, "status") if j["name"].startswith("dry")]
 
 
+def test_an_empty_listing_of_an_ended_job_does_not_say_yet(pool: LocalPool, ctl: Ctl) -> None:
+    job = write_job(pool.root, "never", workers={"min": 5, "max": 5})  # more than the pool's one slot: it waits
+    code, out, _ = ctl("submit", str(job))
+    job_id = out.strip()
+    assert code == 0 and ctl("metrics", job_id)[1].strip() == "no metrics yet"
+    assert ctl("cancel", job_id)[0] == 0
+    assert ctl("metrics", job_id)[1].strip() == f"no metrics: job {job_id} cancelled without any"
+    assert ctl("samples", job_id)[1].strip() == f"no samples: job {job_id} cancelled without any"
+
+
 @pytest.mark.slow
 def test_global_flags_go_anywhere_on_the_line(pool: LocalPool, tmp_path: Path) -> None:
     # After the subcommand and its own flags, as its own process; the flag beats $DPOOL_COORDINATOR.
