@@ -261,7 +261,9 @@ class Fitness:
         elif state is FitState.READY and old is not None and old.state is FitState.STAGING:
             # STAGING -> READY: it fetched what it lacked (`total_bytes`: how much)
             if not old.told:  # done before it reported a size
-                actions.append(Record(msg.job, "node.staging", old.since, {"node": node, "bytes": msg.total_bytes}))
+                # at `now`, not when it began: the job's events stay in time order (node.staged's
+                # `seconds` says how long the fetch took)
+                actions.append(Record(msg.job, "node.staging", now, {"node": node, "bytes": msg.total_bytes}))
             actions.append(Record(msg.job, "node.staged", now, {"node": node, "bytes": msg.total_bytes, "seconds": round(now - old.started, 3) if old.started else None}))
         elif state is FitState.STAGING and (old is None or old.state is not FitState.STAGING):
             # its place in the chain is known now: it (and any fetcher behind it) gets its sources
