@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ from dpool.protocol.stage_messages import (
 )
 
 TRAINING_RATE_BPS = 10e6  # a fetch whose sources train is paced to this by default (bench/staging.py: 10 MB/s kept a 3-rank group within 1.1x of its step time on 2 cores; 25 MB/s did not)
+DIGITS = re.compile(r"\d+")  # the figures of an unfit reason, left out when two are compared
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
 CHECK_WAIT_S = 10.0  # a job's first group waits this long at most for nodes still checking their files
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
@@ -92,6 +94,12 @@ class Found:
 def needs_files(spec: JobSpec) -> bool:
     """Whether a node must check files before it serves the job (the built-in corpus needs none)."""
     return spec.model.kind == "mlx_lm" or spec.data.source != "stdlib"
+
+
+def same_reason(a: str | None, b: str | None) -> bool:
+    """Whether two unfit reasons say the same thing: equal but for their figures (a cache without
+    room says how many bytes each time it is asked; it is still the one reason, said once)."""
+    return a == b or (a is not None and b is not None and DIGITS.sub("#", a) == DIGITS.sub("#", b))
 
 
 def unnamed(spec: JobSpec) -> bool:
@@ -239,7 +247,7 @@ class Fitness:
         fit.started = old.started if old is not None and old.started else (now if state is FitState.STAGING else 0.0)
         fit.told = state is FitState.STAGING and old is not None and old.state is FitState.STAGING and old.told
         fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
-        fit.unsaid = state is FitState.UNFIT and old is not None and old.unsaid and old.reason == msg.reason  # still to be said
+        fit.unsaid = state is FitState.UNFIT and old is not None and old.unsaid and same_reason(old.reason, msg.reason)  # still to be said
         if state is FitState.READY and old is not None and old.state is FitState.STAGING and not fit.rate and now > fit.started > 0:
             fit.rate = msg.total_bytes / (now - fit.started)  # a fetch done: its row shows the pace it kept, not 0
         fits[node] = fit
@@ -249,7 +257,7 @@ class Fitness:
             actions.append(Found(msg.job, node, data, model))
         if old is not None and old.state is FitState.STAGING and state is FitState.UNFIT:
             actions += self._resend(set(digests(spec)), exclude=node)  # the fetchers behind it read elsewhere now
-        if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or old.reason != msg.reason):
+        if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or not same_reason(old.reason, msg.reason)):
             # -> UNFIT: the node sits this job out, and says why (once per reason). Not yet where
             # the job names no content and other nodes still check theirs: one of them may find
             # the files, and then this node fetches them instead (it said node.unfit, then

@@ -1292,6 +1292,20 @@ def test_a_job_that_names_files_starts_only_on_nodes_that_said_they_can_serve_it
     assert [r.state for r in pool.staging_rows("j", 1.0)] == ["unfit"]
 
 
+def test_an_unfit_reason_said_again_with_other_figures_is_one_event() -> None:
+    """A cache without room says how many bytes each time; asked again at once (new sources), the
+    node said node.unfit twice within 0.1 s."""
+    pool = Driven()
+    for n in "ab":
+        join(pool, n, 1)
+    pool.submit(0.0, "j", files_spec())
+    staged(pool, 0.1, "a", "ready")
+    full = "the cache at /s/cache has no room for 2eef70da248b: {} more bytes needed, a budget of 200000 bytes"
+    assert len(records(staged(pool, 0.2, "b", "unfit", full.format(23999000)), "node.unfit")) == 1
+    assert records(staged(pool, 0.3, "b", "unfit", full.format(23998112)), "node.unfit") == []
+    assert len(records(staged(pool, 0.4, "b", "unfit", "data.source: corpus/a.txt: content differs"), "node.unfit")) == 1
+
+
 def test_a_job_no_node_can_serve_fails_at_once_with_every_reason() -> None:
     pool = Driven()
     for n in "ab":
