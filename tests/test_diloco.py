@@ -219,3 +219,13 @@ def test_warm_up_steps_average_every_step_and_a_group_resumed_inside_them_on_few
     start = next(json.loads(line)["resume_step"] for line in resumed.output(0).splitlines() if '"trainer.started"' in line)
     assert start in (1, 2, 3, 4, 5, 9), start  # a warm step (most often 1 or 2), or later where the kill came late
     assert_same_curve(ref, losses(run_dir / "r0"))
+
+
+def test_a_group_by_hand_with_more_ranks_than_replicas_exits_2_naming_the_key(work, env) -> None:
+    """Both ranks crashed with a traceback ("cannot give 2 ranks at least one of 1 sequences")."""
+    job = diloco_job(work, "k1", sync={"replicas": 1})
+    g = ring.start_ranks(work / "k1", [[str(job), "--run-dir", str(work / "k1" / f"r{r}")] for r in range(2)], env=env)
+    assert ring.finish(g, 120) == [2, 2], g.output(0)[-2000:]
+    for rank in (0, 1):
+        out = g.output(rank)
+        assert "error: sync.replicas = 1: a diloco group has at most one rank per replica, and this one has 2" in out and "Traceback" not in out, out[-2000:]

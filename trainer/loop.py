@@ -138,6 +138,12 @@ def run(
     shares_refused: UsageError | None = None
     try:
         shares = parse_shares(shares_arg, world, spec.train.global_batch)
+        if spec.sync.mode == "diloco" and world > spec.sync.replicas:
+            # every rank steps at least one replica (the pool never starts more: workers.max)
+            raise UsageError(
+                f"sync.replicas = {spec.sync.replicas}: a diloco group has at most one rank per replica, and this one has {world} "
+                f"(MLX_HOSTFILE); start at most {spec.sync.replicas} rank(s), or raise sync.replicas"
+            )
     except UsageError as e:
         shares_refused = e
     # Before anything is built: every rank was given the same job file and shares, or all exit 2
