@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dpool.protocol.commmodel import (
+    DTYPE_BYTES,
     Link,
     bound_warning,
     comm_share,
@@ -114,7 +115,7 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     ring = link or Link(1.0, 0.0)  # the bytes only, when no link is measured
     comm = step_comm(params, ranks, ring, dtype=sync.dtype, mode=sync.mode, inner_steps=sync.inner_steps)
     seconds = comm.seconds if link is not None else None
-    compute, source = _compute(spec, comm.nbytes, ranks, jobs)
+    compute, source = _compute(spec, params, ranks, jobs)
     share = warm = None
     if seconds is not None and compute is not None:
         share = comm_share(seconds, compute)
@@ -127,12 +128,13 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
     )
 
 
-def _compute(spec: JobSpec, nbytes: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:
-    """A step's compute from the newest job of this name and size that measured one, scaled to
-    this job's sequences per rank."""
+def _compute(spec: JobSpec, params: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:
+    """A step's compute from the newest job of this name and size (its trainable parameters, in
+    whichever dtype it summed them) that measured one, scaled to this job's sequences per rank."""
+    sizes = {params * b for b in DTYPE_BYTES.values()}
     for j in sorted(jobs, key=lambda j: j.submitted or 0.0, reverse=True):
         c = j.comm
-        if j.name != spec.name or c is None or c.compute_s is None or c.bytes != nbytes or not c.global_batch:
+        if j.name != spec.name or c is None or c.compute_s is None or c.bytes not in sizes or not c.global_batch:
             continue
         scale = (spec.train.global_batch / ranks) / (c.global_batch / c.ranks)
         return c.compute_s * scale, f"job {j.id}"

@@ -37,7 +37,7 @@ from dpool.protocol.commmodel import (
 )
 from dpool.protocol.jobspec import parse_job
 from dpool.protocol.link_messages import NodeLink, RingProbe, WorkerLink
-from dpool.protocol.payloads import LinkRow, NodeRow
+from dpool.protocol.payloads import CommRow, JobStatus, LinkRow, NodeRow
 
 GBIT = 1e9
 
@@ -289,6 +289,15 @@ def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_a
     w = parse_job({"name": "d", "workers": {"max": 3}, "sync": {"mode": "diloco", "replicas": 2, "inner_steps": 10, "warmup_steps": 40}}, source="test")
     fw = client_comm.forecast(w, nodes, [])
     assert fw is not None and fw.warmup == 40 and any("each of the first 40 steps" in line for line in fw.lines()), fw.lines()
+    # A job of the same name and size measured its step in float32: the bfloat16 run of it (half
+    # the bytes on the wire, the same compute) rests on that step too.
+    measured = JobStatus(
+        id="big-000001", name="big", state="succeeded", step=10, steps=10, generation=1, world_size=2, workers=[], checkpoint_step=10, loss=None, val_loss=None, error=None,
+        submitted=1.0, comm=CommRow(bytes=f.nbytes, every=1, ranks=2, global_batch=16, seconds=0.0, compute_s=0.2, link=["a", "b"], bandwidth_bps=1e9, latency_s=0.0),
+    )
+    half = parse_job({"name": "big", "workers": {"max": 2}, "model": {"layers": 4, "dim": 256, "heads": 4}, "sync": {"dtype": "bfloat16"}}, source="test")
+    fh = client_comm.forecast(half, nodes, [measured])
+    assert fh is not None and fh.nbytes == f.nbytes // 2 and fh.compute_s == pytest.approx(0.2 * half.train.global_batch / 16) and fh.compute_from == "job big-000001" and fh.share is not None, fh.lines()
 
 
 # -- the wire ------------------------------------------------------------------------------------
