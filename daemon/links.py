@@ -96,10 +96,18 @@ class Prediction:
             measured_share=None if self.measured is None else round(min(1.0, max(0.0, self.measured)), 4),
         )
 
+    def bound_share(self) -> float | None:
+        """The share a warning reads: the predicted one, or the measured one where that is higher
+        (a probe can read a link faster than the steps find it: 49% low on an unshaped link)."""
+        if self.share is None:
+            return self.measured
+        return self.share if self.measured is None else max(self.share, self.measured)
+
     def warning(self) -> str | None:
-        if self.share is None or self.warm:
+        share = self.bound_share()
+        if share is None or self.warm:
             return None
-        return bound_warning(self.share, "the ring's slowest link, " + describe_link(*self.pace, self.link))
+        return bound_warning(share, "the ring's slowest link, " + describe_link(*self.pace, self.link))
 
 
 class Links:
@@ -141,11 +149,12 @@ class Links:
         if known.seen not in CHECK_AT or job.id in self.warned:
             return []
         p = self.predict(job, steady=True)
-        if p is None or p.share is None or p.warning() is None:
+        share = None if p is None else p.bound_share()
+        if p is None or share is None or p.warning() is None:
             return []
         self.warned.add(job.id)
         fields = {
-            "generation": generation, "share": round(p.share, 3), "link": f"{p.pace[0]} <-> {p.pace[1]}",
+            "generation": generation, "share": round(share, 3), "link": f"{p.pace[0]} <-> {p.pace[1]}",
             "bandwidth_bps": round(p.link.bandwidth_bps), "latency_s": round(p.link.latency_s, 6),
             "comm_s": _seconds(p.comm.seconds), "compute_s": _seconds(p.compute_s or 0.0), "bytes": min(p.comm.nbytes, MAX_INT),
             "warning": p.warning(),

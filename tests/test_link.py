@@ -242,6 +242,21 @@ def test_a_comm_bound_job_gets_one_event_naming_the_slow_link() -> None:
     assert share_of(links, d, [comm_s * 0.2] * 40) == []
 
 
+def test_a_job_whose_timed_all_sums_take_most_of_its_steps_is_warned_whatever_the_probe_predicted() -> None:
+    """The probe read the link fast (a 30% share predicted); the steps' own timings say 58%: the job
+    spends most of its time in all_sum, and got no warning nor job.comm_bound."""
+    links = Links()
+    j = job_on(("a", "b"))
+    links.observe(1.0, j, NodeLink(job=j.id, generation=1, rank=0, ring=probe(1000, 0.1), params=2_500_000))
+    links.timed(j, 1, 9.0, 8.9)  # the first row compiles: not kept
+    for seconds, all_sum in [(0.5, 0.3), (0.6, 0.35), (0.5, 0.28)] * 3:
+        links.timed(j, 1, seconds, all_sum)
+    events = share_of(links, j, [0.5] * 8)
+    share, comm = links.share(j)
+    assert share is not None and share < 0.5 and comm is not None and comm.measured_share is not None and comm.measured_share > 0.5
+    assert comm.warning and [e.kind for e in events] == ["job.comm_bound"] and events[0].fields["share"] == pytest.approx(comm.measured_share, abs=1e-3)
+
+
 def test_a_diloco_warm_up_shows_its_own_share_and_is_not_what_the_comm_bound_check_reads() -> None:
     """The first warmup_steps of a diloco job all_sum every step: while it runs them its share is
     theirs, their all_sum is not taken for compute, and the comm_bound check is about the steps
