@@ -62,7 +62,7 @@ class Forecast:
         per = "each step" if self.every == 1 else f"every {self.every} steps (diloco)"
         if self.warmup:
             per += f", each of the first {self.warmup} steps (sync.warmup_steps; the figures below are for the steps after)"
-        out = [f"communication: {per} all_sums {_mb(self.nbytes)} ({self.params:,} trainable parameters) over {self.ranks} ranks on {', '.join(self.nodes)}"]
+        out = [f"communication: {per} all_sums {_mb(self.nbytes)} ({self.params:,} trainable parameters) over {self.ranks} rank{'s' if self.ranks != 1 else ''} on {', '.join(self.nodes)}"]
         if self.ranks < 2:
             out.append("communication: one rank sums nothing: no time in all_sum")
             return out
@@ -77,7 +77,7 @@ class Forecast:
         if self.share is None:
             out.append("communication: the share of a step needs a measured step (none of a job of this name and size yet)")
         else:
-            out.append(f"communication: about {self.share:.0%} of each step (compute {_secs(self.compute_s or 0.0)} per step, as {self.compute_from} measured it)")
+            out.append(f"communication: about {_pct(self.share)} of each step (compute {_secs(self.compute_s or 0.0)} per step, as {self.compute_from} measured it)")
         if self.warmup_share is not None:
             out.append(f"communication: about {self.warmup_share:.0%} of each of the first {self.warmup} steps (the warm-up's all_sum every step)")
         return out
@@ -239,6 +239,14 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
+def _pct(share: float) -> str:
+    """A share as read: `32%`, and `under 1%` for what rounds to 0 but is not (diloco's)."""
+    return "under 1%" if 0 < share < 0.005 else f"{share:.0%}"
+
+
 def _secs(s: float) -> str:
-    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+    """Seconds as read: `1.25 s`, `9.8 ms`, `40 µs` (a diloco all_sum spread over its inner steps)."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.1f} ms" if s >= 1e-3 or s == 0 else f"{s * 1e6:.0f} µs"
 

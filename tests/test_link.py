@@ -583,3 +583,11 @@ def test_submit_warns_on_a_slow_link_once_a_job_of_the_same_name_and_size_measur
     fw = client_comm.forecast(w, nodes, [earlier])
     assert fw is not None and fw.share is not None and fw.warmup_share == pytest.approx(f.share) and fw.seconds == pytest.approx(f.seconds / 50)
     assert any(f"about {f.share:.0%} of each of the first 20 steps" in line for line in fw.lines()), fw.lines()
+
+
+def test_dry_run_figures_read_as_people_write_them() -> None:
+    from dpool.client.comm import _pct, _secs
+
+    assert [_secs(x) for x in (2.5, 0.0098, 0.00004, 0.0)] == ["2.50 s", "9.8 ms", "40 µs", "0.0 ms"]
+    assert [_pct(x) for x in (0.32, 0.001, 0.0)] == ["32%", "under 1%", "0%"]
+
