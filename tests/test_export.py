@@ -99,6 +99,15 @@ def test_export_writes_what_the_trainer_writes_from_that_nodes_run_dir(pool: Hom
     assert sorted(f["name"] for f in got["files"]) == sorted(files)
     assert got["bytes"] == sum(len(b) for b in files.values()) > 2 * m.EXPORT_CHUNK_MAX
     assert all(f["sha256"] == hashlib.sha256(files[f["name"]]).hexdigest() for f in got["files"])
+    # and it loads as README says, and generates
+    from dpool.trainer.gpt_task import load_exported
+    from dpool.trainer.model import generate
+
+    model = load_exported(out)
+    assert len(generate(model, b"def ", 8, seed=0)) == 12
+    (out / "model.safetensors").unlink()
+    with pytest.raises(Exception, match="not a built-in GPT export"):
+        load_exported(out)
 
     # --step picks that checkpoint; the job by its name; a human summary without --json.
     out3 = pool.root / "out3"

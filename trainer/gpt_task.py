@@ -13,9 +13,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dpool.protocol.jobspec import JobSpec
+from dpool.protocol.jobspec import JobSpec, ModelSpec
 from dpool.trainer.data import VOCAB_SIZE, BatchSampler, eval_windows, load_corpus
-from dpool.trainer.model import build_model, generate
+from dpool.trainer.model import GPT, build_model, generate
 from dpool.trainer.task import Example
 
 DEFAULT_PROMPT = "def "
@@ -69,3 +69,23 @@ class GPTTask:
 
     def set_dropout_keys(self, keys: Any) -> None:
         """No dropout in the built-in GPT."""
+
+
+def load_exported(folder: str | Path) -> GPT:
+    """A built-in GPT as `dpctl export` wrote it (model.safetensors, config.json), ready for
+    `dpool.trainer.model.generate`. ModelError names what is missing or does not fit."""
+    # the trainer's error for a model it cannot load; imported here, not for every GPT job
+    from dpool.trainer.lm import ModelError
+
+    folder = Path(folder)
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        kind, vocab = config.pop("kind"), config.pop("vocab_size")
+        if kind != "gpt":
+            raise ModelError(f"{folder}: a {kind!r} export; this loads the built-in GPT ('gpt')")
+        model = GPT(ModelSpec(**config), vocab)
+        model.load_weights(str(folder / "model.safetensors"), strict=True)
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: MLX's, for a file it cannot read
+        raise ModelError(f"{folder}: not a built-in GPT export (model.safetensors and config.json from `dpctl export`): {e}") from None
+    mx.eval(model.parameters())
+    return model
