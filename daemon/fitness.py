@@ -44,7 +44,7 @@ from dpool.protocol.stage_messages import (
 )
 
 TRAINING_RATE_BPS = 10e6  # a fetch whose sources train is paced to this by default (bench/staging.py: 10 MB/s kept a 3-rank group within 1.1x of its step time on 2 cores; 25 MB/s did not)
-DIGITS = re.compile(r"\d+")  # the figures of an unfit reason, left out when two are compared
+DIGITS = re.compile(r"(?<![\w./-])\d+(?![\w./-])")  # the figures of an unfit reason (not the digits in a name), left out when two are compared
 RECHECK_S = 30.0  # an unfit node is asked again this long after it said so (its files may have appeared)
 CHECK_WAIT_S = 10.0  # a job's first group waits this long at most for nodes still checking their files
 ASK_TIMEOUT_S = 30.0  # a node that has not answered job.stage at all by then is asked again
@@ -293,7 +293,7 @@ class Fitness:
         fits = self.fits.setdefault(job_id, {})
         old = fits.get(node)
         fits[node] = Fit(FitState.UNFIT, now, reason)
-        if old is not None and old.state is FitState.UNFIT and old.reason == reason:
+        if old is not None and old.state is FitState.UNFIT and same_reason(old.reason, reason):
             return []
         return [Record(job_id, "node.unfit", now, {"node": node, "reason": reason})]
 

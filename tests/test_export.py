@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import inspect
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -105,8 +106,13 @@ def test_export_writes_what_the_trainer_writes_from_that_nodes_run_dir(pool: Hom
 
     model = load_exported(out)
     assert len(generate(model, b"def ", 8, seed=0)) == 12
+    from dpool.trainer.lm import ModelError
+
     (out / "model.safetensors").unlink()
-    with pytest.raises(Exception, match="not a built-in GPT export"):
+    with pytest.raises(ModelError, match="not a built-in GPT export"):
+        load_exported(out)
+    (out / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ModelError, match=re.escape("is not a built-in GPT's (an mlx_lm job's export loads with mlx_lm.load)")):
         load_exported(out)
 
     # --step picks that checkpoint; the job by its name; a human summary without --json.

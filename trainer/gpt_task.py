@@ -80,9 +80,13 @@ def load_exported(folder: str | Path) -> GPT:
     folder = Path(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
-        kind, vocab = config.pop("kind"), config.pop("vocab_size")
-        if kind != "gpt":
-            raise ModelError(f"{folder}: a {kind!r} export; this loads the built-in GPT ('gpt')")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{folder}: not a built-in GPT export (model.safetensors and config.json from `dpctl export`): {e}") from None
+    if not isinstance(config, dict) or config.get("kind") != "gpt":
+        raise ModelError(f"{folder}: its config.json is not a built-in GPT's (an mlx_lm job's export loads with mlx_lm.load)")
+    try:
+        vocab = config.pop("vocab_size")
+        config.pop("kind")
         model = GPT(ModelSpec(**config), vocab)
         model.load_weights(str(folder / "model.safetensors"), strict=True)
     except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: MLX's, for a file it cannot read
