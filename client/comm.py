@@ -5,8 +5,8 @@
   with its LoRA settings, when that folder is on this machine) in the `[sync] dtype`.
 - The link: the slowest the pool measured (`dpctl nodes --json` "links") between the nodes the job
   would use now (the usable nodes, in name order, until `workers.max` slots).
-- The compute of a step: only measured ones. The newest job of the same name and the same bytes
-  that measured a step (`status --json` "comm" keeps a finished job's) gives it, scaled to this
+- The compute of a step: only measured ones. The newest job of the same name and the same
+  trainable parameters (in either `[sync] dtype`) that measured a step (`status --json` "comm" keeps a finished job's) gives it, scaled to this
   job's sequences per rank. Without one the prediction says the seconds of all_sum per step and
   the bytes, and that the share needs a measured step.
 
@@ -79,7 +79,7 @@ class Forecast:
         else:
             out.append(f"communication: about {_pct(self.share)} of each step (compute {_secs(self.compute_s or 0.0)} per step, as {self.compute_from} measured it)")
         if self.warmup_share is not None:
-            out.append(f"communication: about {self.warmup_share:.0%} of each of the first {self.warmup} steps (the warm-up's all_sum every step)")
+            out.append(f"communication: about {_pct(self.warmup_share)} of each of the first {self.warmup} steps (the warm-up's all_sum every step)")
         return out
 
     def warning(self) -> str | None:
@@ -131,10 +131,11 @@ def forecast(spec: JobSpec, nodes: list[NodeRow], jobs: list[JobStatus]) -> Fore
 def _compute(spec: JobSpec, params: int, ranks: int, jobs: list[JobStatus]) -> tuple[float | None, str | None]:
     """A step's compute from the newest job of this name and size (its trainable parameters, in
     whichever dtype it summed them) that measured one, scaled to this job's sequences per rank."""
-    sizes = {params * b for b in DTYPE_BYTES.values()}
+    nbytes = params * DTYPE_BYTES.get(spec.sync.dtype, 4)
     for j in sorted(jobs, key=lambda j: j.submitted or 0.0, reverse=True):
         c = j.comm
-        if j.name != spec.name or c is None or c.compute_s is None or c.bytes not in sizes or not c.global_batch:
+        size = c.params == params if c is not None and c.params is not None else c is not None and c.bytes == nbytes  # (a pool before params: its bytes)
+        if j.name != spec.name or c is None or c.compute_s is None or not size or not c.global_batch:
             continue
         scale = (spec.train.global_batch / ranks) / (c.global_batch / c.ranks)
         return c.compute_s * scale, f"job {j.id}"
@@ -241,7 +242,7 @@ def _mb(n: int) -> str:
 
 def _pct(share: float) -> str:
     """A share as read: `32%`, and `under 1%` for what rounds to 0 but is not (diloco's)."""
-    return "under 1%" if 0 < share < 0.005 else f"{share:.0%}"
+    return "under 1%" if share > 0 and round(share * 100) == 0 else f"{share:.0%}"
 
 
 def _secs(s: float) -> str:

@@ -85,6 +85,7 @@ class Prediction:
     global_batch: int
     warm: bool = False  # of a diloco warm-up step: the job's choice for a while, not warned about
     measured: float | None = None  # the share of the recent steps spent communicating, as timed (None: not timed)
+    params: int | None = None  # trainable parameters summed
 
     def row(self) -> CommRow:
         """Within the reply's bounds, whatever a node reported (a 1 bit/s ring, 2^53 parameters):
@@ -94,6 +95,7 @@ class Prediction:
             seconds=_seconds(self.comm.seconds), compute_s=None if self.compute_s is None else _seconds(self.compute_s),
             link=list(self.pace), bandwidth_bps=self.link.bandwidth_bps, latency_s=self.link.latency_s, warning=self.warning(),
             measured_share=None if self.measured is None else round(min(1.0, max(0.0, self.measured)), 4),
+            params=None if self.params is None else min(self.params, MAX_INT),
         )
 
     def bound_share(self) -> float | None:
@@ -107,7 +109,8 @@ class Prediction:
         share = self.bound_share()
         if share is None or self.warm:
             return None
-        return bound_warning(share, "the ring's slowest link, " + describe_link(*self.pace, self.link))
+        timed = self.measured is not None and (self.share is None or self.measured > self.share)
+        return bound_warning(share, "the ring's slowest link, " + describe_link(*self.pace, self.link), measured=timed)
 
 
 class Links:
@@ -159,6 +162,9 @@ class Links:
             "comm_s": _seconds(p.comm.seconds), "compute_s": _seconds(p.compute_s or 0.0), "bytes": min(p.comm.nbytes, MAX_INT),
             "warning": p.warning(),
         }
+        if p.measured is not None:  # `share` is the larger of the predicted (comm_s, compute_s) and the measured one
+            fields["predicted_share"] = None if p.share is None else round(p.share, 3)
+            fields["measured_share"] = round(p.measured, 3)
         return [Record(job.id, "job.comm_bound", now, fields)]
 
     def timed(self, job: Job, generation: int, seconds: float, comm_s: float) -> None:
@@ -208,7 +214,7 @@ class Links:
         elif len(known.steps) >= MIN_STEPS:
             compute = statistics.median(measured_compute(s, each if summed else after) for s, summed in known.steps)
         share = None if compute is None else min(1.0, max(0.0, comm_share(comm.seconds, compute)))
-        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch, warm, measured)
+        return Prediction(share, comm, compute, link, pace, len(known.ring), job.spec.train.global_batch, warm, measured, known.params)
 
     def share(self, job: Job) -> tuple[float | None, CommRow | None]:
         """`status JOB --json`'s comm_share (for a running job; 0.0 for a group of one, which sums

@@ -109,12 +109,14 @@ def gpt_params(layers: int, dim: int, vocab: int, context: int, learned_position
     return 2 * vocab * dim + layers * block + 2 * dim + (context * dim if learned_positions else 0)
 
 
-def bound_warning(share: float, slow: str) -> str | None:
-    """The warning for a predicted share above COMM_BOUND (None below it): how much of each step
-    would go to all_sum, the link that sets the pace (`slow`: its nodes and measured figures), and
-    what to do."""
+def bound_warning(share: float, slow: str, *, measured: bool = False) -> str | None:
+    """The warning for a share above COMM_BOUND (None below it): how much of each step goes to
+    all_sum (`measured`: as the steps timed it, not as predicted), the link that sets the pace
+    (`slow`: its nodes and measured figures), and what to do."""
     if share <= COMM_BOUND:
         return None
+    if measured:
+        return f"the steps' timed all_sums took about {share:.0%} of each step, on {slow}; to spend less: {ADVICE}"
     return f"about {share:.0%} of each step would be spent in all_sum, paced by {slow}; to spend less: {ADVICE}"
 
 

@@ -265,6 +265,7 @@ class CommRow(Record):
     # less rank 0's wait there for the slowest rank, over the step's time; left out: not timed yet,
     # a diloco job, a group of one)
     measured_share: Annotated[float, Float(0.0, 1.0)] | None = field(default=None, metadata=OMIT_NONE)
+    params: Count | None = field(default=None, metadata=OMIT_NONE)  # the trainable parameters summed (`bytes` is them in the dtype that travels)
 
 
 @record

@@ -9,6 +9,7 @@ gives; the tests check they are there, positive and used.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -255,6 +256,8 @@ def test_a_job_whose_timed_all_sums_take_most_of_its_steps_is_warned_whatever_th
     share, comm = links.share(j)
     assert share is not None and share < 0.5 and comm is not None and comm.measured_share is not None and comm.measured_share > 0.5
     assert comm.warning and [e.kind for e in events] == ["job.comm_bound"] and events[0].fields["share"] == pytest.approx(comm.measured_share, abs=1e-3)
+    assert comm.warning.startswith("the steps' timed all_sums took about 58% of each step")  # not "would be", by the probe
+    assert events[0].fields["predicted_share"] == pytest.approx(share, abs=1e-3) and events[0].fields["measured_share"] == pytest.approx(0.583, abs=1e-3)
 
 
 def test_a_diloco_warm_up_shows_its_own_share_and_is_not_what_the_comm_bound_check_reads() -> None:
@@ -308,11 +311,14 @@ def test_dry_run_forecast_uses_the_slowest_link_between_the_nodes_it_would_use_a
     # the bytes on the wire, the same compute) rests on that step too.
     measured = JobStatus(
         id="big-000001", name="big", state="succeeded", step=10, steps=10, generation=1, world_size=2, workers=[], checkpoint_step=10, loss=None, val_loss=None, error=None,
-        submitted=1.0, comm=CommRow(bytes=f.nbytes, every=1, ranks=2, global_batch=16, seconds=0.0, compute_s=0.2, link=["a", "b"], bandwidth_bps=1e9, latency_s=0.0),
+        submitted=1.0, comm=CommRow(bytes=f.nbytes, every=1, ranks=2, global_batch=16, seconds=0.0, compute_s=0.2, link=["a", "b"], bandwidth_bps=1e9, latency_s=0.0, params=f.params),
     )
     half = parse_job({"name": "big", "workers": {"max": 2}, "model": {"layers": 4, "dim": 256, "heads": 4}, "sync": {"dtype": "bfloat16"}}, source="test")
     fh = client_comm.forecast(half, nodes, [measured])
     assert fh is not None and fh.nbytes == f.nbytes // 2 and fh.compute_s == pytest.approx(0.2 * half.train.global_batch / 16) and fh.compute_from == "job big-000001" and fh.share is not None, fh.lines()
+    # a job of that name twice the size, summed in bfloat16 (the same bytes): not this one's step
+    other = dataclasses.replace(measured, comm=dataclasses.replace(measured.comm, params=2 * f.params))
+    assert client_comm.forecast(half, nodes, [other]).compute_s is None
 
 
 # -- the wire ------------------------------------------------------------------------------------
@@ -589,5 +595,5 @@ def test_dry_run_figures_read_as_people_write_them() -> None:
     from dpool.client.comm import _pct, _secs
 
     assert [_secs(x) for x in (2.5, 0.0098, 0.00004, 0.0)] == ["2.50 s", "9.8 ms", "40 µs", "0.0 ms"]
-    assert [_pct(x) for x in (0.32, 0.001, 0.0)] == ["32%", "under 1%", "0%"]
+    assert [_pct(x) for x in (0.32, 0.001, 0.005, 0.0)] == ["32%", "under 1%", "under 1%", "0%"]
 
