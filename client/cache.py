@@ -4,7 +4,8 @@
                                        whether a live job uses it, and where it is served from
     dpctl cache prune [NODE] [--json]  every node (or NODE) deletes the trees no live job uses
 
-The rows are what each node said last (after registering, after each staging, after a prune).
+The rows are what each node said last (after registering, every few seconds of a fetch and at its
+end, after a prune).
 """
 
 from __future__ import annotations

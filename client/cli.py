@@ -58,6 +58,7 @@ from dpool.protocol.payloads import (
     EvalRow,
     EventRow,
     ExportFile,
+    JobStatus,
     LogLine,
     MetricRow,
     NodeRow,
@@ -472,6 +473,7 @@ def rank_arg(text: str) -> int:
 
 
 def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
+    before = None if a.json else c.call(m.Status(job=a.job), m.StatusReply).jobs[0]  # its state before the rows: "yet" or not
     rows: list[MetricRow] = []
     for reply in pages(lambda after: c.call(m.Metrics(job=a.job, after=after), m.MetricsReply)):
         rows += reply.rows
@@ -486,15 +488,16 @@ def cmd_metrics(c: Client, a: argparse.Namespace) -> int:
             out.append([r.step, "test", num(r.test_loss), None, None, None, None, None])  # LOSS: the test loss
         else:
             out.append([r.step, "train", num(r.loss), None, f"{r.lr:.2e}", f"{r.tokens_per_s:.0f}", r.world_size, r.generation])
-    print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else none_yet(c, a.job, "metrics"))
+    print(table(["STEP", "KIND", "LOSS", "VAL_LOSS", "LR", "TOKENS/S", "WORLD", "GEN"], out) if out else none_yet(before, "metrics"))
     return EXIT_OK
 
 
-def none_yet(c: Client, job: str, what: str) -> str:
-    """What an empty listing says: "no metrics yet" while the job may still log some, else that it
-    ended without any."""
-    status = c.call(m.Status(job=job), m.StatusReply).jobs[0]
-    return f"no {what}: job {status.id} {status.state} without any" if status.state in TERMINAL else f"no {what} yet"
+def none_yet(status: JobStatus | None, what: str) -> str:
+    """What an empty listing says: "no metrics yet" while the job may still log some; that it
+    ended without any where it had ended before the listing was read."""
+    if status is not None and status.state in TERMINAL:
+        return f"no {what}: job {status.id} {status.state} without any"
+    return f"no {what} yet"
 
 
 def cmd_events(c: Client, a: argparse.Namespace) -> int:
@@ -512,6 +515,7 @@ def cmd_events(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_samples(c: Client, a: argparse.Namespace) -> int:
+    before = None if a.json else c.call(m.Status(job=a.job), m.StatusReply).jobs[0]  # its state before the rows: "yet" or not
     rows: list[SampleRow] = []
     for reply in pages(lambda after: c.call(m.Samples(job=a.job, after=after), m.SamplesReply)):
         rows += reply.rows
@@ -519,7 +523,7 @@ def cmd_samples(c: Client, a: argparse.Namespace) -> int:
         emit_json([r.to_wire() for r in rows])
         return EXIT_OK
     if not rows:
-        print(none_yet(c, a.job, "samples"))
+        print(none_yet(before, "samples"))
     for r in rows:
         print(f"--- step {r.step} ---")
         print(shown(r.text))

@@ -52,6 +52,7 @@ from dpool.staging.channel import FetchError, Source, Stager
 from dpool.staging.manifest import HashCache, ManifestError, differences, scan
 
 PROGRESS_S = 0.5  # a fetching node reports its progress this often
+LIST_EVERY_S = 5.0  # a fetching node sends its cache listing (what it holds of the tree) this often: `dpctl cache`
 MANIFEST_WAIT_S = 30.0  # for a holder's manifest, to name the file of this node's copy that differs
 NAMES_KEPT = 64  # jobs whose staged folders an error is translated for (an export may come after the end)
 NO_JOB = "*"  # node.staged about no job: only this node's data channel and holdings
@@ -282,14 +283,16 @@ class NodeStaging:
         found: dict[str, str] = {}  # a job without [content]: what this node found at its paths
         asked = asked_content(msg)
 
-        listed = [False]  # the fetch's tree is in the cache listing sent (`dpctl cache` shows it, partial)
+        listed = [-LIST_EVERY_S]  # when the cache listing was last sent with a fetch under way
 
         def say(state: str, reason: str | None = None, done: int = 0, total: int = 0, rate: float = 0.0) -> None:
-            final = state in ("ready", "unfit")  # the cache listing changes with a fetch's start and end
-            begun = state == "staging" and total > 0 and not listed[0]
-            listed[0] = listed[0] or begun
+            final = state in ("ready", "unfit")  # the listing changes with a fetch's end, and as it goes:
+            now = time.monotonic()  # a fetch's tree is listed (partial, what is held of it) every LIST_EVERY_S
+            fetching = state == "staging" and total > 0 and now - listed[0] >= LIST_EVERY_S
+            if fetching:
+                listed[0] = now
             send(NodeStaged(job=msg.job, state=state, reason=reason, done_bytes=done, total_bytes=total, rate_bps=rate,
-                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final or begun else None,
+                            holds=self.holds(), endpoint=self.endpoint, key=self.key, cached=self.cached() if final or fetching else None,
                             found_data=found.get("data") if final else None, found_model=found.get("model") if final else None,
                             asked=asked))
 
