@@ -1304,6 +1304,9 @@ def test_an_unfit_reason_said_again_with_other_figures_is_one_event() -> None:
     assert len(records(staged(pool, 0.2, "b", "unfit", full.format(23999000)), "node.unfit")) == 1
     assert records(staged(pool, 0.3, "b", "unfit", full.format(23998112)), "node.unfit") == []
     assert len(records(staged(pool, 0.4, "b", "unfit", "data.source: corpus/a.txt: content differs"), "node.unfit")) == 1
+    # digits inside a name are the name's: another file is another reason
+    assert len(records(staged(pool, 0.5, "b", "unfit", "data.source: corpus/part-0001.txt: content differs"), "node.unfit")) == 1
+    assert len(records(staged(pool, 0.6, "b", "unfit", "data.source: corpus/part-0002.txt: content differs"), "node.unfit")) == 1
 
 
 def test_a_job_no_node_can_serve_fails_at_once_with_every_reason() -> None:
