@@ -23,7 +23,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from dpool.client.rpc import Client
-from dpool.protocol.content import adapters_tree, data_tree, model_tree, source_root
+from dpool.protocol.content import TREES, source_root
 from dpool.protocol.jobspec import JobSpec, data_files, data_location
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
@@ -49,14 +49,14 @@ def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
     hashes = hash_cache()
     trees: list[tuple[Path, Manifest]] = []
     content = spec.content
-    for what, tree in (("data", data_tree(spec)), ("model", model_tree(spec)), ("adapters", adapters_tree(spec))):
+    for what, key, tree_of in TREES:
+        tree = tree_of(spec)
         if tree is None or getattr(content, what) is not None:
             continue
         root, files = tree
         try:
             manifest = scan(root, files, hashes=hashes)
         except (ManifestError, OSError) as e:
-            key = {"data": "data.source", "model": "model.path", "adapters": "model.adapters"}[what]
             raise StageError(f"{key}: cannot read the files at {root}: {e}") from None
         content = dataclasses.replace(content, **{what: manifest.digest})
         trees.append((root, manifest))

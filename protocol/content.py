@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_location
@@ -84,6 +85,15 @@ def adapters_tree(spec: JobSpec) -> tuple[Path, list[Path]] | None:
         return path.parent, [path]
     files = [path / name for name in ADAPTER_FILES if (path / name).is_file()]
     return (path, files) if (path / ADAPTER_FILES[0]) in files else None
+
+
+# Each tree a job may name by content: its `[content]` field, the job-file key that names it, and
+# its files on this machine.
+TREES: tuple[tuple[str, str, Callable[[JobSpec], tuple[Path, list[Path]] | None]], ...] = (
+    ("data", "data.source", data_tree),
+    ("model", "model.path", model_tree),
+    ("adapters", "model.adapters", adapters_tree),
+)
 
 
 def staged(spec: JobSpec, data_dir: Path | None, model_dir: Path | None, adapters_dir: Path | None = None) -> JobSpec:

@@ -75,6 +75,17 @@ ROLE_SENDS: dict[str, frozenset[MsgType]] = {
 ROLE_RULE = f"node keys send node.*, client keys dpctl's requests, viewer keys only {', '.join(str(t) for t in MsgType if t in READ_ONLY)}"
 
 
+def zap_answer(frames: list[bytes], reply: Callable[[list[bytes]], list[bytes]], warn: Callable[..., None]) -> list[bytes]:
+    """`reply(frames)` for a ZAP request (RFC 27), or 500 where it fails (logged by `warn`): answered
+    all the same, since an unanswered request hangs that handshake. The control socket's and the
+    data channel's handlers both answer through it."""
+    try:
+        return reply(frames)
+    except Exception as e:
+        warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
+
+
 def user_parts(user_id: str) -> tuple[str, str, str]:
     """("node", "mac1", KEY) from the User-Id "node:mac1:KEY" the ZAP handler gave a connection
     (KEY: its public key, 40 z85 characters, which may include ':'; a name never does)."""
@@ -419,12 +430,7 @@ class CurveServer:
                     self._warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
 
     def _on_zap(self, zap: zmq.Socket[Any], frames: list[bytes]) -> None:
-        try:
-            reply = self._zap_reply(frames)
-        except Exception as e:  # answered all the same: an unanswered request hangs that handshake
-            self._warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
-            reply = [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
-        zap.send_multipart(reply)
+        zap.send_multipart(zap_answer(frames, self._zap_reply, self._warn))
 
     def _zap_reply(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 6:  # not a ZAP request: libzmq never sends one, answer it anyway

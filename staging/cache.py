@@ -129,6 +129,25 @@ def _write_atomic(path: Path, data: bytes) -> None:
     _rename_durably(tmp, path)
 
 
+def _read_have(data: bytes) -> tuple[int, int, dict[int, str]] | None:
+    """A partial file's record (PARTIAL_HEADER SIZE CHUNK_BYTES, then `INDEX SHA256` a line): its
+    size, chunk size and the chunks it claims; None when its header is not one."""
+    lines = data.split(b"\n")
+    header = lines[0].decode("ascii", "replace").rsplit(" ", 2)
+    try:
+        size, chunk_bytes = int(header[1]), int(header[2])
+    except (IndexError, ValueError):
+        return None
+    if header[0] != PARTIAL_HEADER or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        return None
+    claimed: dict[int, str] = {}
+    for line in lines[1:-1]:  # the last one is empty, or a line torn by a crash
+        parts = line.decode("ascii", "replace").split(" ")
+        if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) * chunk_bytes < size and _is_hex(parts[1]):
+            claimed[int(parts[0])] = parts[1]
+    return size, chunk_bytes, claimed
+
+
 def _never(_entry: Entry, _st: os.stat_result) -> bool:
     """No stat shows a file as verified: hash it (a full check)."""
     return False
@@ -444,24 +463,18 @@ class Cache:
 
     def _load(self, sha: str) -> _Partial | None:
         try:
-            lines = self._have_file(sha).read_bytes().split(b"\n")
+            data = self._have_file(sha).read_bytes()
         except FileNotFoundError:
             return None
-        header = lines[0].decode("ascii", "replace").rsplit(" ", 2)
+        record = _read_have(data)
         try:
-            size, chunk_bytes = int(header[1]), int(header[2])
-            st = os.stat(self._partial(sha))
-        except (IndexError, ValueError, FileNotFoundError):
+            on_disk: int | None = os.stat(self._partial(sha)).st_size
+        except FileNotFoundError:
+            on_disk = None
+        if record is None or on_disk != record[0]:
             self._discard(sha, "unreadable")
             return None
-        if header[0] != PARTIAL_HEADER or st.st_size != size or not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-            self._discard(sha, "unreadable")
-            return None
-        claimed: dict[int, str] = {}
-        for line in lines[1:-1]:  # the last one is empty, or a line torn by a crash
-            parts = line.decode("ascii", "replace").split(" ")
-            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) * chunk_bytes < size and _is_hex(parts[1]):
-                claimed[int(parts[0])] = parts[1]
+        size, chunk_bytes, claimed = record
         p = _Partial(size, chunk_bytes)
         # A `.have` line may have reached the disk before its chunk did: trust none unread.
         with open(self._partial(sha), "rb") as f:
@@ -474,7 +487,7 @@ class Cache:
         if len(p.have) == -(-size // chunk_bytes):  # killed after its last chunk, before it became a blob
             self._finish(sha, p)
             return None
-        if len(p.have) != len(claimed) or len(lines) != len(claimed) + 2:
+        if len(p.have) != len(claimed) or data.count(b"\n") != len(claimed) + 1:  # a torn or stray line: written again
             self._write_have(sha, p)
         return p
 
@@ -914,12 +927,10 @@ class Cache:
     def _claimed(self, sha: str, chunk_bytes: int) -> list[int]:
         """The chunks a partial file's record lists (unverified: `_load` checks them)."""
         try:
-            lines = self._have_file(sha).read_bytes().split(b"\n")
+            record = _read_have(self._have_file(sha).read_bytes())
         except OSError:
             return []
-        if not lines[0].endswith(f" {chunk_bytes}".encode()):
-            return []
-        return [int(part) for line in lines[1:-1] if (part := line.split(b" ")[0]).isdigit()]
+        return list(record[2]) if record is not None and record[1] == chunk_bytes else []
 
     def entries(self, *, held: bool = True) -> list[CacheEntry]:
         """Every manifest the cache knows, most recently used first (`held`: with what it holds of

@@ -20,7 +20,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from dpool.protocol.logs import Throttle
-from dpool.protocol.security import ZAP_ENDPOINT
+from dpool.protocol.security import ZAP_ENDPOINT, zap_answer
 from dpool.staging.cache import CacheFull
 from dpool.staging.manifest import Entry, Manifest, ManifestError
 from dpool.staging.parts import (
@@ -133,13 +133,7 @@ class Server:
         while True:
             await zap.poll(500)
             for inc in pending(raw, BATCH, keep=16, metadata=False):
-                frames = [f.bytes for f in inc.frames]
-                try:
-                    reply = self._zap_reply(frames)
-                except Exception as e:  # answered all the same: an unanswered request hangs that handshake
-                    self._warn("auth.handler_failed", type(e).__name__, error=f"{type(e).__name__}: {str(e)[:300]}")
-                    reply = [frames[0] if frames else b"1.0", frames[1] if len(frames) > 1 else b"", b"500", b"internal error", b"", b""]
-                raw.send_multipart(reply)
+                raw.send_multipart(zap_answer([f.bytes for f in inc.frames], self._zap_reply, self._warn))
 
     def _zap_reply(self, frames: list[bytes]) -> list[bytes]:
         if len(frames) < 6:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 
-from dpool.protocol.content import NOT_THE_CONTENT, adapters_tree, data_tree, model_tree
+from dpool.protocol.content import NOT_THE_CONTENT, TREES
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.logs import get_logger
 from dpool.staging.manifest import ManifestError, scan
@@ -31,9 +31,6 @@ from dpool.trainer.dist import Group
 from dpool.trainer.task import source_named
 
 log = get_logger(component="trainer")
-
-TREES = {"data": data_tree, "model": model_tree, "adapters": adapters_tree}
-
 
 def same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -> None:
     """Every rank must train the same data on the same base model; name what differs, and leave
@@ -44,7 +41,7 @@ def same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -
             continue
         key, source = source_named(spec, what)
         hint = " (and, for 'stdlib', the same Python version)" if source == "stdlib" else ""
-        if any(getattr(spec.content, k) is not None for k in TREES):
+        if any(getattr(spec.content, kind) is not None for kind, _, _ in TREES):
             problem = _not_the_content(spec)
             intact = group.gather_ints(int(problem is None))
             log.warning("input.differs", what=what, fingerprints=held, intact=intact, problem=problem)
@@ -70,19 +67,18 @@ def same_everywhere(group: Group, fingerprints: dict[str, int], spec: JobSpec) -
 def _not_the_content(spec: JobSpec) -> str | None:
     """None when this machine's copy of every tree the job names by content hashes to its digest;
     else which one does not, and what it is."""
-    keys = {"data": "data.source", "model": "model.path", "adapters": "model.adapters"}
-    for kind, tree_of in TREES.items():
+    for kind, key, tree_of in TREES:
         expected = getattr(spec.content, kind)
         if expected is None:
             continue
         tree = tree_of(spec)
         if tree is None:
-            return f"{keys[kind]}: {NOT_THE_CONTENT} (no such files here)"
+            return f"{key}: {NOT_THE_CONTENT} (no such files here)"
         root, files = tree
         try:
             digest = scan(root, files).digest
         except (ManifestError, OSError) as e:
-            return f"{keys[kind]}: {NOT_THE_CONTENT} (cannot read it: {e})"
+            return f"{key}: {NOT_THE_CONTENT} (cannot read it: {e})"
         if digest != expected:
-            return f"{keys[kind]}: {NOT_THE_CONTENT} (its files hash to {digest[:12]}, the job's to {expected[:12]})"
+            return f"{key}: {NOT_THE_CONTENT} (its files hash to {digest[:12]}, the job's to {expected[:12]})"
     return None
