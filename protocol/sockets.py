@@ -4,7 +4,10 @@ ZeroMQ's file descriptor is edge-triggered: after a wake-up a reader must take e
 is waiting (until EAGAIN), or what arrived meanwhile sits there until the next message wakes it.
 
 A message is read frame by frame, and only the first `frames + 1` are kept: a peer that sends a
-million frames in one message costs the reader a loop, not a list of a million. (ZeroMQ itself
+million frames in one message costs the reader a loop, not a list of a million. That loop takes
+seconds (a few microseconds a frame), so one call reads a message's frames for at most `DRAIN_S`
+and keeps the rest of it for the socket's next read: the loop around it, its timers and its other
+sockets run meanwhile (a dpd's own agent heartbeats while its coordinator reads). (ZeroMQ itself
 still assembles the whole message before the reader sees it: it caps the bytes of each frame, set
 by `zmq.MAXMSGSIZE`, not their number; protocol/peerbudget.py bounds the bytes a peer may have in
 flight, with what `pending_from` says of each message: its connection and its bytes on the wire.)
@@ -13,7 +16,10 @@ flight, with what `pending_from` says of each message: its connection and its by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import zmq
@@ -22,6 +28,34 @@ from dpool.protocol.messages import MAX_FRAMES
 from dpool.protocol.peerbudget import wire_size
 
 HWM = 1000  # messages queued per peer, each way, on a socket that serves many peers (see README)
+DRAIN_S = 0.01  # the longest one read spends on the frames of one message; the rest waits for the next read
+DRAIN_CHECK = 4096  # frames read between two looks at the clock
+
+# A socket -> the message a read left part-read (its first frame taken, its rest not). Weak: a
+# socket closed and dropped takes its entry with it.
+_unfinished: weakref.WeakKeyDictionary[zmq.Socket[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def unfinished(sock: zmq.Socket[Any]) -> Any | None:
+    """The message the previous read of `sock` left part-read (see `read_rest`), taken; None when
+    the previous read ended on a message's end."""
+    return _unfinished.pop(sock, None)
+
+
+def read_rest(sock: zmq.Socket[Any], message: Any, take: Callable[[Any], None], *, copy: bool = True) -> bool:
+    """Reads the frames after the first of the message being read on `sock`, each handed to `take`.
+    False when `DRAIN_S` passed first: `message` is kept for the socket's next read (`unfinished`),
+    whose caller goes on with it. ZeroMQ says POLLIN while a message's frames remain, so a loop that
+    polls before it reads comes back at once."""
+    until = time.monotonic() + DRAIN_S
+    n = 0
+    while sock.getsockopt(zmq.RCVMORE):
+        take(sock.recv(copy=copy))  # the rest of a message is there once its first frame is
+        n += 1
+        if n % DRAIN_CHECK == 0 and time.monotonic() > until:
+            _unfinished[sock] = message
+            return False
+    return True
 
 
 def pending(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int | None = MAX_FRAMES) -> Iterator[list[bytes]]:
@@ -55,30 +89,46 @@ def pending_from(sock: zmq.Socket[Any], limit: int | None = None, *, frames: int
         yield Incoming(got, user, fd, size)
 
 
+@dataclass(slots=True)
+class _Reading:
+    """One message as it is read: the frames kept, its connection, its bytes on the wire."""
+
+    got: list[bytes]
+    keep: int | None
+    user: str | None = None
+    fd: int | None = None
+    size: int = 0
+    curve: bool | None = None  # None: the wire size is not counted
+
+    def take(self, frame: bytes) -> None:
+        if self.curve is not None:
+            self.size += wire_size(len(frame), self.curve)
+        if self.keep is None or len(self.got) < self.keep:
+            self.got.append(frame)
+
+
 def _read(sock: zmq.Socket[Any], limit: int | None, frames: int | None, *, users: bool, sources: bool = False, curve: bool = False) -> Iterator[tuple[list[bytes], str | None, int | None, int]]:
     keep = None if frames is None else frames + 1
     taken = 0
     while limit is None or taken < limit:
-        user, fd, size = None, None, 0
-        try:
-            if users or sources:
-                first = sock.recv(flags=zmq.NOBLOCK, copy=False)
-                if users:
-                    with contextlib.suppress(zmq.ZMQError):  # EINVAL: the connection has no User-Id
-                        user = str(first.get("User-Id"))
-                if sources:
-                    with contextlib.suppress(zmq.ZMQError):
-                        fd = int(first.get(zmq.SRCFD))
-                got = [first.bytes]
-            else:
-                got = [sock.recv(flags=zmq.NOBLOCK)]
-        except zmq.Again:
+        r = unfinished(sock)
+        if r is None:
+            r = _Reading([], keep, curve=curve if sources else None)
+            try:
+                if users or sources:
+                    first = sock.recv(flags=zmq.NOBLOCK, copy=False)
+                    if users:
+                        with contextlib.suppress(zmq.ZMQError):  # EINVAL: the connection has no User-Id
+                            r.user = str(first.get("User-Id"))
+                    if sources:
+                        with contextlib.suppress(zmq.ZMQError):
+                            r.fd = int(first.get(zmq.SRCFD))
+                    r.got.append(first.bytes)
+                else:
+                    r.got.append(sock.recv(flags=zmq.NOBLOCK))
+            except zmq.Again:
+                return
+        if not read_rest(sock, r, r.take):
             return
-        while sock.getsockopt(zmq.RCVMORE):
-            frame = sock.recv()  # the rest of a message is there once its first frame is
-            if sources:
-                size += wire_size(len(frame), curve)
-            if keep is None or len(got) < keep:
-                got.append(frame)
         taken += 1
-        yield got, user, fd, size
+        yield r.got, r.user, r.fd, r.size

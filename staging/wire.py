@@ -36,6 +36,7 @@ from dpool.protocol.schema import (
     check_fields,
     field_converters,
 )
+from dpool.protocol.sockets import read_rest, unfinished
 from dpool.staging.manifest import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Limits
 
 PROTOCOL = "dpool.data"
@@ -327,26 +328,31 @@ class Incoming:
     user: str | None = None
     key: str | None = None
     cut: bool = False
+    keep: int = 0  # frames kept while it is read (the rest only counted as `cut`)
+
+    def take(self, frame: zmq.Frame) -> None:
+        if len(self.frames) < self.keep:
+            self.frames.append(frame)
+        else:
+            self.cut = True
 
 
 def pending(sock: zmq.Socket[Any], limit: int, *, keep: int, metadata: bool) -> Iterator[Incoming]:
     """The messages waiting on `sock`, without blocking, at most `limit`. Frames are not copied (a
     chunk is hashed and written where libzmq put it); only the first `keep` are kept. ZeroMQ's
-    descriptor is edge-triggered, so a reader takes every message there before it waits again
-    (protocol/sockets.py)."""
+    descriptor is edge-triggered, so a reader takes every message there before it waits again, and
+    a message of very many frames is read over several calls (protocol/sockets.py)."""
     for _ in range(limit):
-        try:
-            first = sock.recv(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        got = unfinished(sock)
+        if got is None:
+            try:
+                first = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            got = Incoming([first], keep=keep)
+            if metadata:
+                with contextlib.suppress(zmq.ZMQError):  # EINVAL: a connection without CURVE
+                    got.user, got.key = str(first.get("User-Id")), str(first.get("X-Key"))
+        if not read_rest(sock, got, got.take, copy=False):
             return
-        got = Incoming([first])
-        if metadata:
-            with contextlib.suppress(zmq.ZMQError):  # EINVAL: a connection without CURVE
-                got.user, got.key = str(first.get("User-Id")), str(first.get("X-Key"))
-        while sock.getsockopt(zmq.RCVMORE):
-            frame = sock.recv(copy=False)
-            if len(got.frames) < keep:
-                got.frames.append(frame)
-            else:
-                got.cut = True
         yield got
