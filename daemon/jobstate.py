@@ -142,10 +142,12 @@ class NodeBack:
 
 @dataclass(frozen=True, slots=True)
 class Stalled:
-    """No step progress within the deadline; `ranks` (with their nodes) reported least recently."""
+    """No step progress within the deadline; `ranks` (with their nodes) reported least recently.
+    `blame`: the node counted as failed, when the reports tell it (see Pool._check_progress)."""
 
     ranks: tuple[tuple[int, str], ...]
     detail: str
+    blame: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,7 +491,7 @@ class JobMachine:
         # RUNNING|RECOVERING (checkpointing) -> RECOVERING: no step completed within the progress
         # deadline (a frozen rank leaves the others spinning inside all_sum forever).
         emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": n, "reason": "stalled", "detail": e.detail}) for r, n in e.ranks]
-        return self._fail(now, emits, [n for _, n in e.ranks[:1]], f"group {self.generation} stalled: {e.detail}")
+        return self._fail(now, emits, list(e.blame), f"group {self.generation} stalled: {e.detail}")
 
     def _reshape(self, e: Reshape, now: float) -> list[Action]:
         if self.state is JobState.RUNNING:

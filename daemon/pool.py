@@ -790,13 +790,18 @@ class Pool:
         if now < deadline:
             return []
         # Name the rank(s) that reported least recently: a frozen rank's last report may never
-        # have left it, while its peers reported the step before they blocked.
+        # have left it, while its peers reported the step before they blocked. Its node is blamed
+        # (counted towards setting it aside) only when that tells it apart: nodes whose ranks
+        # reported a later step, or a group on one node. A rank that froze inside a step leaves
+        # every rank at the same step, and blaming the first of them set healthy nodes aside in turn.
         live = sorted(jm.live)
         low = min(job.ranks[r].step for r in live)
         ranks = tuple((r, plan.ranks[r].node) for r in live if job.ranks[r].step == low)
+        late = {n for _, n in ranks}
+        blame = (ranks[0][1],) if late < {plan.ranks[r].node for r in live} or len(late) == 1 else ()
         waited = now - (watch.last_at if watch.last_step is not None else watch.started_at)
         detail = f"no step after step {watch.last_step or 0} for {waited:.1f}s (deadline {watch.allowance():.1f}s)"
-        return self._feed(job, js.Stalled(ranks, detail), now)
+        return self._feed(job, js.Stalled(ranks, detail, blame), now)
 
     # -- admission -----------------------------------------------------------------------------
 

@@ -30,9 +30,11 @@ How long to wait after step s was reported before calling the group stalled:
 - A new split (sync mode): when rank 0's balancer moves work between ranks, the step after the
   announcing one is the first under it, and its micro batches have new shapes that the compiled step
   may not have seen (a compile, seconds on a loaded machine) or may have (none). The ranks flag it in
-  that step's progress (`resplit`), and the next step is allowed the start-up deadline; being so
-  unlike from one time to the next, its cost is not measured. Splits change rarely (the balancer
-  holds each one and remembers the ones it left), so a freeze there is found late only rarely.
+  that step's progress (`resplit`). Being so unlike from one time to the next, its cost is not
+  measured; the next step is allowed what a compile can cost, `factor` times the longest first
+  step of a generation (the trainer's own measure: it compiles the step's functions) plus the
+  floor, and the start-up deadline until a first step was measured. (The start-up deadline each
+  time, as before, left a freeze there unnoticed for 2 minutes, and a job rebalances a few times.)
 - A gather (diloco): an outer step that takes a checkpoint, or moves replicas between ranks,
   first all_sums every replica's inner optimizer state (or the moving ones'): two float32 arrays
   a parameter each for AdamW, `2 x replicas` times the parameters, where the outer all_sum sends
@@ -89,6 +91,7 @@ class StepWatch:
     gather_at: int | None = None  # diloco: the step whose outer step gathers replica states (rank 0's word)
     gather_ratio: float = 0.0  # diloco: a gather's bytes over the outer all_sum's
     stopping: bool = False  # asked to checkpoint and stop
+    compile_s: float = 0.0  # the longest first step of a generation (compiling included); 0: none yet
     marks: collections.deque[tuple[float, int]] = field(default_factory=collections.deque)  # (when, step): the ETA's window
 
     @classmethod
@@ -110,6 +113,7 @@ class StepWatch:
         if previous is not None:
             watch.recent.extend(previous.recent)
             watch.extra.update(previous.extra)
+            watch.compile_s = previous.compile_s
         return watch
 
     def after(self, step: int) -> list[str]:
@@ -141,6 +145,8 @@ class StepWatch:
             return
         if not self.recent and seconds > 0:
             self.recent.append(seconds)
+        if self.last_step is None:
+            self.compile_s = max(self.compile_s, seconds)
         if self.last_step is not None:
             interval = (now - self.last_at) / (step - self.last_step)
             kinds = self.after(self.last_step) if step == self.last_step + 1 else []
@@ -166,6 +172,8 @@ class StepWatch:
         for k in self.after(self.last_step):
             if k == "gather":
                 base += self._gather()
+            elif k == "split":
+                base += self.factor * self.compile_s + self.floor_s if self.compile_s > 0 else self.start_s
             else:
                 base += self.factor * self.extra[k] + self.floor_s if k in self.extra else self.start_s
         if self.last_step >= self.steps:
@@ -199,7 +207,9 @@ class StepWatch:
             per_step = statistics.median(self.recent)
         else:
             return None
-        eta = max(0.0, (self.steps - self.last_step) * per_step - (now - self.last_at))
+        # Time since the last report counts down within one step, no further: a step that takes
+        # longer (a stall, an evaluation) holds the ETA at the steps after it, never 0.
+        eta = max(0.0, (self.steps - self.last_step) * per_step - min(now - self.last_at, per_step))
         return eta if eta <= ETA_MAX_S else None
 
     def deadline(self) -> float:

@@ -638,6 +638,31 @@ def test_a_stalled_group_is_detected_by_the_progress_deadline() -> None:
     assert sorted(s.node for s in sends(out, m.GroupStop)) == ["a", "b", "c"]
 
 
+def test_a_stall_that_every_rank_reached_blames_no_node() -> None:
+    """A rank frozen inside step 8 leaves every rank's last report at step 7: nothing tells which
+    one froze. Blaming rank 0's node, as before, set the healthy serving node aside after three
+    such stalls while the frozen one kept getting work."""
+    pool = running_pool()
+    for n in "abc":
+        pool.seen(3.4, n)
+    pool.tick(3.4)
+    assert pool.jobs["j"].state is JobState.RECOVERING
+    assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
+
+
+def test_a_stall_behind_the_other_ranks_blames_its_node() -> None:
+    """Ranks 0 and 2 reported step 8, rank 1 (node b) did not: b is the one counted."""
+    pool = running_pool()
+    for r in (0, 2):
+        pool.progress(1.4, "j", 1, r, 8, 192, 0.05)
+    for n in "abc":
+        pool.seen(3.5, n)
+    out = pool.tick(3.5)
+    assert pool.jobs["j"].state is JobState.RECOVERING
+    assert [f["rank"] for f in records(out, "worker.failed")] == [1]
+    assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 1, 0]
+
+
 def test_the_progress_deadline_allows_for_evaluation_once_measured() -> None:
     from dpool.daemon.watch import StepWatch
 
@@ -672,7 +697,23 @@ def test_the_eta_comes_from_the_pace_not_from_reports_that_arrive_together() -> 
             w.observe(step, t, 0.01)
     eta = w.eta(t)
     assert eta is not None and 29.0 <= eta <= 31.0, eta
-    assert w.eta(t + 5.0) == pytest.approx(eta - 5.0)  # time since the last report counts down
+    per_step = eta / (4000 - step)  # the pace over the window
+    assert w.eta(t + 0.004) == pytest.approx(eta - 0.004)  # time since the last report counts down
+    assert w.eta(t + 5.0) == pytest.approx(eta - per_step)  # within one step: a stall never reads as done
+
+
+def test_a_stalled_group_keeps_its_eta_at_the_steps_after_the_current_one() -> None:
+    """A frozen rank after step 48 of 80 at 1 s a step: the group waits out its deadline, and the
+    ETA read meanwhile stays at the 31 steps after the one that does not come (it once counted
+    down to 0.0 over the two minutes the stall took to find)."""
+    from dpool.daemon.watch import StepWatch
+
+    w = StepWatch(steps=80, eval_every=1000, sample_every=1000, floor_s=2.0, factor=8.0, start_s=120.0, started_at=0.0)
+    for step in range(1, 49):
+        w.observe(step, float(step), 1.0)
+    assert w.eta(48.0) == pytest.approx(32.0)
+    assert w.eta(48.5) == pytest.approx(31.5)
+    assert w.eta(48.0 + 100.0) == pytest.approx(31.0)
 
 
 def test_after_the_last_step_a_rank_is_allowed_its_end_of_run_work() -> None:
@@ -694,16 +735,21 @@ def test_after_the_last_step_a_rank_is_allowed_its_end_of_run_work() -> None:
 def test_the_first_step_under_a_new_split_is_allowed_a_compile_each_time() -> None:
     """The balancer announced a new split in step 10's all_sum: step 11 has micro batches of new
     shapes (a compile, or none when the shapes were seen before). Its cost is not measured, since
-    it differs each time: every such step gets the start-up deadline, and the steps after it the
-    plain one again."""
+    it differs each time: every such step is allowed 8x the generation's first step (which
+    compiled the step), and the steps after it the plain deadline again. (The start-up deadline,
+    2 minutes, let a rank frozen there go unnoticed that long.)"""
     from dpool.daemon.watch import StepWatch
 
     w = StepWatch(steps=100, eval_every=1000, sample_every=1000, floor_s=2.0, factor=8.0, start_s=120.0, started_at=0.0)
     t = 1.0
-    for step in range(1, 11):
-        w.observe(step, t, 0.1, resplit=step == 10)
+    w.observe(1, t, 0.0, resplit=True)  # no first step measured yet: the start-up deadline
+    assert w.after(1) == ["split"] and w.allowance() == 120.0 + 120.0
+    w = StepWatch(steps=100, eval_every=1000, sample_every=1000, floor_s=2.0, factor=8.0, start_s=120.0, started_at=0.0)
+    w.observe(1, t, 3.0)  # the first step: 3 s, compiling included
+    for step in range(2, 11):
         t += 0.1
-    assert w.after(10) == ["split"] and w.allowance() == 2.0 + 120.0
+        w.observe(step, t, 0.1, resplit=step == 10)
+    assert w.after(10) == ["split"] and w.allowance() == pytest.approx(2.0 + 8 * 3.0 + 2.0)
     t += 2.9  # step 11 compiled its new shapes (the stall CI once saw here: 2.9 s against 2.0)
     w.observe(11, t, 3.0)
     assert w.after(11) == [] and w.allowance() == 2.0 and "split" not in w.extra
@@ -711,7 +757,10 @@ def test_the_first_step_under_a_new_split_is_allowed_a_compile_each_time() -> No
     for step in range(12, 20):
         t += 0.1
         w.observe(step, t, 0.1, resplit=step == 19)
-    assert w.allowance() == 2.0 + 120.0  # again the start-up deadline, not 8x a measured 2.9 s
+    assert w.allowance() == pytest.approx(2.0 + 8 * 3.0 + 2.0)  # again a compile's, not 8x the measured 2.9 s
+    nxt = StepWatch.start(parse_job({"name": "j"}), 50.0, previous=w)
+    nxt.observe(20, 51.0, 0.5)  # a generation whose first step compiled faster keeps the longest
+    assert nxt.compile_s == 3.0
 
 
 def test_a_new_split_reported_by_the_ranks_defers_the_stall() -> None:
