@@ -49,7 +49,7 @@ class Client:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, m.MAX_HEADER_BYTES + m.REPLY_BODY_BYTES)  # a reply that lists rows may be larger than a request
         # a send waits for the connection's queue at most this long: libzmq drops the queue when
         # the coordinator refuses the CURVE handshake, and a send would otherwise wait forever
         self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))

@@ -44,7 +44,7 @@ from dpool.daemon import statuspage
 from dpool.daemon.cadence import HEARTBEAT_RATE
 from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.fitness import TRAINING_RATE_BPS
-from dpool.daemon.pool import JobChanged, NodeChanged, Pool, Record, Refused, Send
+from dpool.daemon.pool import JobChanged, NodeChanged, NodeForgotten, Pool, Record, Refused, Send
 from dpool.daemon.records import JobRef
 from dpool.daemon.sharing import queue_reply, set_priority
 from dpool.daemon.store import Store
@@ -486,6 +486,11 @@ class Coordinator:
                 node = self.pool.nodes.get(a.node)
                 if node is not None:
                     self.store.save_node(self.pool.node_row(node, now), node.incarnation, node.joined_at, node.last_seen, node.hold)
+            elif isinstance(a, NodeForgotten):
+                self.store.forget_node(a.node)
+                peer = self.peer_of.pop(a.node, None)
+                if peer is not None:
+                    self.node_of.pop(peer, None)
 
     def _relay(self, actions: list[xr.Action]) -> None:
         """Carry out the export relay's actions (answers to clients, requests to nodes)."""
@@ -724,6 +729,11 @@ class Coordinator:
         restarted = known is not None and known.incarnation != msg.incarnation
         if restarted and bound and known is not None and not known.lost:
             self.log.info("node.replaced", node=msg.name, old_pid=known.info.pid, pid=msg.info.pid)
+        refusal, room = self.pool.admit_name(now, msg.name)
+        if refusal is not None:
+            self.log.warning("node.refused", node=msg.name, reason=refusal)
+            return m.Error(code=str(ErrorCode.POOL_FULL), message=refusal), []
+        self._run(room)
         refusal, actions = self.pool.register(now, msg, bound=bound)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)

@@ -45,6 +45,7 @@ from dpool.daemon.records import (
     JobChanged,
     Node,
     NodeChanged,
+    NodeForgotten,
     NodeState,
     Pending,
     RankRun,
@@ -70,9 +71,10 @@ from dpool.protocol.payloads import (
 )
 from dpool.protocol.stage_messages import NodeStaged
 
-__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeState", "Pool", "Record", "Refused", "Send"]
+__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeForgotten", "NodeState", "Pool", "Record", "Refused", "Send"]
 
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
+MAX_NODES = 4096  # nodes the pool holds, lost ones included; beyond it a lost one is forgotten, else a new name is refused
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
@@ -186,6 +188,22 @@ class Pool:
         return [(name, newest) for name, newest, _ in held]
 
     # -- nodes ---------------------------------------------------------------------------------
+
+    def admit_name(self, now: float, name: str) -> tuple[str | None, list[Action]]:
+        """Room for node `name` before it registers: (refusal or None, actions). A pool holds at
+        most MAX_NODES nodes, lost ones included (they stay listed, with why): a new name past that
+        makes the pool forget the node lost longest that holds nothing (no work, no checkpoint, no
+        hold the user set), and is refused when none does. Without it, a peer registering names
+        in a loop grew the pool without end: `dpctl nodes` could no longer be answered, and every
+        node was told to heartbeat ever more slowly."""
+        if name in self.nodes or len(self.nodes) < MAX_NODES:
+            return None, []
+        idle = [n for n in self.nodes.values() if n.lost and not n.used and not n.resumable and n.hold is None]
+        if not idle:
+            return f"the pool holds {MAX_NODES} nodes, its most, and none of them is lost and holds nothing; `dpctl nodes` lists them", []
+        gone = min(idle, key=lambda n: n.last_seen)
+        del self.nodes[gone.name]
+        return None, [Record(None, "node.forgotten", now, {"node": gone.name, "lost_s": round(now - gone.last_seen, 1)}), NodeForgotten(gone.name)]
 
     def register(self, now: float, msg: m.NodeRegister, *, bound: bool = False) -> tuple[str | None, list[Action]]:
         """A daemon (re)joins. Returns (refusal message or None, actions).

@@ -59,7 +59,14 @@ class Refused:
     reason: str
 
 
-Action = Send | Record | JobChanged | NodeChanged | Refused
+@dataclass(frozen=True, slots=True)
+class NodeForgotten:
+    """A lost node was forgotten to make room for a new one (Pool.admit_name): its saved row goes."""
+
+    node: str
+
+
+Action = Send | Record | JobChanged | NodeChanged | NodeForgotten | Refused
 
 
 # -- records -----------------------------------------------------------------------------------

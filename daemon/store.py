@@ -270,6 +270,9 @@ class Store:
             (row.name, incarnation, _json(row.to_wire()), joined_at, last_seen, row.state, row.reason, hold.value if hold else None),
         )
 
+    def forget_node(self, name: str) -> None:
+        self._write("DELETE FROM nodes WHERE name = ?", (name,))
+
     def save_job(self, job: Job) -> None:
         m = job.machine
         plan = None

@@ -208,6 +208,7 @@ class ErrorCode(enum.StrEnum):
     UNEXPECTED = "unexpected"  # a valid message this peer does not accept
     NOT_REGISTERED = "not_registered"  # a node message from a peer that has not registered
     DUPLICATE_NAME = "duplicate_name"
+    POOL_FULL = "pool_full"  # a node.register of a new name in a pool of MAX_NODES nodes, none of them forgettable
     FORBIDDEN = "forbidden"  # a message this peer's key may not send (its role, or another node's name)
     NOT_FOUND = "not_found"
     BAD_JOB = "bad_job"
@@ -234,6 +235,7 @@ class ProtocolError(Exception):
 REGISTRY: dict[MsgType, type[Message]] = {}
 MAX_OBJECTS = 100_000  # objects (maps, lists, scalars) one body may hold, by default
 REPLY_OBJECTS = 2_000_000  # in a reply that carries rows (read by dpctl, from its coordinator)
+REPLY_BODY_BYTES = 16 << 20  # and its bytes: every node of a full pool, every job of a long history
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +243,7 @@ class Message:
     TYPE: ClassVar[MsgType]
     FIELDS: ClassVar[tuple[Field, ...]] = ()
     MAX_OBJECTS: ClassVar[int] = MAX_OBJECTS
+    MAX_BYTES: ClassVar[int] = MAX_BODY_BYTES  # of the body (a reply that carries rows: REPLY_BODY_BYTES)
     # Fields whose value many messages of one burst share (group.start's job file and hostfile, to
     # every node of a group): packed once, by identity. Such a value is never changed once sent.
     SHARED: ClassVar[frozenset[str]] = frozenset()
@@ -254,8 +257,8 @@ class Message:
         packer = _packer()
         header = packer.pack([PROTOCOL, VERSION, str(self.TYPE), msg_id])
         body = self._packed_body(packer) if self.SHARED else packer.pack(self.to_body())
-        if len(body) > MAX_BODY_BYTES:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.TYPE} body is {len(body)} bytes, cap {MAX_BODY_BYTES}")
+        if len(body) > self.MAX_BYTES:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{self.TYPE} body is {len(body)} bytes, cap {self.MAX_BYTES}")
         return [header, body]
 
     @classmethod
@@ -422,6 +425,7 @@ class Status(Message):
 class StatusReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.STATUS_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     jobs: Annotated[list[JobStatus], Items(ROWS_MAX)]
     more: bool | None = field(default=None, metadata=OMIT_NONE)  # a page (status with `limit`): whether older jobs follow
     total: Count | None = field(default=None, metadata=OMIT_NONE)  # a page: every job the pool holds
@@ -438,6 +442,7 @@ class Nodes(Message):
 class NodesReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.NODES_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     nodes: Annotated[list[NodeRow], Items(ROWS_MAX)]
 
 
@@ -459,6 +464,7 @@ class MetricsReply(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.METRICS_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     job_id: JobId
     rows: Annotated[list[MetricRow], Items(PAGE_LIMIT)]
     cursor: Cursor
@@ -479,6 +485,7 @@ class Events(Message):
 class EventsReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.EVENTS_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     job_id: JobId
     events: Annotated[list[EventRow], Items(PAGE_LIMIT)]
     cursor: Cursor
@@ -499,6 +506,7 @@ class Samples(Message):
 class SamplesReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.SAMPLES_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     job_id: JobId
     rows: Annotated[list[SampleRow], Items(PAGE_LIMIT)]
     cursor: Cursor
@@ -524,6 +532,7 @@ class LogsReply(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.LOGS_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     job_id: JobId
     lines: Annotated[list[LogLine], Items(PAGE_LIMIT)]
     cursor: Cursor
@@ -678,6 +687,7 @@ class RmReply(Message):
 
     TYPE: ClassVar[MsgType] = MsgType.RM_REPLY
     MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     job_id: JobId
     state: Name
     rows: RemovedRows
@@ -1221,11 +1231,11 @@ def decode(frames: list[bytes], accept: Collection[MsgType] | None = None) -> tu
     msg_type, msg_id = decode_header(frames[0])
     if accept is not None and msg_type not in accept:
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg_type} is not accepted here", msg_id)
-    if len(frames[1]) > MAX_BODY_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"body is {len(frames[1])} bytes, cap {MAX_BODY_BYTES}", msg_id)
     cls = REGISTRY.get(msg_type)
     if cls is None:  # a type whose module this process never imported: it takes no such message
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg_type} is not accepted here", msg_id)
+    if len(frames[1]) > cls.MAX_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{msg_type} body is {len(frames[1])} bytes, cap {cls.MAX_BYTES}", msg_id)
     if len(frames[1]) > cls.MAX_OBJECTS and count_objects(frames[1], cls.MAX_OBJECTS) is None:  # every object takes a byte
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{msg_type} body holds more than {cls.MAX_OBJECTS} objects", msg_id)
     try:

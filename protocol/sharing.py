@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, TypeAlias
 
-from dpool.protocol.messages import Message, MsgType, message
+from dpool.protocol.messages import REPLY_BODY_BYTES, REPLY_OBJECTS, Message, MsgType, message
 from dpool.protocol.payloads import MAX_WORLD, JobId, JobRef, Name, Text, UnixTime
 from dpool.protocol.schema import MAX_INT, Int, Items, OneOf, Record, record
 
@@ -64,7 +64,8 @@ class Queue(Message):
 @dataclass(frozen=True, slots=True)
 class QueueReply(Message):
     TYPE: ClassVar[MsgType] = MsgType.QUEUE_REPLY
-    MAX_OBJECTS: ClassVar[int] = 2_000_000
+    MAX_OBJECTS: ClassVar[int] = REPLY_OBJECTS
+    MAX_BYTES: ClassVar[int] = REPLY_BODY_BYTES
     rows: Annotated[list[QueueRow], Items(QUEUE_ROWS_MAX)]
 
 

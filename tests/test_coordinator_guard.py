@@ -98,3 +98,56 @@ def test_a_step_of_the_system_clock_loses_no_node_and_stops_no_tick(coordinator:
         node.close()
     assert row.state != "lost" and not coordinator.events("node.lost")
     assert beats >= 5
+
+
+def test_a_pool_of_its_most_nodes_forgets_the_longest_lost_to_take_a_new_one(coordinator: Running, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer registering fresh names in a loop once grew the pool without end (20,000 names: a
+    `nodes` reply no dpctl could read, every node told to heartbeat every 32 s). A pool holds
+    MAX_NODES; past it the node lost longest that holds nothing is forgotten (its saved row too),
+    and with none such a new name is refused `pool_full`, which a dpd asks again after."""
+    from dpool.daemon import pool
+
+    monkeypatch.setattr(pool, "MAX_NODES", 3)
+    peers = {n: Peer(coordinator.addr) for n in ("a", "b", "c", "d")}
+    try:
+        for n in "abc":
+            assert isinstance(peers[n].register(n, slots=1, advertise="127.0.0.1"), m.NodeRegistered)
+        refused = peers["d"].register("d", slots=1, advertise="127.0.0.1")
+        assert isinstance(refused, m.Error) and refused.code == "pool_full" and "3 nodes" in refused.message
+        for n in "ba":  # b is lost first, then a (each seen lost before the next: another batch)
+            peers[n].send(m.NodeBye().to_frames())
+            deadline = time.monotonic() + 10
+            while next(r for r in coordinator.call(m.Nodes(), m.NodesReply).nodes if r.name == n).state != "lost":
+                assert time.monotonic() < deadline, f"{n} not lost after its node.bye"
+        assert isinstance(peers["d"].register("d", slots=1, advertise="127.0.0.1"), m.NodeRegistered)
+        names = sorted(r.name for r in coordinator.call(m.Nodes(), m.NodesReply).nodes)
+        assert names == ["a", "c", "d"]
+        assert [e["node"] for e in coordinator.events("node.forgotten")] == ["b"]
+        time.sleep(0.3)  # committed since
+        db = sqlite3.connect(tmp_path / "coordinator.sqlite3")
+        assert sorted(n for (n,) in db.execute("SELECT name FROM nodes")) == ["a", "c", "d"]
+        assert isinstance(peers["b"].register("b", incarnation="again", slots=1, advertise="127.0.0.1"), m.NodeRegistered)  # a forgotten node may come back
+        assert sorted(r.name for r in coordinator.call(m.Nodes(), m.NodesReply).nodes) == ["b", "c", "d"]
+    finally:
+        for p in peers.values():
+            p.close()
+
+
+def test_a_nodes_reply_for_a_full_pool_of_long_rows_is_read_by_dpctl() -> None:
+    """4,096 nodes whose strings are as long as they may be: 4.1 MB of rows, over the 4 MiB a
+    request may have; a reply that lists rows may have 16 MiB (dpctl read `nodes.reply body is
+    10992946 bytes, cap 4194304` and exited 1)."""
+    from dpool.daemon.pool import MAX_NODES
+    from dpool.protocol.payloads import NodeRow
+
+    row = {
+        "address": "a" * 255, "state": "idle", "platform": "p" * 64, "chip": "c" * 256, "memory_bytes": 1 << 40, "mlx_version": "v" * 64,
+        "backend": "b" * 64, "slots": 1, "busy_slots": 0, "job": None, "ranks": [], "heartbeat_age_s": 1.0, "reason": "r" * 200, "interface": "i" * 64,
+    }
+    reply = m.NodesReply(nodes=[NodeRow(name=f"{i:063d}", **row) for i in range(MAX_NODES)])  # type: ignore[arg-type]
+    frames = reply.to_frames(5)
+    assert len(frames[1]) > m.MAX_BODY_BYTES
+    back, msg_id = m.decode(frames, m.TO_CLIENT)
+    assert msg_id == 5 and isinstance(back, m.NodesReply) and len(back.nodes) == MAX_NODES
+    with pytest.raises(m.ProtocolError, match="cap 4194304"):  # a request is still held to 4 MiB
+        m.decode([m.Nodes().to_frames(1)[0], frames[1]])
