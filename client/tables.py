@@ -10,10 +10,17 @@ from dpool.protocol.payloads import EventRow
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in row] for row in rows]
+    """Rows under their headers, columns aligned. Every cell is on one line, with any control
+    character written as its escape: a value from the pool (a node's chip, a reason) holding ESC
+    or a newline would otherwise clear the terminal or print a row of its own."""
+    cells = [[str(h) for h in headers]] + [["-" if v is None else _one_line(str(v)) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+def _one_line(text: str) -> str:
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def shown(text: str) -> str:

@@ -5,11 +5,13 @@ the same message naming the file, the key, the value and what is allowed."""
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from dpool.protocol.endpoints import endpoint_problem
+from dpool.protocol.payloads import NODE_NAME_MEANS, NODE_NAME_PATTERN
 
 DEFAULT_CONFIG = Path("~/.config/dpool/config.toml").expanduser()
 
@@ -88,7 +90,7 @@ def _within(lo: float, hi: float, what: str, *, lo_open: bool = False) -> Any:
 
 
 def _name(v: Any) -> str | None:
-    return None if 0 < len(v) <= 63 and not any(c.isspace() for c in v) else "must be 1-63 characters without spaces"
+    return None if re.fullmatch(NODE_NAME_PATTERN, v) else f"must be {NODE_NAME_MEANS}"
 
 
 def _endpoint(v: Any) -> str | None:

@@ -43,6 +43,7 @@ from dpool.protocol.payloads import (
     JobId,
     JobRef,
     JobStatus,
+    JoiningName,
     LogLine,
     MetricRow,
     Name,
@@ -730,7 +731,7 @@ class NodeRegister(Message):
     """
 
     TYPE: ClassVar[MsgType] = MsgType.NODE_REGISTER
-    name: NodeName
+    name: JoiningName
     incarnation: Token
     info: NodeInfo
     running: Annotated[list[RunningWorker], Items(MAX_SLOTS)] = field(default_factory=list)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import re
 import sys
 import types
 import typing
@@ -46,10 +47,13 @@ class Float:
 
 @dataclass(frozen=True, slots=True)
 class Str:
-    """A string of `lo` to `hi` characters."""
+    """A string of `lo` to `hi` characters; with `pattern`, one that matches it whole (`means`
+    says what it allows, for the error)."""
 
     hi: int
     lo: int = 0
+    pattern: str | None = None
+    means: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +257,8 @@ def _compile(hint: Any, where: str) -> tuple[Callable[[Any], Any], str]:
         if not isinstance(bound, Str):
             raise TypeError(f"{where}: a str needs Annotated[str, Str(hi)]")
         text = f"a string of {bound.lo}-{bound.hi} characters" if bound.lo else f"a string of at most {bound.hi} characters"
+        if bound.pattern is not None:
+            return _matching(re.compile(bound.pattern), bound.hi, bound.means), bound.means
         return _sized(str, bound.lo, bound.hi, text), text
     if hint is bytes:
         if not isinstance(bound, Bytes):
@@ -316,6 +322,15 @@ def _sized(t: type[str] | type[bytes], lo: int, hi: int, text: str) -> Callable[
     def convert(v: Any) -> Any:
         if type(v) is not t or not lo <= len(v) <= hi:
             raise Invalid(text, v, out_of_range=type(v) is t)
+        return v
+
+    return convert
+
+
+def _matching(pattern: re.Pattern[str], hi: int, text: str) -> Callable[[Any], Any]:
+    def convert(v: Any) -> Any:
+        if type(v) is not str or len(v) > hi or not pattern.fullmatch(v):
+            raise Invalid(text, v, out_of_range=type(v) is str)
         return v
 
     return convert

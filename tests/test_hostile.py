@@ -82,6 +82,27 @@ def test_a_billion_slots(pool: Served, peer: Peer) -> None:
     pool.works()
 
 
+@pytest.mark.parametrize("name", ["a/b", "..", "../../etc", "-x", "evil\x1b[31mRED", "nl\nfake   127.0.0.1   lo   idle", "\x00", "tab\tx", " sp "])
+def test_a_node_name_that_is_a_path_a_flag_or_a_control_sequence_is_refused(pool: Served, peer: Peer, name: str) -> None:
+    reply = peer.ask(raw("node.register", {"name": name, "incarnation": "x", "info": {"slots": 1}}, 7))
+    refused(reply, "bad_request", "name: must be 1-63 letters, digits, '.', '_' and '-', starting with a letter or a digit")
+    pool.works()
+
+
+def test_control_characters_a_node_reports_are_shown_escaped_by_dpctl_nodes(pool: Served, peer: Peer) -> None:
+    """A chip that clears the terminal, an MLX version that sets its title: `dpctl nodes` prints
+    each on its row as escapes (it printed them raw, and a newline made a row of its own)."""
+    assert isinstance(peer.register("odd", slots=1, chip="\x1b[2J\x1b[31mPWNED", mlx_version="\x1b]0;title\x07", interface="eth\n0"), m.NodeRegistered)
+    out = subprocess.run([sys.executable, "-m", "dpool.client.cli", "--coordinator", pool.addr, "nodes"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout and "\x07" not in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("odd "))
+    assert "\\x1b[2J\\x1b[31mPWNED" in row and "\\x1b]0;title\\x07" in row and "eth\\n0" in row
+    assert len(out.stdout.splitlines()) == 1 + len(pool.call(m.Nodes(), m.NodesReply).nodes)  # one line a node
+    peer.send(m.NodeBye().to_frames())
+    pool.works()
+
+
 def _as_node(peer: Peer) -> None:
     assert isinstance(peer.register("evil", slots=1), m.NodeRegistered)
 

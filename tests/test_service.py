@@ -261,7 +261,7 @@ def test_exec_start_words_are_quoted_and_escaped() -> None:
 
 def test_quoted_paths_survive_systemd_analyze(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     host = fake("linux", uid=1000)
-    argv = service.service_argv(host, ["--serve", "tcp://127.0.0.1:7340", "--name", "a%b$c"], tmp_path / "state with space")
+    argv = service.service_argv(host, ["--serve", "tcp://127.0.0.1:7340", "--name", "box", "--log-file", str(tmp_path / "50%$HOME" / "dpd.log")], tmp_path / "state with space")
     p = service.plan(host, argv, state_dir=tmp_path / "state with space", stop_grace_s=10)
     path = tmp_path / "dpd.service"
     path.write_text(p.text)
@@ -504,12 +504,12 @@ def test_restart_of_a_unit_is_systemctl_restart(fake, capsys: pytest.CaptureFixt
 
 def test_a_service_file_is_read_back_as_it_was_written(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     host = fake("linux", uid=1000)
-    odd = ["--serve", "tcp://127.0.0.1:7340", "--name", "a%b$c", "--log-file", str(tmp_path / "log dir" / "dpd.log")]
+    odd = ["--serve", "tcp://127.0.0.1:7340", "--name", "box", "--log-file", str(tmp_path / "log dir 50%$HOME" / "dpd.log")]
     p = service.plan(host, service.service_argv(host, odd, tmp_path / "state with space"), state_dir=tmp_path / "state with space", stop_grace_s=10)
     service.install(p, service.run_command, out=lambda line: None)
     flags = service.run_flags(service.Installed(host).argv())
     assert flags == [*odd, "--state-dir", str(tmp_path / "state with space")]
-    assert service.flag_value(flags or [], "--log-file") == str(tmp_path / "log dir" / "dpd.log")
+    assert service.flag_value(flags or [], "--log-file") == str(tmp_path / "log dir 50%$HOME" / "dpd.log")
     assert service.connect_address("tcp://*:7340") == "tcp://127.0.0.1:7340"
     assert service.connect_address("tcp://[::]:7340") == "tcp://[::1]:7340"
     assert service.connect_address("tcp://10.0.0.5:7340") == "tcp://10.0.0.5:7340"
