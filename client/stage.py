@@ -24,7 +24,7 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from dpool.client.rpc import Client
 from dpool.protocol.content import TREES, source_root
-from dpool.protocol.jobspec import JobSpec, data_files, data_location
+from dpool.protocol.jobspec import JobSpec, data_files, data_location, not_here
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
 from dpool.staging.manifest import HashCache, Manifest, ManifestError, scan
@@ -44,8 +44,8 @@ def hash_cache() -> HashCache:
 
 def with_content(spec: JobSpec) -> tuple[JobSpec, list[tuple[Path, Manifest]]]:
     """The job with `[content]` filled for each tree that exists here, and those trees."""
-    if (empty := _empty_here(spec)) is not None:
-        raise StageError(empty)
+    if (problem := _problem_here(spec)) is not None:
+        raise StageError(problem)
     hashes = hash_cache()
     trees: list[tuple[Path, Manifest]] = []
     content = spec.content
@@ -124,10 +124,13 @@ def _send_all(reply: StageOfferReply, todo: list[tuple[Path, Manifest]], keys: C
     return sent
 
 
-def _empty_here(spec: JobSpec) -> str | None:
+def _problem_here(spec: JobSpec) -> str | None:
     """A data folder that exists here but holds no data: the job would be queued, and fail on every
-    node ("no node can serve this job"). A path that does not exist here is no error: a node may
+    node ("no node can serve this job"); or a relative path found under the current folder and not
+    under the job file's (`not_here`). A path that does not exist here is no error: a node may
     hold it."""
+    if (shadowed := not_here(spec)) is not None:
+        return f"{shadowed[0]} = {shadowed[1]!r}: {shadowed[2]}"
     if spec.data.source == "stdlib" or spec.data.hf_dataset is not None:
         return None
     if spec.model.kind == "mlx_lm":

@@ -740,8 +740,27 @@ def _check_sync(spec: JobSpec, given: Any, source: str) -> None:
         )
 
 
+def not_here(spec: JobSpec) -> tuple[str, str, str] | None:
+    """(key, value, problem) when an mlx_lm job's model.path or data.source reads as a Hugging Face
+    id only because it is not under the job file's folder, while the current folder holds it: run
+    from one folder mlx-lm (or `datasets`) would load that folder, from another the Hub's repo, so
+    one job file would train different things depending on where it was started."""
+    if spec.model.kind != "mlx_lm":
+        return None
+    for key, given, (kind, _) in (("model.path", spec.model.path, model_location(spec)), ("data.source", spec.data.source, data_location(spec))):
+        if kind in ("repo", "hub") and given is not None and os.path.exists(given):
+            return key, given, (
+                f"no such folder under the job file's folder ({spec.resolve(given)}), where a relative path is taken from, "
+                f"and {os.path.abspath(given)} under the current folder is not used (nor a Hugging Face id of that spelling): "
+                "give the path from the job file's folder, or an absolute one"
+            )
+    return None
+
+
 def check_paths(spec: JobSpec, source: str) -> None:
     """The job's local paths exist on this machine (the trainer calls it before anything else)."""
+    if (shadowed := not_here(spec)) is not None:
+        raise JobFileError(source, *shadowed)
     if spec.model.kind == "mlx_lm":
         where, path = model_location(spec)
         if where == "dir" and not os.path.isdir(path):

@@ -285,3 +285,28 @@ def test_a_batch_larger_than_the_training_set_is_refused_at_start_naming_both(as
     done = trainer(job_file, tmp_path / "run")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "train.global_batch = 40 is more than the 24 training examples" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key", ["model.path", "data.source"])
+def test_a_relative_path_found_only_under_the_current_folder_is_refused_naming_the_key(assets, tmp_path, key):
+    """`path = "models/tiny"` in jobs/job.toml, run from a folder that holds models/tiny: the path is
+    taken from the job file's folder, which has none, so it read as a Hugging Face id, and mlx-lm
+    then loaded the current folder's copy (the trainer ended with exit 1 and a Hub error), while
+    `datasets` trained on the current folder's data. The same job file trained different things
+    from different folders; now it is refused, naming the key and both folders."""
+    import shutil
+
+    here = tmp_path / "here"
+    (here / "models").mkdir(parents=True)
+    shutil.copytree(assets / "llama", here / "models" / "tiny")
+    shutil.copytree(assets / "chat", here / "data" / "chat")
+    given = {"model.path": {"model": {"path": "models/tiny"}}, "data.source": {"data": {"source": "data/chat"}}}[key]
+    job_file = lm_job(assets, tmp_path / "jobs", **given)
+    done = subprocess.run(
+        [sys.executable, "-m", "dpool.trainer", str(job_file), "--run-dir", str(tmp_path / "run")],
+        cwd=here, env=ring.trainer_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    value = given[key.split(".")[0]][key.split(".")[1]]
+    assert f"{key} = '{value}'" in done.stderr and str(tmp_path / "jobs" / value) in done.stderr and str(here / value) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

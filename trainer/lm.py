@@ -116,7 +116,10 @@ def load_base(spec: JobSpec):
         raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {one_line(e)})") from None
     from mlx_lm.utils import hf_repo_to_path
 
-    model_dir = Path(path) if where == "dir" else hf_repo_to_path(path)
+    try:
+        model_dir = Path(path) if where == "dir" else hf_repo_to_path(path)
+    except OSError as e:  # huggingface_hub's LocalEntryNotFoundError, after mlx-lm loaded it some other way
+        raise ModelError(f"{shown}: mlx-lm loaded it, but not from the Hugging Face cache ({type(e).__name__}: {one_line(e)})") from None
     return model, tokenizer, config, model_dir
 
 
