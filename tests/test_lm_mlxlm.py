@@ -117,8 +117,10 @@ def test_a_key_that_names_no_linear_layer_is_refused_naming_it_and_what_exists(a
 @pytest.mark.parametrize(("damage", "said"), [
     (lambda d: (d / "config.json").write_text("[1]"), r"config\.json holds a list; expected a JSON object"),
     (lambda d: (d / "config.json").write_text("{not json"), r"config\.json is not readable JSON"),
-    (lambda d: [os.truncate(f, 1000) for f in d.glob("*.safetensors")], r"mlx-lm could not load it \(RuntimeError: .*safetensors"),
-], ids=["config-a-list", "config-not-json", "weights-cut-short"])
+    (lambda d: [os.truncate(f, 1000) for f in d.glob("*.safetensors")], r"model\.safetensors is not a safetensors file \(its header says \d+ bytes, in a file of 1000\)"),
+    (lambda d: [os.truncate(f, f.stat().st_size - 10) for f in d.glob("*.safetensors")], r"model\.safetensors is cut short: its tensors end at byte \d+, the file has \d+"),
+    (lambda d: [f.write_bytes(b"\x10" + bytes(7) + b"{not json at all" + bytes(64)) for f in d.glob("*.safetensors")], r"model\.safetensors is not a safetensors file \(JSONDecodeError"),
+], ids=["config-a-list", "config-not-json", "weights-cut-short", "weights-lose-their-end", "weights-header-garbage"])
 def test_a_damaged_model_directory_is_a_model_error_naming_what(assets, tmp_path, damage, said):
     """Not a traceback from inside mlx-lm (AttributeError, MLX's RuntimeError: exit 1, as if a peer
     were lost): ModelError, exit 2, naming the model and what is wrong with it."""

@@ -83,6 +83,26 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for m in model.modules())
 
 
+def bad_weights(folder: Path) -> str | None:
+    """The first *.safetensors file of `folder` that is not whole, and how, read from the headers
+    alone (MLX's own error names a tensor, never the file: one of a sharded model's many)."""
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with f.open("rb") as fh:
+                head = fh.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                size = f.stat().st_size
+                if n < 2 or 8 + n > size:
+                    return f"{f} is not a safetensors file (its header says {n} bytes, in a file of {size})"
+                header = json.loads(fh.read(n))
+            ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            return f"{f} is not a safetensors file ({type(e).__name__}: {one_line(e)})"
+        if 8 + n + max(ends, default=0) > size:
+            return f"{f} is cut short: its tensors end at byte {8 + n + max(ends)}, the file has {size}"
+    return None
+
+
 def load_base(spec: JobSpec):
     """(model, tokenizer, config, model_dir) by mlx-lm's loader; ModelError names what is wrong."""
     from mlx_lm.utils import load
@@ -113,7 +133,8 @@ def load_base(spec: JobSpec):
             raise ModelError(f"{shown}: {path} has no tokenizer ({', '.join(TOKENIZER_NAMES)}); copy the model's tokenizer files beside its weights") from None
         if isinstance(e, ValueError):  # e.g. "Model type foo not supported."
             raise ModelError(f"{shown}: {one_line(e)}") from None
-        raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {one_line(e)})") from None
+        bad = bad_weights(Path(path)) if where == "dir" else None
+        raise ModelError(f"{shown}: " + (bad or f"mlx-lm could not load it ({type(e).__name__}: {one_line(e)})")) from None
     from mlx_lm.utils import hf_repo_to_path
 
     try:
