@@ -24,7 +24,8 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random
 
 from dpool.client.rpc import Client
 from dpool.protocol.content import TREES, source_root
-from dpool.protocol.jobspec import JobSpec, data_files, data_location, not_here
+from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_location, not_here
+from dpool.protocol.modeldir import model_dir_problem
 from dpool.protocol.security import ClientKeys
 from dpool.protocol.stage_messages import StageOffer, StageOfferReply
 from dpool.staging.manifest import HashCache, Manifest, ManifestError, scan
@@ -34,6 +35,11 @@ ACCEPT_WAIT_S = 10.0
 
 class StageError(Exception):
     """The job's files could not be named or brought into the pool; the message says why."""
+
+
+def _has_a_line(path: Path) -> bool:
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
 
 
 def hash_cache() -> HashCache:
@@ -125,18 +131,26 @@ def _send_all(reply: StageOfferReply, todo: list[tuple[Path, Manifest]], keys: C
 
 
 def _problem_here(spec: JobSpec) -> str | None:
-    """A data folder that exists here but holds no data: the job would be queued, and fail on every
-    node ("no node can serve this job"); or a relative path found under the current folder and not
-    under the job file's (`not_here`). A path that does not exist here is no error: a node may
-    hold it."""
+    """What is wrong with the job's files that are here, which every node would find too once the
+    job was queued: a data folder that holds no data ("no node can serve this job"), a model
+    folder that is no model (mlx-lm could not load it), a relative path found under the current
+    folder and not under the job file's (`not_here`). A path that does not exist here is no
+    error: a node may hold it."""
     if (shadowed := not_here(spec)) is not None:
         return f"{shadowed[0]} = {shadowed[1]!r}: {shadowed[2]}"
+    if spec.model.kind == "mlx_lm":
+        where, path = model_location(spec)
+        if where == "dir" and os.path.isdir(path) and (problem := model_dir_problem(Path(path))) is not None:
+            return f"model.path = {spec.model.path!r}: {problem}"
     if spec.data.source == "stdlib" or spec.data.hf_dataset is not None:
         return None
     if spec.model.kind == "mlx_lm":
         kind, folder = data_location(spec)
-        if kind == "dir" and os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "train.jsonl")):
+        train = Path(folder) / "train.jsonl"
+        if kind == "dir" and os.path.isdir(folder) and not train.is_file():
             return f"data.source = {spec.data.source!r}: the folder {folder} holds no train.jsonl"
+        if kind == "dir" and train.is_file() and not _has_a_line(train):
+            return f"data.source = {spec.data.source!r}: {train} holds no examples (no line that is not blank)"
         return None
     root = source_root(spec.resolved_source())
     if root.is_dir() and not data_files(spec):

@@ -179,6 +179,32 @@ def test_a_data_folder_here_that_holds_no_data_is_refused_at_submit(tmp_path: Pa
     assert "the pool's nodes then look for it at that path" in capsys.readouterr().err
 
 
+def test_a_model_folder_or_training_file_here_that_cannot_train_is_refused_at_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model folder without config.json or with a damaged weights file, or a train.jsonl of
+    blank lines, that the submitting machine holds: the job was queued and failed on every node
+    within a second; now submit exits 2 naming the file, as the trainer would."""
+    for name in ("noconfig", "cut", "fine"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    (tmp_path / "cut" / "config.json").write_text("{}")
+    (tmp_path / "cut" / "model.safetensors").write_bytes((64).to_bytes(8, "little") + b"{}")
+    (tmp_path / "fine" / "config.json").write_text("{}")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "train.jsonl").write_text("\n  \n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "hi"}\n')
+    cases = (
+        ({"path": "noconfig"}, "data", f"model.path = 'noconfig': {tmp_path / 'noconfig'} has no config.json"),
+        ({"path": "cut"}, "data", f"model.path = 'cut': {tmp_path / 'cut' / 'model.safetensors'} is not a safetensors file (its header says 64 bytes, in a file of 10)"),
+        ({"path": "fine"}, "blank", f"data.source = 'blank': {tmp_path / 'blank' / 'train.jsonl'} holds no examples"),
+    )
+    for i, (model, data, said) in enumerate(cases):
+        job = write_job(tmp_path, f"lm{i}", base={}, model={"kind": "mlx_lm", **model}, data={"source": data})
+        assert cli.main(["--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.2", "submit", str(job)]) == 2, job
+        err = capsys.readouterr().err
+        assert said in err, err
+
+
 def test_times_come_from_events_and_the_eta_from_the_running_groups_pace() -> None:
     def event(t: float, kind: str, **fields: Any) -> EventRow:
         return EventRow.from_wire({"t": t, "kind": kind, **fields})

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, lora_blocks, model_location
 from dpool.protocol.logs import get_logger
+from dpool.protocol.modeldir import model_dir_problem
 from dpool.trainer.data import DataError, ExampleOrder
 from dpool.trainer.lm_data import load_lm_data, trainable
 from dpool.trainer.task import Example
@@ -83,48 +84,14 @@ def _is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding) for m in model.modules())
 
 
-def bad_weights(folder: Path) -> str | None:
-    """The first *.safetensors file of `folder` that is not whole, and how, read from the headers
-    alone (MLX's own error names a tensor, never the file: one of a sharded model's many)."""
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with f.open("rb") as fh:
-                head = fh.read(8)
-                n = int.from_bytes(head, "little") if len(head) == 8 else -1
-                size = f.stat().st_size
-                if n < 2 or 8 + n > size:
-                    return f"{f} is not a safetensors file (its header says {n} bytes, in a file of {size})"
-                header = json.loads(fh.read(n))
-            ends = [int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"]
-        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-            return f"{f} is not a safetensors file ({type(e).__name__}: {one_line(e)})"
-        if 8 + n + max(ends, default=0) > size:
-            return f"{f} is cut short: its tensors end at byte {8 + n + max(ends)}, the file has {size}"
-    return None
-
-
 def load_base(spec: JobSpec):
     """(model, tokenizer, config, model_dir) by mlx-lm's loader; ModelError names what is wrong."""
     from mlx_lm.utils import load
 
     where, path = model_location(spec)
     shown = f"model.path = {spec.model.path!r}"
-    if where == "dir":
-        folder = Path(path)
-        if folder.exists() and not folder.is_dir():
-            raise ModelError(f"{shown}: {folder} is a file; expected a model directory as mlx-lm loads it")
-        if not folder.is_dir():
-            raise ModelError(f"{shown}: no such directory on this machine ({folder})")
-        if not (folder / "config.json").is_file():
-            raise ModelError(f"{shown}: {folder} has no config.json; expected a model directory as mlx-lm loads it")
-        try:
-            config = json.loads((folder / "config.json").read_bytes())
-        except (OSError, ValueError) as e:
-            raise ModelError(f"{shown}: {folder / 'config.json'} is not readable JSON ({one_line(e)})") from None
-        if not isinstance(config, dict):
-            raise ModelError(f"{shown}: {folder / 'config.json'} holds a {type(config).__name__}; expected a JSON object (the model's settings)")
-        if not any(folder.glob("*.safetensors")):
-            raise ModelError(f"{shown}: {folder} has no *.safetensors weights")
+    if where == "dir" and (problem := model_dir_problem(Path(path))) is not None:
+        raise ModelError(f"{shown}: {problem}")
     try:
         model, tokenizer, config = load(path, return_config=True)
     except (ValueError, OSError, KeyError, TypeError, AttributeError, RuntimeError) as e:  # RuntimeError: MLX's, e.g. weights cut short
@@ -133,8 +100,7 @@ def load_base(spec: JobSpec):
             raise ModelError(f"{shown}: {path} has no tokenizer ({', '.join(TOKENIZER_NAMES)}); copy the model's tokenizer files beside its weights") from None
         if isinstance(e, ValueError):  # e.g. "Model type foo not supported."
             raise ModelError(f"{shown}: {one_line(e)}") from None
-        bad = bad_weights(Path(path)) if where == "dir" else None
-        raise ModelError(f"{shown}: " + (bad or f"mlx-lm could not load it ({type(e).__name__}: {one_line(e)})")) from None
+        raise ModelError(f"{shown}: mlx-lm could not load it ({type(e).__name__}: {one_line(e)})") from None
     from mlx_lm.utils import hf_repo_to_path
 
     try:
