@@ -34,7 +34,7 @@ from dpool.protocol.optimizers import (
 )
 from dpool.protocol.schema import MAX_INT
 
-NAME_RE = re.compile(r"^[a-z0-9-]{1,63}$")
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # not starting with '-': its id would read as a flag
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,8 +210,8 @@ class TrainSpec:
     global_batch: int = _spec(_int(1), "sequences per optimizer step, whatever the number of workers", 64)
     micro_batch: int | str = _spec(
         lambda v: None
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
-        else "must be 'auto' or an integer >= 1",
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_INT)
+        else "must be 'auto' or an integer >= 1 (and below 2^53)",
         "the most sequences per forward/backward; accumulation fills the share",
         "auto",
     )
@@ -598,7 +598,7 @@ def parse_job(data: dict[str, Any], source: str = "<job>", base_dir: str | None 
             raise JobFileError(source, key, data[key], "unknown key; allowed: name, priority, base_dir, " + ", ".join(SECTIONS))
     name = data.get("name", _MISSING)
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-'")
+        raise JobFileError(source, "name", name, "required, 1-63 characters of a-z, 0-9 and '-', not starting with '-'")
     priority = data.get("priority", 0)
     if (err := check_priority(priority)) is not None:
         raise JobFileError(source, "priority", priority, err)

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from dpool.protocol.schema import MAX_INT
+
 
 class OptionError(ValueError):
     """`key` (below `train.`) = `given` is not allowed: `allowed` says what is."""
@@ -80,10 +82,11 @@ def _value(arg: Arg, v: Any, key: str) -> Any:
         if isinstance(v, bool):
             return v
         raise OptionError(key, v, "must be true or false")
-    if arg.kind == "int":
-        if number and float(v).is_integer() and arg.lo <= v <= arg.hi:
+    if arg.kind == "int":  # the wire carries no integer beyond 2^53 - 1
+        top = min(arg.hi, MAX_INT)
+        if number and float(v).is_integer() and arg.lo <= v <= top:
             return int(v)
-        raise OptionError(key, v, f"must be an integer{rng}")
+        raise OptionError(key, v, f"must be an integer{rng if math.isfinite(arg.hi) else f'{rng} (and below 2^53)'}")
     if arg.kind == "pair":
         if isinstance(v, list | tuple) and len(v) == 2 and all(
             isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and arg.lo <= x <= arg.hi for x in v

@@ -67,6 +67,10 @@ BAD = [
     ("warmup longer than the run", GOOD.replace("warmup_steps = 1", "warmup_steps = 50"), "train.warmup_steps"),
     ("not TOML at all", "name = \n[[[", "toml"),
     ("every held-out example as a float", LM + "\n[eval]\nbatches = -1.0\n", "eval.batches"),
+    ("a name that reads as a flag", GOOD.replace('name = "ok"', 'name = "-"'), "name"),
+    ("a micro batch beyond 2^53", GOOD.replace("global_batch = 4", "global_batch = 4\nmicro_batch = 100000000000000000000000"), "train.micro_batch"),
+    ("schedule steps beyond 2^53", GOOD.replace("warmup_steps = 1", "")
+     + '\n[train.lr_schedule]\nname = "cosine_decay"\narguments = [1e-3, 1e300]\n', "train.lr_schedule.arguments[1] (decay_steps)"),
 ]
 
 
