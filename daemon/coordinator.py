@@ -603,6 +603,8 @@ class Coordinator:
                 return self._register(peer, msg, now, bound=bound)
         name = self.node_of.get(peer)
         if name is None or name not in self.pool.nodes:
+            if isinstance(msg, m.Error):
+                return None, []  # never answered, from anyone: an error about an error would echo forever
             if msg.TYPE.value.startswith("node."):
                 raise ProtocolError(ErrorCode.NOT_REGISTERED, f"{msg.TYPE} from a peer that has not registered; send node.register")
             raise ProtocolError(ErrorCode.UNEXPECTED, f"the coordinator does not accept {msg.TYPE}")

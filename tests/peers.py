@@ -98,6 +98,16 @@ class Peer:
                 return reply
         raise AssertionError(f"no reply to message {msg_id} within {timeout}s")
 
+    def next_reply(self, frames: list[bytes], timeout: float = 10.0) -> tuple[m.Message, int]:
+        """Send `frames`; the first message back that is not a heartbeat, whatever its id."""
+        self.send(frames)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000) + 1):
+            reply, reply_id = m.decode(self.sock.recv_multipart())
+            if not isinstance(reply, m.CoordHeartbeat):
+                return reply, reply_id
+        raise AssertionError(f"nothing came back within {timeout}s")
+
     def message(self, msg: m.Message) -> m.Message:
         return self.ask(msg.to_frames(next(self.ids)))
 

@@ -221,6 +221,15 @@ def test_a_type_the_coordinator_never_takes_is_not_unpacked(pool: Served, peer: 
     pool.works()
 
 
+def test_an_error_from_a_peer_that_never_registered_is_not_answered(pool: Served, peer: Peer) -> None:
+    """It was answered `error unexpected`: two such peers would answer each other forever. The
+    next reply the peer gets is the one to its next request."""
+    peer.send(raw("error", {"code": "x", "message": "y"}, 41))
+    reply, reply_id = peer.next_reply(m.Nodes().to_frames(42))
+    assert reply_id == 42 and isinstance(reply, m.NodesReply), reply
+    pool.works()
+
+
 def test_after_all_that_the_pool_trains_a_job(pool: Served) -> None:
     job = pool.submit("after-hostile")
     final = pool.wait_end(job)
