@@ -54,7 +54,7 @@ LABEL = "org.dpool.dpd"
 UNIT = "dpd.service"
 ENTRY = "dpool.daemon.boot"  # the module a service runs: `dpd run` with the zygote started first
 SYSTEM_STATE_DIR = Path("/var/lib/dpool")  # StateDirectory=dpool
-PATH_FLAGS = ("config", "state_dir", "keys")  # made absolute: a service does not start in the user's cwd
+PATH_FLAGS = ("config", "state_dir", "keys", "log_file")  # made absolute: a service does not start in the user's cwd
 
 STATUS_TIMEOUT_S = 3.0  # `dpd status`: how long the coordinator has to answer
 LOG_LINES = 100  # `dpd logs`: the last lines shown (and followed from, with -f)
@@ -164,16 +164,25 @@ def state_dir_for(host: Host, args: argparse.Namespace) -> Path:
 PRIVATE_TMPS = (Path("/tmp"), Path("/var/tmp"))  # what PrivateTmp=yes gives the system unit a folder of its own for
 
 
-def private_tmp_problem(host: Host, state_dir: Path) -> str | None:
-    """The system unit runs with PrivateTmp=yes: a state dir under /tmp or /var/tmp would be the
-    service's own private folder, emptied whenever it restarts, checkpoints and cache with it."""
+def private_tmp_problem(host: Host, paths: Sequence[tuple[str, Path | None]]) -> str | None:
+    """The system unit runs with PrivateTmp=yes: under /tmp or /var/tmp it sees a folder of its
+    own, empty at each start. A state dir there would lose its checkpoints and cache at every
+    restart; a key directory or config file there would not be found, a log not be where the
+    user looks. `paths`: (flag, path) of each given."""
     if host.platform == "darwin" or not host.system_unit:
         return None
-    state_dir = state_dir.resolve()  # a link into /tmp is /tmp
-    for tmp in PRIVATE_TMPS:
-        if state_dir == tmp or tmp in state_dir.parents:
-            return (f"--state-dir {state_dir}: the system service runs with PrivateTmp=yes, so under {tmp} it would be the service's "
-                    "own private folder, emptied at each restart (checkpoints and the cache with it); choose one outside /tmp and /var/tmp")
+    for flag, given in paths:
+        if given is None:
+            continue
+        path = given.resolve()  # a link into /tmp is /tmp
+        for tmp in PRIVATE_TMPS:
+            if path == tmp or tmp in path.parents:
+                what = {
+                    "--state-dir": "own private folder, emptied at each restart (checkpoints and the cache with it)",
+                    "--log-file": "own private folder, where no one else sees the log",
+                }.get(flag, "own private folder, empty: the service would not find it")
+                return (f"{flag} {path}: the system service runs with PrivateTmp=yes, so under {tmp} it would be the service's {what}; "
+                        "choose one outside /tmp and /var/tmp")
     return None
 
 
@@ -215,8 +224,12 @@ def systemd_quote(arg: str) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def render_unit(argv: Sequence[str], *, system: bool, state_dir: Path, working_directory: Path, timeout_stop_s: int) -> str:
-    extra = "" if state_dir == SYSTEM_STATE_DIR else f"ReadWritePaths={systemd_quote(str(state_dir))}\n"
+def render_unit(argv: Sequence[str], *, system: bool, state_dir: Path, working_directory: Path, timeout_stop_s: int, log_dir: Path | None = None) -> str:
+    """`log_dir`: the folder of --log-file, written like the state dir (ProtectSystem=strict
+    leaves every other folder read-only)."""
+    writable = [d for d in (state_dir, log_dir) if d is not None and d != SYSTEM_STATE_DIR and SYSTEM_STATE_DIR not in d.parents]
+    writable = [d for d in writable if not any(o in d.parents for o in writable)]
+    extra = f"ReadWritePaths={' '.join(systemd_quote(str(d)) for d in dict.fromkeys(writable))}\n" if writable else ""
     values = {
         "exec_start": " ".join(systemd_quote(a) for a in argv),
         "working_directory": systemd_quote(str(working_directory)),
@@ -300,7 +313,7 @@ class Installed:
 # -- plans ---------------------------------------------------------------------------------------
 
 
-def plan(host: Host, argv: list[str], *, state_dir: Path, stop_grace_s: float) -> Plan:
+def plan(host: Host, argv: list[str], *, state_dir: Path, stop_grace_s: float, log_dir: Path | None = None) -> Plan:
     where = Installed(host)
     if where.launchd:
         env = {
@@ -318,7 +331,10 @@ def plan(host: Host, argv: list[str], *, state_dir: Path, stop_grace_s: float) -
         )
     system = host.system_unit
     systemctl = where.systemctl
-    text = render_unit(argv, system=system, state_dir=state_dir, working_directory=Path("/") if system else host.home, timeout_stop_s=stop_timeout(stop_grace_s))
+    text = render_unit(
+        argv, system=system, state_dir=state_dir, working_directory=Path("/") if system else host.home,
+        timeout_stop_s=stop_timeout(stop_grace_s), log_dir=log_dir,
+    )
     notes = ["status: dpd status", f"logs: dpd logs -f (journalctl {'' if system else '--user '}-u dpd)"]
     if not system:
         notes.append("to keep it running after logout and start it at boot: loginctl enable-linger $USER")
@@ -659,21 +675,29 @@ def main(args: argparse.Namespace, run_parser: argparse.ArgumentParser, host: Ho
         print(f"dpd: {e}", file=sys.stderr)
         return 2
     state_dir = state_dir_for(host, args)
-    if (problem := private_tmp_problem(host, state_dir)) is not None:
+    given = [("--state-dir", state_dir), ("--keys", s.keys_dir), ("--log-file", s.log_file), ("--config", _path(args.config))]
+    if (problem := private_tmp_problem(host, given)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)
         return 2
     # The coordinator as `dpd run` resolves it (a flag, else serving, else the config file, else
     # $DPOOL_COORDINATOR): written into the service only where it came from the environment.
     env_join = s.join if args.join is None and s.serve is None and s.join == host.env.get("DPOOL_COORDINATOR") else None
     argv = service_argv(host, flags_from(args, run_parser._actions, host, env_join), state_dir)
-    p = plan(host, argv, state_dir=state_dir, stop_grace_s=s.stop_grace)
+    log_dir = s.log_file.parent if s.log_file is not None else None
+    p = plan(host, argv, state_dir=state_dir, stop_grace_s=s.stop_grace, log_dir=log_dir)
     if args.print:
         print_plan(p)
         return 0
     dirs = [state_dir] if state_dir != SYSTEM_STATE_DIR else []  # systemd makes its StateDirectory
     if host.platform == "darwin":
         dirs.append(where.log_file.parent)
+    if log_dir is not None:
+        dirs.append(log_dir)
     return install(p, run, make_dirs=dirs)
+
+
+def _path(given: str | None) -> Path | None:
+    return Path(given).expanduser().absolute() if given else None
 
 
 def parse_run_flags(run_parser: argparse.ArgumentParser, flags: list[str]) -> argparse.Namespace:

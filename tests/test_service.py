@@ -209,8 +209,9 @@ def test_user_unit_is_installed_enabled_and_verifies(fake, tmp_path: Path) -> No
     assert fake.recorder.calls == [["systemctl", "--user", "disable", "--now", "dpd.service"], ["systemctl", "--user", "daemon-reload"]]
 
 
-def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     fake("linux", uid=0)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp
     keys = tmp_path / "keys"
     init_keys(keys)
     assert cli.main(["install", "--config", str(fake.config), "--join", "tcp://10.0.0.5:7340", "--keys", str(keys), "--advertise", "10.0.0.6"]) == 0
@@ -235,6 +236,18 @@ def test_a_system_service_refuses_a_state_dir_its_private_tmp_would_hide(fake, t
     assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--print"]) == 2
     assert f"--state-dir {state}: the system service runs with PrivateTmp=yes" in capsys.readouterr().err
     assert not (tmp_path / "etc-systemd-system" / "dpd.service").exists() and not state.exists()
+    # The same for what it reads (keys, its config) and its log: there the service would not find
+    # them, nor the user its log.
+    elsewhere = Path("/var/lib/dpool-test-never-made")
+    keys = tmp_path / "keys"
+    init_keys(keys)
+    for flags, said in (
+        (["--keys", str(keys), "--join", "tcp://10.0.0.5:7340"], f"--keys {keys.resolve()}: the system service runs with PrivateTmp=yes"),
+        (["--log-file", str(tmp_path / "dpd.log")], f"--log-file {(tmp_path / 'dpd.log').resolve()}: the system service runs with PrivateTmp=yes"),
+        ([], f"--config {fake.config.resolve()}: the system service runs with PrivateTmp=yes"),
+    ):
+        assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(elsewhere), *flags, "--print"]) == 2
+        assert said in capsys.readouterr().err
     fake("linux", uid=1000)
     assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--print"]) == 0
 
@@ -247,6 +260,16 @@ def test_a_state_dir_elsewhere_is_made_writable(fake, tmp_path: Path, monkeypatc
     text = (tmp_path / "etc-systemd-system" / "dpd.service").read_text()
     assert f'ReadWritePaths="{state}"' in text and f'--state-dir "{state}"' in text
     assert state.is_dir()  # ReadWritePaths= on a missing path fails the unit
+    # ProtectSystem=strict: a log outside the state dir is made writable too (it was not), and a
+    # relative --log-file is made absolute (the service starts in /).
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--log-file", "logs/dpd.log"]) == 0
+    text = (tmp_path / "etc-systemd-system" / "dpd.service").read_text()
+    logs = tmp_path / "logs"
+    assert f'ReadWritePaths="{state}" {logs}\n' in text and f"--log-file {logs / 'dpd.log'}" in text and logs.is_dir()
+    verify_unit(tmp_path / "etc-systemd-system" / "dpd.service", user=False, tmp=tmp_path)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", str(state), "--log-file", str(state / "dpd.log")]) == 0
+    assert f'ReadWritePaths="{state}"\n' in (tmp_path / "etc-systemd-system" / "dpd.service").read_text()  # within it: once
 
 
 def test_exec_start_words_are_quoted_and_escaped() -> None:
@@ -406,8 +429,9 @@ def test_status_of_a_user_unit_whose_coordinator_is_away(fake, capsys: pytest.Ca
     assert got["coordinator"] == away and got["node"].startswith(f"box: no answer from the coordinator at {away} within 0.3s")
 
 
-def test_status_of_a_stopped_unloaded_or_missing_service(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_status_of_a_stopped_unloaded_or_missing_service(fake, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     fake("linux", uid=0)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp
     assert cli.main(["status"]) == 1  # nothing installed: said, and no systemctl asked
     assert "(not installed: `dpd install ...` writes it)" in capsys.readouterr().out and fake.recorder.calls == []
     assert cli.main(["install", "--config", str(fake.config), "--serve", f"tcp://0.0.0.0:{free_port()}", "--insecure"]) == 0
@@ -457,6 +481,7 @@ def test_logs_come_from_the_agents_log_file_the_journal_or_the_log_file_flag(fak
     assert cli.main(["logs", "-f", "-n", "20"]) == 0
     assert executed[-1] == ["journalctl", "--user", "--unit", "dpd.service", "--lines", "20", "--no-pager", "--follow"]
     fake("linux", uid=0)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp
     assert cli.main(["install", "--config", str(fake.config), "--serve"]) == 0
     assert cli.main(["logs"]) == 0
     assert executed[-1] == ["journalctl", "--unit", "dpd.service", "--lines", "100", "--no-pager"]
