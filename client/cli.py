@@ -910,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except KeysError as e:
         given = "--keys" if args.keys else "$DPOOL_KEYS" if os.environ.get("DPOOL_KEYS") else f"keys in {DEFAULT_CONFIG}"
-        print(f"dpctl: {given}: {e}", file=sys.stderr)
+        print(f"dpctl: {e}" if isinstance(e, client_keys.ConfigKeysError) else f"dpctl: {given}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
     def run() -> int:

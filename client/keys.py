@@ -370,12 +370,16 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(fn=None, local_fn=cmd_keys_add_viewer)
 
 
+class ConfigKeysError(KeysError):
+    """The config file, read for its `keys`, cannot be used; the message names the file."""
+
+
 def configured_keys_dir(flag: str | None, config_file: Path) -> Path | None:
     """dpctl's key directory: --keys, else $DPOOL_KEYS, else `keys` in the config file, else none."""
     try:
         config = load_config(config_file).get("keys")
     except ConfigError as e:
-        raise KeysError(str(e)) from None
+        raise ConfigKeysError(str(e)) from None
     return keys_dir(flag, config)
 
 

@@ -262,6 +262,8 @@ def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color
     ("", ["--timeout", "inf"], "--timeout inf: must be seconds"),
     ("", ["--timeout", "1e7"], "--timeout 1e+07: must be seconds"),
     ("", ["DPOOL_COORDINATOR=tcp://pool"], "$DPOOL_COORDINATOR 'tcp://pool': a tcp address is tcp://HOST:PORT"),
+    # the file read for its keys alone (the coordinator given): said once, as above, not after a "keys in" prefix
+    ("bogus = 1\n", ["--coordinator", "tcp://127.0.0.1:9"], "dpctl: /"),
 ])
 def test_a_bad_config_file_flag_or_address_is_exit_2_naming_it(tmp_path: Path, config: str, flags: list[str], said: str) -> None:
     """Not a traceback, not a silent fall back to the defaults (and then exit 3 for a pool that is
@@ -271,6 +273,7 @@ def test_a_bad_config_file_flag_or_address_is_exit_2_naming_it(tmp_path: Path, c
     env = dict(f.split("=", 1) for f in flags if "=" in f)
     r = dpctl("status", "--json", *(f for f in flags if "=" not in f), env=env_without_pool(HOME=str(tmp_path), **env), timeout=60)
     assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1 and r.stdout == "", r.stderr
+    assert r.stderr.count("config.toml") <= 1 and "keys in" not in r.stderr, r.stderr
     if "--timeout" in flags:  # the dashboard, a command of its own, reads it too
         r = dpctl("dashboard", *flags, env=env_without_pool(HOME=str(tmp_path)), timeout=60)
         assert r.returncode == 2 and said in r.stderr, r.stderr
