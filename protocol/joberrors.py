@@ -24,8 +24,26 @@ class JobFileError(ValueError):
 
     def __init__(self, source: str, key: str, given: Any, allowed: str) -> None:
         self.source, self.key, self.given, self.allowed = source, key, given, allowed
-        shown = "missing" if given is MISSING else f"= {given!r}"
+        written = as_written(given)
+        shown = "missing" if given is MISSING else f"= {written if len(written) <= 200 else written[:197] + '...'}"
         super().__init__(f"{source}: {key} {shown}: {allowed}")
+
+
+def as_written(value: Any, depth: int = 0) -> str:
+    """A value as a job file spells it (TOML; YAML reads it the same): true, not True; a table as
+    {b = 1}, not {'b': 1}. Strings stay in single quotes, TOML's literal strings. Long lists and
+    deep tables are cut (the message is one line)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if depth > 3:
+        return "..."
+    if isinstance(value, dict):
+        items = [f"{k} = {as_written(v, depth + 1)}" for k, v in list(value.items())[:8]]
+        return "{" + ", ".join(items + (["..."] if len(value) > 8 else [])) + "}"
+    if isinstance(value, list | tuple):
+        items = [as_written(v, depth + 1) for v in value[:8]]
+        return "[" + ", ".join(items + (["..."] if len(value) > 8 else [])) + "]"
+    return repr(value)
 
 
 def one_line(e: BaseException) -> str:

@@ -114,9 +114,9 @@ def test_version_and_completion_scripts(capsys: pytest.CaptureFixture[str]) -> N
     ("train.nope=1", "train.nope = 1: unknown key"),
     ("workers.max", "must be KEY=VALUE"),
     ("train..lr=1", "must be KEY=VALUE"),
-    ("a.b.c=1", "a = {'b': {'c': 1}}: unknown key"),
+    ("a.b.c=1", "a = {b = {c = 1}}: unknown key"),
     ("train.steps.x=1", "has `train.steps` as a value, not a [train.steps] table"),
-    ("train.optimizer_config.nope=1", "train.optimizer_config = {'nope': 1}: only with train.optimizer set"),
+    ("train.optimizer_config.nope=1", "train.optimizer_config = {nope = 1}: only with train.optimizer set"),
     ("workers.max=0", "workers.max = 0"),
 ])
 def test_a_bad_set_names_the_key_the_value_and_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str], given: str, said: str) -> None:

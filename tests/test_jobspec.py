@@ -285,3 +285,15 @@ def test_an_unset_warm_up_fits_a_short_run_and_a_given_one_is_checked():
     assert parse_job(short.to_dict()).train.warmup_steps == 4  # as written out and read back by the pool
     with pytest.raises(JobFileError, match=r"train\.warmup_steps = 50: must be <= train\.steps = 40"):
         parse_job({"name": "given", "train": {"steps": 40, "warmup_steps": 50}})
+
+
+def test_a_refused_value_is_spelled_as_the_job_file_spells_it() -> None:
+    """true, not Python's True; a table as {b = 1}; long values cut, on one line."""
+    for given, said in (
+        ({"train": {"steps": True}}, "train.steps = true: must be an integer"),
+        ({"train": {"optimizer_config": {"nope": 1}}}, "train.optimizer_config = {nope = 1}: only with train.optimizer set"),
+        ({"train": {"steps": list(range(100))}}, "train.steps = [0, 1, 2, 3, 4, 5, 6, 7, ...]: must be an integer"),
+    ):
+        with pytest.raises(JobFileError) as e:
+            parse_job({"name": "ok", **given}, source="job.toml")
+        assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
