@@ -22,11 +22,13 @@ MISSING: Any = _Missing()
 class JobFileError(ValueError):
     """A job file that cannot be used; the message is meant for the user as it is."""
 
-    def __init__(self, source: str, key: str, given: Any, allowed: str) -> None:
+    def __init__(self, source: str, key: str, given: Any, allowed: str, *, said: str | None = None) -> None:
+        """`said`: the whole message after the file's name, for what is no key's value (a file
+        that is not TOML)."""
         self.source, self.key, self.given, self.allowed = source, key, given, allowed
         written = as_written(given)
         shown = "missing" if given is MISSING else f"= {written if len(written) <= 200 else written[:197] + '...'}"
-        super().__init__(f"{source}: {key} {shown}: {allowed}")
+        super().__init__(f"{source}: {said or f'{key} {shown}: {allowed}'}")
 
 
 def as_written(value: Any, depth: int = 0) -> str:

@@ -821,7 +821,7 @@ def read_toml(path: str) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise JobFileError(path, "toml", f"byte {e.start}", "must be UTF-8 text (TOML)") from None
     except tomllib.TOMLDecodeError as e:
-        raise JobFileError(path, "toml", str(e), "must be valid TOML") from None
+        raise JobFileError(path, "toml", str(e), "must be valid TOML", said=f"not valid TOML: {e}") from None
 
 
 def describe() -> str:

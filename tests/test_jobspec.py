@@ -297,3 +297,11 @@ def test_a_refused_value_is_spelled_as_the_job_file_spells_it() -> None:
         with pytest.raises(JobFileError) as e:
             parse_job({"name": "ok", **given}, source="job.toml")
         assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_file_that_is_not_toml_says_so_and_where(tmp_path: Path) -> None:
+    bad = tmp_path / "job.toml"
+    bad.write_text("name = \n[[[")
+    with pytest.raises(JobFileError) as e:
+        load_job(bad)
+    assert str(e.value) == f"{bad}: not valid TOML: Invalid value (at line 1, column 8)" and e.value.key == "toml"
