@@ -254,7 +254,11 @@ class Pool:
             actions += self._adopt(now, node, w)
         kind = "node.rejoined" if rejoin else "node.joined"
         self.cadence.registered(name, now)
-        return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name)]
+        # What it keeps of jobs that ended while it was away (a lost node is sent no job.ended):
+        # its state in memory (RAM, on Linux) and warm trainers are freed now, not after an idle while.
+        ended = sorted({h.job for h in msg.holdings if h.memory and (j := self.jobs.get(h.job)) is not None and j.machine.terminal})
+        welcome = [Send(name, m.JobEnded(job=job)) for job in ended]
+        return None, [*actions, Record(None, kind, now, {"node": name, "slots": node.slots}), NodeChanged(name), *welcome]
 
     def _prepare_again(self, name: str) -> list[Action]:
         """The same dpd registered again (on a new connection: it gave up waiting on the old one): a

@@ -1646,3 +1646,17 @@ def test_a_fetch_done_before_it_reported_a_size_still_says_node_staging() -> Non
     # dated when said, not back to when the fetch began: listed after events of the meantime, it
     # would break the job's time order
     assert [a.t for a in out if isinstance(a, Record) and a.kind == "node.staging"] == [0.4]
+
+
+def test_a_node_back_after_its_job_ended_is_told_so_for_the_state_it_keeps_in_memory() -> None:
+    """b was lost while job j ran; j was cancelled meanwhile (a lost node is sent no job.ended).
+    When b's dpd registers again offering j's state in memory, it is told j ended, so the RAM it
+    holds and a warm trainer go now, not after ten idle minutes; a checkpoint on disk is not news."""
+    pool = running_pool(("a", "b"))
+    pool.bye(2.0, "b")
+    pool.cancel(2.1, pool.jobs["j"])
+    assert pool.jobs["j"].machine.terminal
+    _, out = pool.registered(3.0, "b", "inc-b2", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=7, memory=True)])
+    assert [s.msg for s in sends(out, m.JobEnded)] == [m.JobEnded(job="j")]
+    _, out = pool.registered(4.0, "b", "inc-b3", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
+    assert sends(out, m.JobEnded) == []
