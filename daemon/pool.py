@@ -69,6 +69,7 @@ from dpool.protocol.payloads import (
     TestLossRow,
     TrainRow,
 )
+from dpool.protocol.shares import replica_shares
 from dpool.protocol.stage_messages import NodeStaged
 
 __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeForgotten", "NodeState", "Pool", "Record", "Refused", "Send"]
@@ -609,6 +610,8 @@ class Pool:
         spec = job.spec
         # Proportional to what the last generation measured per node, when it measured them all.
         shares = speed_shares(spec.train.global_batch, [job.speeds.get(s.node) for s in pend.slots])
+        if spec.sync.mode == "diloco":  # work moves in whole replicas: each rank's share is its replicas' sequences
+            shares = replica_shares(shares, spec.sync.replicas, spec.train.global_batch)
         hostfile = ring_hostfile(pend.slots, pend.endpoints)
         plan = GroupPlan(
             job=job.id,

@@ -29,3 +29,20 @@ def apportion(weights: list[float], total: int) -> list[int]:
             parts[max(range(n), key=parts.__getitem__)] -= 1
             parts[i] = 1
     return parts
+
+
+def replica_ranges(shares: list[int], replicas: int) -> list[range]:
+    """diloco: each rank's replicas, contiguous ranges in proportion to its share, at least one each."""
+    out, first = [], 0
+    for c in apportion([float(s) for s in shares], replicas):
+        out.append(range(first, first + c))
+        first += c
+    return out
+
+
+def replica_shares(shares: list[int], replicas: int, global_batch: int) -> list[int]:
+    """diloco: the sequences of each global batch each rank computes under `shares`: its whole
+    replicas' slices (replica r's is global_batch // replicas, one more for the first
+    global_batch % replicas). What status and the metrics rows say, not the speeds' split."""
+    base, extra = divmod(global_batch, replicas)
+    return [sum(base + (1 if r < extra else 0) for r in rg) for rg in replica_ranges(shares, replicas)]

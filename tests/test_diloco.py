@@ -14,7 +14,8 @@ import pytest
 import ring
 from jobs import SMALL, write_job
 
-from dpool.trainer.diloco import Rounds, assign, outer_rounds
+from dpool.protocol.shares import replica_ranges, replica_shares
+from dpool.trainer.diloco import Rounds, outer_rounds
 
 STEPS, H, K = 12, 4, 4
 # The outer step with momentum (DiLoCo's 0.7 and Nesterov 0.9, not the defaults' plain averaging):
@@ -61,9 +62,14 @@ def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float = TOL
 
 
 def test_replicas_follow_the_shares_and_outer_steps_cover_every_step() -> None:
-    assert assign([12, 7, 5], 4) == [range(0, 2), range(2, 3), range(3, 4)]
-    assert assign([1, 1, 22], 4) == [range(0, 1), range(1, 2), range(2, 4)]
-    assert assign([5], 4) == [range(0, 4)]
+    assert replica_ranges([12, 7, 5], 4) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert replica_ranges([1, 1, 22], 4) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert replica_ranges([5], 4) == [range(0, 4)]
+    # What each rank computes, said as its share: whole replicas (of 6 sequences here; of 7, 7, 6, 6
+    # for 26), not the speeds' split (status said 16 / 16 / 16 while ranks computed 24 / 12 / 12).
+    assert replica_shares([16, 16, 16], 4, 48) == [24, 12, 12]
+    assert replica_shares([12, 7, 5], 4, 24) == [12, 6, 6]
+    assert replica_shares([1, 1, 24], 4, 26) == [7, 7, 12]
     assert outer_rounds(0, 10, 4) == [range(1, 5), range(5, 9), range(9, 11)]
     assert outer_rounds(8, 10, 4) == [range(9, 11)]
     # Warm-up: the first 3 steps one each, then rounds of 4 from there; a resume may start at any boundary.
@@ -80,6 +86,8 @@ def test_one_worker_and_three_unequal_workers_give_the_same_curve(work, env, ref
     run_dir = work / "three"
     ring.run(diloco_job(work, "three"), str(run_dir / "r{rank}"), 3, work / "logs", env=env, shares=[12, 7, 5])
     assert_same_curve(reference, losses(run_dir / "r0"))
+    # Two replicas of 6 sequences on rank 0, one on each other: its rows say so, not the 12, 7, 5 asked.
+    assert {tuple(r["shares"]) for r in ring.metrics(run_dir / "r0").values()} == {(12, 6, 6)}
     # Outer steps only: one all_sum per H steps, each carrying every replica's inner losses.
     outer = [json.loads(line) for line in (run_dir / "r0" / "metrics.jsonl").read_text().splitlines() if '"outer_step"' in line]
     assert {r["outer_step"] for r in outer} == {1, 2, 3}
@@ -100,13 +108,16 @@ def test_one_replica_one_inner_step_and_the_default_outer_step_is_synchronous_tr
     applies the inner step as it is: the synchronous curve, step for step (checks the outer step's
     sign, weighting and scale, and that the defaults are plain averaging)."""
     common = {"base": SMALL, "train": {"steps": 6, "micro_batch": 4, "lr": 1e-3},
-              "checkpoint": {"every_steps": 3}, "eval": {"every_steps": 3, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4}}
+              "checkpoint": {"every_steps": "auto"}, "eval": {"every_steps": 3, "batches": 1, "sample_every_steps": 100, "sample_tokens": 4}}
     plain = write_job(work, "plain", **common)
     one = write_job(work, "k1h1", **common, sync={"mode": "diloco", "replicas": 1, "inner_steps": 1})
     ring.run(plain, str(work / "plain" / "r{rank}"), 1, work / "logs", env=env)
     ring.run(one, str(work / "k1h1" / "r{rank}"), 1, work / "logs", env=env)
     a, b = losses(work / "plain" / "r0"), losses(work / "k1h1" / "r0")
     assert sorted(a) == sorted(b) == list(range(1, 7)) and max(abs(a[s] - b[s]) for s in a) <= 1e-5, (a, b)
+    # checkpoint.every_steps = "auto": the rows say the interval in force, in either mode (diloco's said none)
+    for run in ("plain", "k1h1"):
+        assert any("checkpoint_every" in r for r in ring.metrics(work / run / "r0").values()), run
 
 
 def test_a_rank_killed_mid_inner_steps_resumes_on_fewer_workers_on_the_same_curve(work, env, reference) -> None:

@@ -1660,3 +1660,15 @@ def test_a_node_back_after_its_job_ended_is_told_so_for_the_state_it_keeps_in_me
     assert [s.msg for s in sends(out, m.JobEnded)] == [m.JobEnded(job="j")]
     _, out = pool.registered(4.0, "b", "inc-b3", NodeInfo(slots=1, advertise="127.0.0.1"), [], [], [Holding(job="j", slot=0, step=5)])
     assert sends(out, m.JobEnded) == []
+
+
+def test_a_diloco_group_is_planned_in_whole_replicas() -> None:
+    """Three equal nodes, 4 replicas of a global batch of 6 (2, 2, 1, 1 sequences): the first rank
+    runs two replicas. Its share says so (4, 1, 1), where it said 2, 2, 2 while the ranks computed
+    otherwise."""
+    pool = Driven(heartbeat_s=0.5, liveness=6)
+    for n in "abc":
+        join(pool, n, 1)
+    out = prepare_all(pool, pool.submit(0.0, "j", spec(hi=3, sync={"mode": "diloco", "replicas": 4, "inner_steps": 2})))
+    starts = sends(out, m.GroupStart)
+    assert starts and all(s.msg.shares == [4, 1, 1] for s in starts)  # type: ignore[attr-defined]

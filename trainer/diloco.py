@@ -50,7 +50,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.rounds import Rounds
-from dpool.protocol.shares import apportion
+from dpool.protocol.shares import replica_ranges, replica_shares
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import optimizers
 from dpool.trainer import report as reporting
@@ -64,16 +64,6 @@ from dpool.trainer.step import Stepper, held_out_loss
 from dpool.trainer.task import Task
 
 SCALARS = ("step", "learning_rate")  # an optimizer state's entries that are not per parameter
-
-
-def assign(shares: list[int], replicas: int) -> list[range]:
-    """Each rank's replicas: contiguous ranges in proportion to its share, at least one each."""
-    counts = apportion([float(s) for s in shares], replicas)
-    out, first = [], 0
-    for c in counts:
-        out.append(range(first, first + c))
-        first += c
-    return out
 
 
 def outer_rounds(start: int, steps: int, inner: int, warmup: int = 0) -> list[range]:
@@ -292,7 +282,12 @@ def train(
             f"step {start} is not the end of an outer step (sync.inner_steps = {H}, warmup_steps = {sync.warmup_steps}); cannot resume there"
         )
     sixteen = sync.dtype == "bfloat16"  # the changes travel in 16 bits a parameter (outer_sums)
-    ranges = assign(shares, K)
+    # Work moves in whole replicas: the split in force is the sequences of each rank's replicas
+    # (reported as such), whatever split of the batch the pool or --shares proposed.
+    ranges, asked = replica_ranges(shares, K), shares
+    shares = replica_shares(shares, K, t.global_batch)
+    if shares != asked:
+        log.info("shares.rounded", asked=asked, shares=shares, why=f"diloco moves whole replicas ({K} of {t.global_batch // K}-{-(-t.global_batch // K)} sequences)")
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, mode="diloco",
         replicas=list(ranges[rank]), inner_steps=H, micro_batch=micro, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"),
@@ -413,6 +408,8 @@ def train(
                         "outer_step": rounds.index(last), "all_sum_s": sum_s,
                         "rank_tokens_per_s": [n / max(c, 1e-9) for n, c in zip(got["rank_tokens"], got["seconds"], strict=True)],
                     }
+                    if auto and auto.interval is not None:
+                        row["checkpoint_every"] = auto.interval
                     metrics.append(metrics.metrics, row)
                     if link:
                         link.metric(row)
@@ -437,12 +434,13 @@ def train(
         # Balance: replicas follow the ranks' measured speed, from the next outer step on. A
         # replica that changes hands takes its inner state along (gathered from its old owner).
         announce = None
-        if got["new_shares"] and got["new_shares"] != shares:
-            moved_to = assign(got["new_shares"], K)
+        proposed = replica_shares(got["new_shares"], K, t.global_batch) if got["new_shares"] else shares
+        if proposed != shares:
+            moved_to = replica_ranges(got["new_shares"], K)
             moved = [r for r in range(K) if owners[r] != next(i for i, rr in enumerate(moved_to) if r in rr)]
             reps.gather(group, owners, moved)
-            log.info("rebalanced", step=last, old=shares, shares=got["new_shares"], replicas=list(moved_to[rank]), moved=moved)
-            shares, ranges = got["new_shares"], moved_to
+            log.info("rebalanced", step=last, old=shares, shares=proposed, replicas=list(moved_to[rank]), moved=moved)
+            shares, ranges = proposed, moved_to
             if balancer:
                 balancer.adopt(shares)
         elif balancer:
