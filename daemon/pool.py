@@ -105,6 +105,7 @@ class Pool:
         self._finished: collections.deque[str] = collections.deque()
         self.forgotten = 0  # jobs that left memory (the store alone has them)
         self.remembered: dict[str, tuple[Hold, str]] = {}  # node -> its hold and why (from the store)
+        self.displaced: dict[str, tuple[str, str]] = {}  # node -> (the dpd process a new one replaced: its incarnation, who replaced it)
         self.fitness = Fitness(stage_rate_bps)  # which nodes can serve which job, and who holds its files (staging)
         self.links = Links()  # the links groups measured, and each running job's share of a step in all_sum
         self.policy = policy  # sharing the pool (daemon/scheduler.py)
@@ -214,7 +215,15 @@ class Pool:
         restarted dpd, and it replaces the old process at once (a refusal would be a restart loop
         under systemd or launchd)."""
         name, old = msg.name, self.nodes.get(msg.name)
-        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.cadence.expiry_s(name) and not bound:
+        if name in self.displaced and self.displaced[name][0] == msg.incarnation:
+            # The dpd a newer one with the same name-bound key replaced, still alive: two machines
+            # hold this node's key. Let them take turns and every turn breaks the node's groups (a
+            # job used up its restarts in two seconds); the older one is refused and exits instead.
+            return (
+                f"node name {name!r}: another dpd with this node's key replaced this one ({self.displaced[name][1]}); "
+                f"two machines hold node {name}'s key: give each machine its own (`dpctl keys add-node NAME`, and its bundle)",
+                [],
+            )
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
@@ -235,6 +244,7 @@ class Pool:
             if old is not None and not old.lost:
                 # A new daemon process under a known name: whatever the old one ran is gone.
                 actions += self._node_gone(old, now, "replaced by a new dpd process")
+                self.displaced[name] = (old.incarnation, f"dpd pid {msg.info.pid or '?'} at {msg.info.advertise or '?'}")
             actions += self.fitness.node_gone(name, now)  # a new dpd process: what it serves is asked afresh
             node = Node(name=name, incarnation=msg.incarnation, info=msg.info, joined_at=now, last_seen=now)
             # A hold outlives a dpd restart; a yield is the new dpd's to say (node.yield once registered).

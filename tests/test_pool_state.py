@@ -1281,6 +1281,21 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> 
     assert job.state is JobState.RECOVERING and not set(mine) & job.machine.live  # its ranks died with the old dpd
 
 
+def test_the_dpd_a_newer_one_with_its_key_replaced_is_refused_when_it_comes_back() -> None:
+    """Two machines given node a's bundle: each registration replaced the other, 108 times in 14 s,
+    and a running job used up its ten restarts in two seconds with no error from either dpd. The
+    replaced process, still alive, is refused as a duplicate (its dpd exits saying why); the newer
+    one stays, and so does a dpd restarted again later."""
+    pool = Driven()
+    placed_pair(pool)
+    second = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1, pid=42, advertise="10.0.0.7"))
+    assert pool.register(1.2, second, bound=True)[0] is None
+    refusal, actions = pool.register(1.3, m.NodeRegister(name="a", incarnation="inc-a", info=NodeInfo(slots=1)), bound=True)
+    assert refusal is not None and "two machines hold node a's key" in refusal and "dpd pid 42 at 10.0.0.7" in refusal, refusal
+    assert actions == [] and pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
+    assert pool.register(1.4, m.NodeRegister(name="a", incarnation="inc-a-3", info=NodeInfo(slots=1)), bound=True)[0] is None
+
+
 def test_pages_of_long_log_lines_and_large_samples_stay_under_the_message_cap(tmp_path: Path) -> None:
     """2,000 log lines of 8,000 characters (16 MB) and six 1 MiB samples: every page is a message
     that can be sent, and paging through them returns each row once."""
