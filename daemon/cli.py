@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     except UsageError as e:
         print(f"dpd: {e}", file=sys.stderr)
         return 2
+    remote = tcp_host(s.join) if s.join and not is_loopback(s.join) else None
+    if (problem := netif.advertise_problem(s.advertise, remote)) is not None:  # here, not in settings: `install` may prepare another's
+        print(f"dpd: {problem}", file=sys.stderr)
+        return 2
     os.umask(UMASK)  # before anything is created: the state dir, the database, logs, sockets
     try:
         lock = lock_state_dir(s.state_dir)

@@ -191,6 +191,7 @@ def test_non_loopback_without_keys_is_refused_unless_insecure(tmp_path: Path, mo
 
     monkeypatch.setattr(cli, "serve_and_run", fake_run)
     monkeypatch.delenv("DPOOL_KEYS", raising=False)
+    monkeypatch.setattr(cli.netif, "ipv4_addresses", lambda: {"lo": ["127.0.0.1"], "eth9": ["10.0.0.1"]})  # the address it advertises is its own
     state = str(tmp_path / "state")
     base = ["run", "--state-dir", state, "--advertise", "10.0.0.1"]
     assert cli.main([*base, "--serve", "tcp://0.0.0.0:7399"]) == 2
