@@ -37,6 +37,7 @@ import zmq.auth
 
 from dpool.dashboard import auth
 from dpool.protocol.config import ConfigError, load_config
+from dpool.protocol.payloads import NODE_NAME_MEANS, NODE_NAME_PATTERN
 from dpool.protocol.security import (
     ALLOWED,
     BUNDLES,
@@ -47,7 +48,7 @@ from dpool.protocol.security import (
     keys_dir,
 )
 
-NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+NAME = re.compile(NODE_NAME_PATTERN)  # a node's, a client's or a viewer's: one rule with dpd's --name
 
 
 class KeysExist(Exception):
@@ -87,7 +88,7 @@ def this_machine() -> str:
 
 def check_name(flag: str, name: str) -> str:
     if not NAME.fullmatch(name):
-        raise ValueError(f"{flag} {name!r}: a name of 1-63 characters a-z, 0-9 and '-'")
+        raise ValueError(f"{flag} {name!r}: a name of {NODE_NAME_MEANS}")
     return name
 
 

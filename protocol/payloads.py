@@ -59,10 +59,11 @@ UnixTime: TypeAlias = Annotated[float, Float(0.0, 1e11)]
 JobId: TypeAlias = Annotated[str, Str(128, 1)]  # `<name>-<6 hex>`
 JobRef: TypeAlias = Annotated[str, Str(128, 1)]  # an id, a unique id prefix, or a job name
 NodeName: TypeAlias = Annotated[str, Str(63, 1)]
-# What a dpd may call itself (`--name`, node.register): a host name's characters, so that a name
-# is never a path ('/', '..'), a flag ('-'), or a terminal's control sequence.
-NODE_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}"
-NODE_NAME_MEANS = "1-63 letters, digits, '.', '_' and '-', starting with a letter or a digit"
+# What a dpd may call itself (`--name`, node.register) and a key may be named (`dpctl keys`): a host
+# name's characters in lower case, so that a name is never a path ('/', '..'), a flag ('-'), a
+# terminal's control sequence, nor two names one key file on a Mac's case-insensitive disk.
+NODE_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
+NODE_NAME_MEANS = "1-63 lower-case letters, digits, '.', '_' and '-', starting with a letter or a digit"
 JoiningName: TypeAlias = Annotated[str, Str(63, 1, NODE_NAME_PATTERN, NODE_NAME_MEANS)]
 Token: TypeAlias = Annotated[str, Str(128, 1)]  # incarnations, export ids
 Name: TypeAlias = Annotated[str, Str(64)]  # short names: a state, a platform, a version

@@ -82,10 +82,10 @@ def test_a_billion_slots(pool: Served, peer: Peer) -> None:
     pool.works()
 
 
-@pytest.mark.parametrize("name", ["a/b", "..", "../../etc", "-x", "evil\x1b[31mRED", "nl\nfake   127.0.0.1   lo   idle", "\x00", "tab\tx", " sp "])
+@pytest.mark.parametrize("name", ["a/b", "..", "../../etc", "-x", "evil\x1b[31mRED", "nl\nfake   127.0.0.1   lo   idle", "\x00", "tab\tx", " sp ", "Mac1"])
 def test_a_node_name_that_is_a_path_a_flag_or_a_control_sequence_is_refused(pool: Served, peer: Peer, name: str) -> None:
     reply = peer.ask(raw("node.register", {"name": name, "incarnation": "x", "info": {"slots": 1}}, 7))
-    refused(reply, "bad_request", "name: must be 1-63 letters, digits, '.', '_' and '-', starting with a letter or a digit")
+    refused(reply, "bad_request", "name: must be 1-63 lower-case letters, digits, '.', '_' and '-', starting with a letter or a digit")
     pool.works()
 
 

@@ -113,6 +113,18 @@ def test_keys_init_makes_a_name_given_twice_once(tmp_path: Path) -> None:
     assert r.stdout.count(f"{d / 'node-mac1.key_secret'}\n") == 1, r.stdout
 
 
+def test_keys_are_named_by_the_rule_dpd_names_nodes_by(tmp_path: Path) -> None:
+    """dpd took `--name mac_1` and told the user to run `dpctl keys add-node mac_1`, which refused
+    the name: one rule now, for both (upper case neither: two names, one file on a Mac)."""
+    d = tmp_path / "keys"
+    r = keys_init(d, "--node", "mac_1", "--node", "m2.local")
+    assert r.returncode == 0, r.stderr
+    assert (d / "node-mac_1.key_secret").is_file() and (d / "bundles" / "m2.local").is_dir()
+    for bad in ("Mac1", "../x", "a b"):
+        r = dpctl("keys", "add-node", bad, "--dir", str(d))
+        assert r.returncode == 2 and "a name of 1-63 lower-case letters, digits, '.', '_' and '-'" in r.stderr, r.stderr
+
+
 def test_a_client_named_client_is_refused_it_would_replace_the_default_clients_key(tmp_path: Path) -> None:
     """Its key took allowed/clients/client.key, and the serving machine's dpctl was locked out."""
     r = keys_init(tmp_path / "new", "--node", "mac1", "--client", "client")
