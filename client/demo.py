@@ -431,7 +431,7 @@ class Demo:
 def add_parser(sub: Any) -> None:
     s = sub.add_parser("demo", help="a local pool trains the demo job, survives a killed worker, and stops")
     s.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help=f"local workers, one dpd each (default {DEFAULT_WORKERS})")
-    s.add_argument("--steps", type=int, help="override the demo job's train.steps (default: the job file's, 200)")
+    s.add_argument("--steps", type=int, help="override the demo job's train.steps (default: the job file's, 200); its warm-up is scaled with it")
     s.add_argument("--kill-at", dest="kill_at", type=int, help="the step at which one worker is SIGKILLed (default: a third of the way)")
     s.add_argument("--lm", action="store_true", help="fine-tune LoRA adapters for a tiny language model instead, export them, generate with mlx-lm")
     s.set_defaults(fn=None, local_fn=cmd_demo)  # its own pool: no --coordinator needed
