@@ -287,7 +287,7 @@ class Agent(WarmTrainers):
             stop=stop_after_delay(self.rejoin_round_s),
             wait=wait_random_exponential(multiplier=0.25, max=5.0),
             retry=retry_if_exception_type(NoAnswer),
-            before_sleep=lambda rs: self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number),
+            before_sleep=lambda rs: self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number, hint=self._no_answer_hint()),
             sleep=lambda seconds: until_set(stopping, seconds),  # a stop ends the wait between attempts
         )
         async for attempt in retrying:
@@ -295,6 +295,14 @@ class Agent(WarmTrainers):
                 if stopping.is_set():
                     return
                 await self._register_once(stopping)
+
+    def _no_answer_hint(self) -> str:
+        """What may keep the coordinator from answering (its side alone knows: its log says
+        `auth.handshake_failed` for a key it does not take)."""
+        if self.keys is None:
+            return "is `dpd run --serve` running there, and reachable? does the pool use keys? then pass --keys DIR"
+        return (f"is `dpd run --serve` running there? are {self.keys.source} and the coordinator.key beside it this pool's "
+                "(its bundle from `dpctl keys add-node`), and is the node's key still in the coordinator's allowed/nodes/?")
 
     async def _register_once(self, stopping: asyncio.Event) -> None:
         self.registered, self.told = False, False

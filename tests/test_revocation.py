@@ -193,6 +193,8 @@ def test_a_dpd_whose_register_is_refused_by_a_closed_connection_tries_again(tmp_
         assert AgainOnce.refused == 1
         retries = [e for e in coord.logs if e["event"] == "coordinator.retry"]
         assert len(retries) == 1 and retries[0]["attempt"] == 1, retries
+        # What may be wrong, named: a bundle of another pool got no word but the retries before
+        assert str(keys / "bundles" / "a" / "node-a.key_secret") in retries[0]["hint"] and "allowed/nodes/" in retries[0]["hint"]
     finally:
         monkeypatch.undo()
         coord.stop()
