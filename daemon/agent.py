@@ -732,7 +732,7 @@ class Agent(WarmTrainers):
         self.awake.update(len(self.workers))  # the last trainer: it may sleep again
         if w.error is not None:
             w.error = self.staging.named(w.job, w.error)  # the user's paths, not this node's cache's
-        self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error)
+        self._report_exit(w.job, w.generation, w.rank, w.slot, code, w.stopping, w.error, w.last_step)
         self.log.info("worker.exited", job=w.job, generation=w.generation, rank=w.rank, code=code, stopped=w.stopping, error=w.error)
         if code == 2 and w.error is not None and NOT_THE_CONTENT in w.error:
             self.staging.verify(w.job, self._send)  # its copy does not hash to the job's digest: find the damage, fetch it again
@@ -780,8 +780,8 @@ class Agent(WarmTrainers):
                 if len(w.lines) >= LOG_BATCH_LINES:
                     self._flush(w)
 
-    def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None) -> None:
-        exit_ = ExitedWorker(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error)
+    def _report_exit(self, job: str, generation: int, rank: int, slot: int, code: int, stopped: bool, error: str | None = None, step: int | None = None) -> None:
+        exit_ = ExitedWorker(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error, step=step)
         self.exited.append(exit_)
         self._send(m.NodeWorkerExited(job=job, generation=generation, rank=rank, slot=slot, code=code, stopped=stopped, error=error))
 
@@ -953,6 +953,7 @@ class Agent(WarmTrainers):
                     resplit=resplit, gather=gather,
                 ))
                 w.steps += 1
+                w.last_step = step
                 if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:
                     self._spare_soon(w.job, w.slot)  # the slot's next generation starts warm
             case m.WorkerMetric(row=row):

@@ -258,6 +258,8 @@ class Pool:
             node.add_holding(h.job, h.slot, h.step, h.memory)
         for e in msg.exited:
             refused = self.report_refused(name, "node.register exited", e.job, e.generation, e.rank)
+            if refused is None and e.step is not None and (job := self.live.get(e.job)) is not None:
+                job.machine.step = max(job.machine.step, e.step)  # reported while the coordinator was away (a restart's cost)
             actions += [refused] if refused is not None else self._exited(now, node.name, e)
         if not rejoin:
             actions += self._ranks_gone_with_old_daemon(now, node, msg.running)

@@ -40,6 +40,7 @@ class Worker:
     go: m.WorkerGo | None = None  # worker.go owed once it says worker.ready
     idle_since: float | None = None  # a spare: since when no worker of its job runs on this node
     steps: int = 0  # steps it reported
+    last_step: int | None = None  # the newest of them
     stopped_since: float | None = None  # since when its process is seen stopped (SIGSTOP, job control)
 
     @property

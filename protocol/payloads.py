@@ -118,6 +118,9 @@ class ExitedWorker(Record):
     code: ExitCode
     stopped: bool = False
     error: Annotated[str, Str(ERROR_LINE_MAX)] | None = None
+    # node.register's: the last step the worker reported, which a coordinator that was away when
+    # the reports were sent learns here (how many steps its next generation recomputes)
+    step: Step | None = field(default=None, metadata=OMIT_NONE)
 
 
 @record

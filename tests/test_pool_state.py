@@ -1687,3 +1687,18 @@ def test_a_diloco_group_is_planned_in_whole_replicas() -> None:
     out = prepare_all(pool, pool.submit(0.0, "j", spec(hi=3, sync={"mode": "diloco", "replicas": 4, "inner_steps": 2})))
     starts = sends(out, m.GroupStart)
     assert starts and all(s.msg.shares == [4, 1, 1] for s in starts)  # type: ignore[attr-defined]
+
+
+def test_steps_reported_while_the_coordinator_was_away_count_as_recomputed(tmp_path: Path) -> None:
+    """The serving dpd was SIGKILLed while its job ran step 10 (the coordinator had saved step 7);
+    the ranks died and the next generation resumed from the checkpoint at step 5. Steps 6-10 were
+    done twice: b's dpd says its rank reached step 10 as it registers again (it said 0 or 2)."""
+    pool = running_pool(("a", "b"))
+    restarted = reloaded(pool, tmp_path, 10.0, alive_at=3.0)
+    info = NodeInfo(slots=1, advertise="127.0.0.1")
+    restarted.registered(10.5, "b", "inc-b2", info, [], [ExitedWorker(job="j", generation=1, rank=1, slot=0, code=1, step=10)], [Holding(job="j", slot=0, step=5)])
+    out = restarted.registered(11.0, "a", "inc-a2", info, [], [], [Holding(job="j", slot=0, step=5)])[1]
+    out += restarted.tick(11.5) + restarted.schedule(11.5)
+    out = restart(restarted, out, 11.5, resume=5)
+    (resumed,) = records(out, "group.resumed")
+    assert (resumed["from_step"], resumed["steps_recomputed"]) == (5, 5), resumed
