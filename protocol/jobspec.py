@@ -741,12 +741,20 @@ def _check_sync(spec: JobSpec, given: Any, source: str) -> None:
 
 
 def not_here(spec: JobSpec) -> tuple[str, str, str] | None:
-    """(key, value, problem) when an mlx_lm job's model.path or data.source reads as a Hugging Face
-    id only because it is not under the job file's folder, while the current folder holds it: run
-    from one folder mlx-lm (or `datasets`) would load that folder, from another the Hub's repo, so
-    one job file would train different things depending on where it was started."""
+    """(key, value, problem) when a relative model.path or data.source names nothing under the
+    job file's folder, where it is taken from, while the current folder holds it: the user meant
+    that one. Run from one folder mlx-lm (or `datasets`) would load it, from another the Hub's
+    repo of that spelling, so one job file would train different things depending on where it
+    was started; a GPT job was queued, and failed on every node."""
     if spec.model.kind != "mlx_lm":
-        return None
+        given = spec.data.source
+        if given == "stdlib" or os.path.isabs(os.path.expanduser(given)) or data_files(spec) or not glob.glob(given, recursive=True):
+            return None
+        return "data.source", given, (
+            f"no .txt or .jsonl files match it under the job file's folder ({spec.resolved_source()}), where a relative path is "
+            f"taken from; {os.path.abspath(given)} under the current folder is not used: give the path from the job file's folder, "
+            "or an absolute one"
+        )
     for key, given, (kind, _) in (("model.path", spec.model.path, model_location(spec)), ("data.source", spec.data.source, data_location(spec))):
         if kind in ("repo", "hub") and given is not None and os.path.exists(given):
             return key, given, (

@@ -179,6 +179,22 @@ def test_a_data_folder_here_that_holds_no_data_is_refused_at_submit(tmp_path: Pa
     assert "the pool's nodes then look for it at that path" in capsys.readouterr().err
 
 
+def test_a_gpt_data_path_found_only_under_the_current_folder_is_refused_naming_both(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`source = "data"` in jobs/job.toml, submitted from the folder that holds data/: the path is
+    taken from jobs/, where nothing is, so the job was queued and failed on every node."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("some text to train on\n")
+    (tmp_path / "jobs").mkdir()
+    job = write_job(tmp_path / "jobs", "rel", data={"source": "data"})
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.2", "submit", str(job), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.source = 'data': no .txt or .jsonl files match it under the job file's folder ({tmp_path / 'jobs' / 'data'})" in err, err
+    assert f"{tmp_path / 'data'} under the current folder is not used" in err
+    monkeypatch.chdir(tmp_path / "jobs")  # from the job's folder: not here, maybe on a node (submitted, with a note)
+    assert cli.main(["--coordinator", "tcp://127.0.0.1:9", "--timeout", "0.2", "submit", str(job), "--dry-run"]) == 0
+
+
 def test_a_model_folder_or_training_file_here_that_cannot_train_is_refused_at_submit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A model folder without config.json or with a damaged weights file, or a train.jsonl of
     blank lines, that the submitting machine holds: the job was queued and failed on every node
