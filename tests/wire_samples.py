@@ -44,6 +44,8 @@ def example(hint: Any, rng: random.Random, *, edge: bool = False) -> Any:
             return rng.choice(bound.values)
         assert isinstance(bound, Str)
         n = rng.choice([bound.lo, min(bound.hi, 4096)]) if edge and rng.random() < 0.5 else rng.randint(bound.lo, min(bound.hi, max(bound.lo, 12)))
+        if bound.pattern is not None:  # a name: its first character a letter, the rest its own alphabet
+            return "n" + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz-._0123456789") for _ in range(max(n, 1) - 1))
         return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz-0123456789ü") for _ in range(n))
     if hint is bytes:
         assert isinstance(bound, Bytes)
