@@ -205,6 +205,7 @@ class Pool:
             return f"the pool holds {MAX_NODES} nodes, its most, and none of them is lost and holds nothing; `dpctl nodes` lists them", []
         gone = min(idle, key=lambda n: n.last_seen)
         del self.nodes[gone.name]
+        self.displaced.pop(gone.name, None)
         return None, [Record(None, "node.forgotten", now, {"node": gone.name, "lost_s": round(now - gone.last_seen, 1)}), NodeForgotten(gone.name)]
 
     def register(self, now: float, msg: m.NodeRegister, *, bound: bool = False) -> tuple[str | None, list[Action]]:
