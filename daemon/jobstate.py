@@ -151,6 +151,15 @@ class Stalled:
 
 
 @dataclass(frozen=True, slots=True)
+class Reached:
+    """A rank of `generation` had reached `step`, said late: by its dpd registering again with a
+    coordinator that restarted meanwhile (the progress reports went to the one that died)."""
+
+    generation: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reshape:
     """The membership should change (a node joined, or is being drained): checkpoint and restart."""
 
@@ -209,7 +218,7 @@ class Tick:
 
 
 Event = (
-    Admitted | StartAborted | GroupLaunched | RankUp | StepDone | RankExited | NodeLost | NodeBack | Stalled | Reshape | Requeue
+    Admitted | StartAborted | GroupLaunched | RankUp | StepDone | Reached | RankExited | NodeLost | NodeBack | Stalled | Reshape | Requeue
     | Restored | CancelRequested | Unservable | Tick
 )
 
@@ -493,6 +502,14 @@ class JobMachine:
         emits: list[Action] = [Emit("worker.failed", {"rank": r, "node": n, "reason": "stalled", "detail": e.detail}) for r, n in e.ranks]
         return self._fail(now, emits, list(e.blame), f"group {self.generation} stalled: {e.detail}")
 
+    def _reached(self, e: Reached, now: float) -> list[Action]:
+        # Steps done that the next generation does again: counted in its group.resumed, also when
+        # it was launched before this was said.
+        self.step = max(self.step, e.step)
+        if e.generation < self.generation:
+            self.high_water = max(self.high_water, e.step)
+        return []
+
     def _reshape(self, e: Reshape, now: float) -> list[Action]:
         if self.state is JobState.RUNNING:
             # RUNNING -> RECOVERING (checkpointing): a node joined or is drained; checkpoint at the
@@ -628,6 +645,7 @@ _HANDLERS: dict[type, Callable[[JobMachine, Any, float], list[Action]]] = {
     NodeLost: JobMachine._node_lost,
     NodeBack: JobMachine._node_back,
     Stalled: JobMachine._stalled,
+    Reached: JobMachine._reached,
     Reshape: JobMachine._reshape,
     Requeue: JobMachine._requeue,
     Restored: JobMachine._restored,

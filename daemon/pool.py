@@ -225,6 +225,7 @@ class Pool:
                 f"two machines hold node {name}'s key: give each machine its own (`dpctl keys add-node NAME`, and its bundle)",
                 [],
             )
+        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.cadence.expiry_s(name) and not bound:
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",
@@ -260,7 +261,7 @@ class Pool:
         for e in msg.exited:
             refused = self.report_refused(name, "node.register exited", e.job, e.generation, e.rank)
             if refused is None and e.step is not None and (job := self.live.get(e.job)) is not None:
-                job.machine.step = max(job.machine.step, e.step)  # reported while the coordinator was away (a restart's cost)
+                actions += self._feed(job, js.Reached(e.generation, e.step), now)  # reported while the coordinator was away
             actions += [refused] if refused is not None else self._exited(now, node.name, e)
         if not rejoin:
             actions += self._ranks_gone_with_old_daemon(now, node, msg.running)
