@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -62,14 +63,27 @@ def assert_same_curve(a: dict[int, float], b: dict[int, float], tol: float = TOL
 
 
 def test_replicas_follow_the_shares_and_outer_steps_cover_every_step() -> None:
-    assert replica_ranges([12, 7, 5], 4) == [range(0, 2), range(2, 3), range(3, 4)]
-    assert replica_ranges([1, 1, 22], 4) == [range(0, 1), range(1, 2), range(2, 4)]
-    assert replica_ranges([5], 4) == [range(0, 4)]
+    assert replica_ranges([12, 7, 5], 4, 24) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert replica_ranges([1, 1, 22], 4, 24) == [range(0, 1), range(1, 2), range(2, 4)]
+    assert replica_ranges([24], 4, 24) == [range(0, 4)]
     # What each rank computes, said as its share: whole replicas (of 6 sequences here; of 7, 7, 6, 6
     # for 26), not the speeds' split (status said 16 / 16 / 16 while ranks computed 24 / 12 / 12).
     assert replica_shares([16, 16, 16], 4, 48) == [24, 12, 12]
     assert replica_shares([12, 7, 5], 4, 24) == [12, 6, 6]
     assert replica_shares([1, 1, 24], 4, 26) == [7, 7, 12]
+    # The pool rounds, the trainer is handed the rounded shares: the same replicas, whatever sizes
+    # (apportioning them again gave equal nodes 21 and 11 of 32 sequences in 12 replicas, not 18 and 14).
+    assert replica_shares([16, 16], 12, 32) == [18, 14] and replica_ranges([18, 14], 12, 32) == [range(0, 6), range(6, 12)]
+    rng = random.Random(5)
+    for _ in range(2000):
+        k = rng.randint(1, 16)
+        gb = rng.randint(k, 200)
+        world = rng.randint(1, k)
+        cuts = sorted(rng.sample(range(1, gb), world - 1)) if world > 1 else []
+        shares = [b - a for a, b in zip([0, *cuts], [*cuts, gb], strict=True)]
+        rounded = replica_shares(shares, k, gb)
+        assert sum(rounded) == gb and replica_ranges(rounded, k, gb) == replica_ranges(shares, k, gb), (shares, k, gb)
+        assert replica_shares(rounded, k, gb) == rounded
     assert outer_rounds(0, 10, 4) == [range(1, 5), range(5, 9), range(9, 11)]
     assert outer_rounds(8, 10, 4) == [range(9, 11)]
     # Warm-up: the first 3 steps one each, then rounds of 4 from there; a resume may start at any boundary.

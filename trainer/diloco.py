@@ -50,7 +50,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from dpool.protocol.jobspec import JobSpec
 from dpool.protocol.rounds import Rounds
-from dpool.protocol.shares import replica_ranges, replica_shares
+from dpool.protocol.shares import replica_ranges, replica_shares, replica_sizes
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import optimizers
 from dpool.trainer import report as reporting
@@ -260,8 +260,7 @@ def train(
     # Nesterov needs a momentum (MLX refuses one of 0): without it the outer step is plain SGD.
     outer = optim.SGD(learning_rate=sync.outer_lr, momentum=sync.outer_momentum, nesterov=sync.outer_momentum > 0)
     outer.init(model.trainable_parameters())
-    base, extra = divmod(t.global_batch, K)
-    slices = split_shares([base + (1 if r < extra else 0) for r in range(K)])  # replica r's slice of each batch
+    slices = split_shares(replica_sizes(K, t.global_batch))  # replica r's slice of each batch
     reps = Replicas(task, spec, 1)
     lr_of = optimizers.learning_rate(t)
     largest = max(n for _, n in slices)
@@ -284,7 +283,7 @@ def train(
     sixteen = sync.dtype == "bfloat16"  # the changes travel in 16 bits a parameter (outer_sums)
     # Work moves in whole replicas: the split in force is the sequences of each rank's replicas
     # (reported as such), whatever split of the batch the pool or --shares proposed.
-    ranges, asked = replica_ranges(shares, K), shares
+    ranges, asked = replica_ranges(shares, K, t.global_batch), shares
     shares = replica_shares(shares, K, t.global_batch)
     if shares != asked:
         log.info("shares.rounded", asked=asked, shares=shares, why=f"diloco moves whole replicas ({K} of {t.global_batch // K}-{-(-t.global_batch // K)} sequences)")
@@ -436,7 +435,7 @@ def train(
         announce = None
         proposed = replica_shares(got["new_shares"], K, t.global_batch) if got["new_shares"] else shares
         if proposed != shares:
-            moved_to = replica_ranges(got["new_shares"], K)
+            moved_to = replica_ranges(got["new_shares"], K, t.global_batch)
             moved = [r for r in range(K) if owners[r] != next(i for i, rr in enumerate(moved_to) if r in rr)]
             reps.gather(group, owners, moved)
             log.info("rebalanced", step=last, old=shares, shares=proposed, replicas=list(moved_to[rank]), moved=moved)
