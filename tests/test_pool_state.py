@@ -1678,15 +1678,15 @@ def test_a_node_back_after_its_job_ended_is_told_so_for_the_state_it_keeps_in_me
 
 
 def test_a_diloco_group_is_planned_in_whole_replicas() -> None:
-    """Three equal nodes, 4 replicas of a global batch of 6 (2, 2, 1, 1 sequences): the first rank
-    runs two replicas. Its share says so (4, 1, 1), where it said 2, 2, 2 while the ranks computed
+    """Two equal nodes, 4 replicas of a global batch of 6 (2, 2, 1, 1 sequences): each rank runs two
+    replicas, 4 and 2 sequences. The shares say so, where they said 3, 3 while the ranks computed
     otherwise."""
     pool = Driven(heartbeat_s=0.5, liveness=6)
-    for n in "abc":
+    for n in "ab":
         join(pool, n, 1)
-    out = prepare_all(pool, pool.submit(0.0, "j", spec(hi=3, sync={"mode": "diloco", "replicas": 4, "inner_steps": 2})))
+    out = prepare_all(pool, pool.submit(0.0, "j", spec(hi=2, sync={"mode": "diloco", "replicas": 4, "inner_steps": 2})))
     starts = sends(out, m.GroupStart)
-    assert starts and all(s.msg.shares == [4, 1, 1] for s in starts)  # type: ignore[attr-defined]
+    assert starts and all(s.msg.shares == [4, 2] for s in starts)  # type: ignore[attr-defined]
 
 
 def test_steps_reported_while_the_coordinator_was_away_count_as_recomputed(tmp_path: Path) -> None:
