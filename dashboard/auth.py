@@ -23,8 +23,11 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from dpool.protocol.payloads import NODE_NAME_PATTERN
+
 PREFIX = "dpv1"
-TOKEN_RE = re.compile(r"dpv1\.([a-z0-9][a-z0-9-]{0,62})\.([A-Za-z0-9_-]{43})")
+# The viewer's name as `dpctl keys` names it (dots too: the secret after the last dot has none)
+TOKEN_RE = re.compile(rf"dpv1\.({NODE_NAME_PATTERN})\.([A-Za-z0-9_-]{{43}})")
 HASH_PREFIX = "sha256:"
 
 

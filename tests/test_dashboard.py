@@ -156,6 +156,8 @@ def test_a_viewer_token_holds_until_its_viewer_key_or_token_file_is_removed(tmp_
     (keys / "allowed" / "viewers" / "bob.token").unlink()
     assert tokens.viewer(bob) is None
     client_keys(keys / "bundles" / "bob", "client")  # the bundle is a working read-only client too
+    add_viewer(keys, "ops.team_1")  # any name `dpctl keys` takes makes a token that works
+    assert tokens.viewer((keys / "viewer-ops.team_1.token").read_text().strip()) == "ops.team_1"
 
 
 def test_the_chart_marks_each_restart_and_shades_what_was_recomputed() -> None:
