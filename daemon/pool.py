@@ -225,7 +225,18 @@ class Pool:
                 f"two machines hold node {name}'s key: give each machine its own (`dpctl keys add-node NAME`, and its bundle)",
                 [],
             )
-        if old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.cadence.expiry_s(name) and not bound:
+        alive = old is not None and old.incarnation != msg.incarnation and not old.lost and now - old.last_seen < self.cadence.expiry_s(name)
+        if alive and bound and old is not None and old.info.advertise != msg.info.advertise:
+            # Its own key, but from another machine while the node's dpd lives: the key was copied
+            # to two machines. The live one keeps the node (a restart on its machine keeps its
+            # address and replaces it at once); this one is refused each time it asks.
+            return (
+                f"node name {name!r} is held by a live dpd with the same key at {old.info.advertise or '?'} (pid {old.info.pid or '?'}); "
+                f"two machines hold node {name}'s key: give each machine its own (`dpctl keys add-node NAME`, and its bundle)",
+                [],
+            )
+        if alive and not bound:
+            assert old is not None
             return (
                 f"node name {name!r} is already in the pool (dpd pid {old.info.pid or '?'} at {old.info.advertise or '?'}, "
                 f"last heard {now - old.last_seen:.1f}s ago); give this daemon another --name",

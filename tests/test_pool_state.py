@@ -1270,7 +1270,7 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> 
     pool = Driven()
     owner = placed_pair(pool)
     mine = tuple(r for r, n in owner.items() if n == "a")
-    again = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1))
+    again = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1, advertise="127.0.0.1"))  # on a's machine
     refusal, _ = pool.register(1.2, again)  # without keys: a duplicate until the old one is lost
     assert refusal is not None and "already in the pool" in refusal and pool.nodes["a"].incarnation == "inc-a"
 
@@ -1281,19 +1281,23 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> 
     assert job.state is JobState.RECOVERING and not set(mine) & job.machine.live  # its ranks died with the old dpd
 
 
-def test_the_dpd_a_newer_one_with_its_key_replaced_is_refused_when_it_comes_back() -> None:
+def test_one_nodes_key_on_two_machines_never_takes_the_node_from_its_live_dpd() -> None:
     """Two machines given node a's bundle: each registration replaced the other, 108 times in 14 s,
-    and a running job used up its ten restarts in two seconds with no error from either dpd. The
-    replaced process, still alive, is refused as a duplicate (its dpd exits saying why); the newer
-    one stays, and so does a dpd restarted again later."""
+    and a running job used up its ten restarts in two seconds with no error from either dpd. Now
+    a dpd with a's key at another address is refused while a's dpd lives (a restart on a's own
+    machine still replaces it at once); and a replaced process that comes back is refused too."""
     pool = Driven()
     placed_pair(pool)
-    second = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1, pid=42, advertise="10.0.0.7"))
-    assert pool.register(1.2, second, bound=True)[0] is None
-    refusal, actions = pool.register(1.3, m.NodeRegister(name="a", incarnation="inc-a", info=NodeInfo(slots=1)), bound=True)
-    assert refusal is not None and "two machines hold node a's key" in refusal and "dpd pid 42 at 10.0.0.7" in refusal, refusal
-    assert actions == [] and pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
-    assert pool.register(1.4, m.NodeRegister(name="a", incarnation="inc-a-3", info=NodeInfo(slots=1)), bound=True)[0] is None
+    elsewhere = m.NodeRegister(name="a", incarnation="inc-x", info=NodeInfo(slots=1, pid=42, advertise="10.0.0.7"))
+    refusal, actions = pool.register(1.2, elsewhere, bound=True)
+    assert refusal is not None and "held by a live dpd with the same key at 127.0.0.1" in refusal and "two machines hold node a's key" in refusal
+    assert actions == [] and pool.nodes["a"].incarnation == "inc-a" and pool.jobs["j-1"].state is JobState.STARTING
+    restarted = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1, pid=43, advertise="127.0.0.1"))
+    assert pool.register(1.3, restarted, bound=True)[0] is None and pool.nodes["a"].incarnation == "inc-a-2"
+    # The process it replaced, still alive (two dpds of one key on one machine): refused, it exits.
+    refusal, _ = pool.register(1.4, m.NodeRegister(name="a", incarnation="inc-a", info=NodeInfo(slots=1, advertise="127.0.0.1")), bound=True)
+    assert refusal is not None and "another dpd with this node's key replaced this one (dpd pid 43 at 127.0.0.1)" in refusal, refusal
+    assert pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
 
 
 def test_pages_of_long_log_lines_and_large_samples_stay_under_the_message_cap(tmp_path: Path) -> None:
