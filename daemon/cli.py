@@ -458,10 +458,14 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     except UsageError as e:
         print(f"dpd: {e}", file=sys.stderr)
         return 2
-    remote = tcp_host(s.join) if s.join and not is_loopback(s.join) else None
-    if (problem := netif.advertise_problem(s.advertise, remote)) is not None:  # here, not in settings: `install` may prepare another's
+    # Here, not in settings: `install` may prepare another machine's service.
+    if (problem := netif.loopback_for_remote(s.advertise, tcp_host(s.join) if s.join and not is_loopback(s.join) else None)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)
         return 2
+    if (problem := netif.not_here(s.advertise)) is not None:
+        print(f"dpd: {problem}", file=sys.stderr)
+        return 1  # not 2: the address may come up later (a link still starting at boot), and a service manager retries 1
+
     os.umask(UMASK)  # before anything is created: the state dir, the database, logs, sockets
     try:
         lock = lock_state_dir(s.state_dir)

@@ -77,29 +77,40 @@ def resolve(value: str, ifaces: Addresses | None = None) -> str:
     return ifaces[value][0]
 
 
-def advertise_problem(ip: str, remote_host: str | None, ifaces: Addresses | None = None) -> str | None:
-    """Why this node could not be reached at `ip` (the resolved --advertise), or None: an IPv4
-    address this machine does not have (its ring and data channel listen there: the daemon ended
-    in a traceback), or a loopback address while the coordinator, `remote_host` (a non-loopback
-    --join's host), is another machine (its groups broke at every start, with another node blamed)."""
+def not_here(ip: str, ifaces: Addresses | None = None) -> str | None:
+    """Why this machine cannot be reached at `ip` (the resolved --advertise): an IPv4 address it
+    does not have, where its ring and data channel cannot listen (the daemon ended in a
+    traceback). None for loopback, the wildcard, IPv6 and an address it has."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
         return None
     ifaces = ipv4_addresses() if ifaces is None else ifaces
-    mine = {a for ips in ifaces.values() for a in ips}
-    if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified and ip not in mine:
+    if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified and ip not in {a for ips in ifaces.values() for a in ips}:
         return f"--advertise {ip}: not an address of this machine (its ring and data channel listen there); its addresses: {describe(ifaces)}"
-    if addr.is_loopback and remote_host is not None:
-        try:
-            coordinator = socket.gethostbyname(remote_host)
-        except OSError:
-            return None  # it cannot be reached either: the daemon says so as it joins
-        if coordinator not in mine and not ipaddress.ip_address(coordinator).is_loopback:
-            return (f"--advertise {ip}: the pool's other machines cannot reach this one there (its coordinator, {remote_host}, is "
-                    "another machine); give this machine's address on their network, or leave --advertise out to take the one that "
-                    "routes to the coordinator")
     return None
+
+
+def loopback_for_remote(ip: str, remote_host: str | None, ifaces: Addresses | None = None) -> str | None:
+    """Why peers could not reach this node at a loopback `ip` when its coordinator, `remote_host`
+    (a non-loopback --join's host), is another machine: every group with it broke at its start,
+    with another node blamed."""
+    try:
+        loopback = ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        return None
+    if not loopback or remote_host is None:
+        return None
+    try:
+        coordinator = socket.gethostbyname(remote_host)
+    except OSError:
+        return None  # it cannot be reached either: the daemon says so as it joins
+    ifaces = ipv4_addresses() if ifaces is None else ifaces
+    if coordinator in {a for ips in ifaces.values() for a in ips} or ipaddress.ip_address(coordinator).is_loopback:
+        return None
+    return (f"--advertise {ip}: the pool's other machines cannot reach this one there (its coordinator, {remote_host}, is "
+            "another machine); give this machine's address on their network, or leave --advertise out to take the one that "
+            "routes to the coordinator")
 
 
 def interface_of(ip: str, ifaces: Addresses | None = None) -> str | None:
