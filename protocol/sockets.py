@@ -49,12 +49,12 @@ def read_rest(sock: zmq.Socket[Any], message: Any, take: Callable[[Any], None], 
     polls before it reads comes back at once."""
     until = time.monotonic() + DRAIN_S
     n = 0
-    while sock.getsockopt(zmq.RCVMORE):
-        take(sock.recv(copy=copy))  # the rest of a message is there once its first frame is
-        n += 1
-        if n % DRAIN_CHECK == 0 and time.monotonic() > until:
+    while sock.getsockopt(zmq.RCVMORE):  # (kept only with frames left: a whole message parked would not wake the poll)
+        if n and n % DRAIN_CHECK == 0 and time.monotonic() > until:
             _unfinished[sock] = message
             return False
+        take(sock.recv(copy=copy))  # the rest of a message is there once its first frame is
+        n += 1
     return True
 
 

@@ -72,7 +72,17 @@ def test_the_data_channel_reads_a_message_of_many_frames_over_several_reads(pair
     assert not hello.cut and [f.bytes for f in hello.frames[1:]] == [b"hello", b"world"]
 
 
-def test_a_short_message_is_read_at_once(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]]) -> None:
+def test_a_message_that_ends_where_a_read_would_stop_is_read_whole(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]]) -> None:
+    """1,000 frames after the routing id, reads of 1,000: the message ends where the read looks at
+    the clock. It was parked as unfinished, with nothing left to read, so no poll woke for it."""
+    router, dealer = pair
+    dealer.send_multipart([b"head", *([b""] * 999)])
+    assert router.poll(10_000)
+    (got,) = list(sockets.pending_from(router, 500))
+    assert got.frames[1:] == [b"head", b""] and sockets.unfinished(router) is None
+
+
+def test_short_messages_are_read_whole_and_in_order(pair: tuple[zmq.Socket[Any], zmq.Socket[Any]]) -> None:
     router, dealer = pair
     for i in range(3):
         dealer.send_multipart([b"n", str(i).encode()])
