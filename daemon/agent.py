@@ -123,7 +123,12 @@ class Refused(Exception):
 
 
 class NoAnswer(Exception):
-    """No reply to node.register in time: retried with backoff."""
+    """No reply to node.register in time, or one to ask again after (`answered`: an error the
+    coordinator sent, such as pool_full): retried with backoff."""
+
+    def __init__(self, message: str, *, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class Agent(WarmTrainers):
@@ -287,7 +292,7 @@ class Agent(WarmTrainers):
             stop=stop_after_delay(self.rejoin_round_s),
             wait=wait_random_exponential(multiplier=0.25, max=5.0),
             retry=retry_if_exception_type(NoAnswer),
-            before_sleep=lambda rs: self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number, hint=self._no_answer_hint()),
+            before_sleep=self._retrying,
             sleep=lambda seconds: until_set(stopping, seconds),  # a stop ends the wait between attempts
         )
         async for attempt in retrying:
@@ -295,6 +300,13 @@ class Agent(WarmTrainers):
                 if stopping.is_set():
                     return
                 await self._register_once(stopping)
+
+    def _retrying(self, rs: Any) -> None:
+        """A coordinator.retry line: what the last attempt got, and what may be wrong when nothing
+        came back (an error it sent, pool_full, says so itself)."""
+        failed = rs.outcome.exception() if rs.outcome is not None else None
+        said = {} if isinstance(failed, NoAnswer) and failed.answered else {"hint": self._no_answer_hint()}
+        self.log.warning("coordinator.retry", address=self.join, attempt=rs.attempt_number, error=str(failed) if failed else None, **said)
 
     def _no_answer_hint(self) -> str:
         """What may keep the coordinator from answering (its side alone knows: its log says
@@ -354,7 +366,7 @@ class Agent(WarmTrainers):
             if isinstance(msg, m.Error) and msg.code in (ErrorCode.DUPLICATE_NAME, ErrorCode.BAD_BODY, ErrorCode.BAD_REQUEST):
                 raise Refused(msg.message)  # asking again cannot help (`--workers 2000`: slots are at most 1024)
             if isinstance(msg, m.Error):
-                raise NoAnswer(f"{msg.code}: {msg.message}")
+                raise NoAnswer(f"{msg.code}: {msg.message}", answered=True)
         raise NoAnswer(f"no answer from {self.join}")
 
     async def _connected(self, stopping: asyncio.Event) -> None:

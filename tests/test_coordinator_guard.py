@@ -5,15 +5,19 @@ follows from is committed. A real Coordinator on a real socket, in a thread of t
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq.asyncio
 from peers import Peer, Running
 
 from dpool.client.rpc import RemoteError
+from dpool.daemon import pool
+from dpool.daemon.agent import Agent
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import parse_job
 
@@ -105,8 +109,6 @@ def test_a_pool_of_its_most_nodes_forgets_the_longest_lost_to_take_a_new_one(coo
     `nodes` reply no dpctl could read, every node told to heartbeat every 32 s). A pool holds
     MAX_NODES; past it the node lost longest that holds nothing is forgotten (its saved row too),
     and with none such a new name is refused `pool_full`, which a dpd asks again after."""
-    from dpool.daemon import pool
-
     monkeypatch.setattr(pool, "MAX_NODES", 3)
     peers = {n: Peer(coordinator.addr) for n in ("a", "b", "c", "d")}
     try:
@@ -151,3 +153,28 @@ def test_a_nodes_reply_for_a_full_pool_of_long_rows_is_read_by_dpctl() -> None:
     assert msg_id == 5 and isinstance(back, m.NodesReply) and len(back.nodes) == MAX_NODES
     with pytest.raises(m.ProtocolError, match="cap 4194304"):  # a request is still held to 4 MiB
         m.decode([m.Nodes().to_frames(1)[0], frames[1]])
+
+
+def test_a_dpd_refused_pool_full_says_so_as_it_retries(coordinator: Running, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An answer to ask again after (pool_full) is named in the dpd's retry line, without the hint
+    for a coordinator that does not answer (is it running? are the keys this pool's?)."""
+    monkeypatch.setattr(pool, "MAX_NODES", 0)
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        agent = Agent(ctx, name="late", join=coordinator.addr, state_dir=tmp_path / "state", slots=1, advertise="127.0.0.1")
+        stopping = asyncio.Event()
+        run = asyncio.create_task(agent.run(stopping))
+        try:
+            for _ in range(400):
+                if any(e["event"] == "coordinator.retry" for e in list(coordinator.logs)) or run.done():
+                    break
+                await asyncio.sleep(0.025)
+        finally:
+            stopping.set()
+            await asyncio.wait_for(run, 15)
+            ctx.destroy(linger=0)
+
+    asyncio.run(main())
+    (retry, *_) = [e for e in coordinator.logs if e["event"] == "coordinator.retry"]
+    assert retry["error"].startswith("pool_full: the pool holds 0 nodes") and "hint" not in retry, retry
