@@ -208,7 +208,7 @@ class StepWatch:
         else:
             return None
         # Time since the last report counts down within one step, no further: a step that takes
-        # longer (a stall, an evaluation) holds the ETA at the steps after it, never 0.
+        # longer (a stall, an evaluation) holds the ETA at the steps after it (0 only for the last).
         eta = max(0.0, (self.steps - self.last_step) * per_step - min(now - self.last_at, per_step))
         return eta if eta <= ETA_MAX_S else None
 

@@ -32,9 +32,9 @@ class JobFileError(ValueError):
 
 
 def as_written(value: Any, depth: int = 0) -> str:
-    """A value as a job file spells it (TOML; YAML reads it the same): true, not True; a table as
-    {b = 1}, not {'b': 1}. Strings stay in single quotes, TOML's literal strings. Long lists and
-    deep tables are cut (the message is one line)."""
+    """A value as a job file spells it (TOML): true, not True; a table as {b = 1}, not {'b': 1}.
+    Strings keep Python's quoting (single quotes, escapes shown), so a control character in one
+    stays visible. Long lists and deep tables are cut (the message is one line)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if depth > 3:

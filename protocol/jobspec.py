@@ -748,7 +748,9 @@ def not_here(spec: JobSpec) -> tuple[str, str, str] | None:
     was started; a GPT job was queued, and failed on every node."""
     if spec.model.kind != "mlx_lm":
         given = spec.data.source
-        if given == "stdlib" or os.path.isabs(os.path.expanduser(given)) or data_files(spec) or not glob.glob(given, recursive=True):
+        if given == "stdlib" or os.path.isabs(os.path.expanduser(given)) or os.path.abspath(given) == spec.resolved_source():
+            return None  # (from the job file's own folder: the same place, and check_paths says what is missing there)
+        if data_files(spec) or not glob.glob(given, recursive=True):
             return None
         return "data.source", given, (
             f"no .txt or .jsonl files match it under the job file's folder ({spec.resolved_source()}), where a relative path is "
@@ -835,7 +837,7 @@ def read_toml(path: str) -> dict[str, Any]:
 def describe() -> str:
     """Every key with its default and meaning, for `--help` and the README."""
     lines = [
-        "name  (required)  [a-z0-9-]{1,63}", "priority = 0  # higher runs first, taking slots from lower ones (README: Sharing the pool)",
+        "name  (required)  [a-z0-9-]{1,63}, not starting with '-'", "priority = 0  # higher runs first, taking slots from lower ones (README: Sharing the pool)",
         "base_dir  (default: the job file's folder)  where relative paths are resolved",
     ]
     for section, cls in SECTIONS.items():

@@ -136,9 +136,9 @@ def test_a_pool_of_its_most_nodes_forgets_the_longest_lost_to_take_a_new_one(coo
 
 
 def test_a_nodes_reply_for_a_full_pool_of_long_rows_is_read_by_dpctl() -> None:
-    """4,096 nodes whose strings are as long as they may be: 4.1 MB of rows, over the 4 MiB a
-    request may have; a reply that lists rows may have 16 MiB (dpctl read `nodes.reply body is
-    10992946 bytes, cap 4194304` and exited 1)."""
+    """4,096 nodes whose address, platform, chip, versions and interface are as long as a node may
+    report them: 4.1 MB of rows, over the 4 MiB a request may have; a reply that lists rows may
+    have 16 MiB (dpctl read `nodes.reply body is 10992946 bytes, cap 4194304` and exited 1)."""
     from dpool.daemon.pool import MAX_NODES
     from dpool.protocol.payloads import NodeRow
 
