@@ -37,7 +37,7 @@ import zmq.auth
 
 from dpool.dashboard import auth
 from dpool.protocol.config import ConfigError, load_config
-from dpool.protocol.payloads import NODE_NAME_MEANS, NODE_NAME_PATTERN
+from dpool.protocol.payloads import NODE_NAME_MEANS, NODE_NAME_PATTERN, name_from_host
 from dpool.protocol.security import (
     ALLOWED,
     BUNDLES,
@@ -82,8 +82,8 @@ class Pair:
 
 
 def this_machine() -> str:
-    """dpd's default --name: the host name up to its first dot, in lower case."""
-    return socket.gethostname().split(".")[0].lower()
+    """dpd's default --name: the host name up to its first dot, in lower case (`name_from_host`)."""
+    return name_from_host(socket.gethostname())
 
 
 def check_name(flag: str, name: str) -> str:

@@ -47,6 +47,7 @@ from dpool.protocol.config import (
 from dpool.protocol.config import load_config as shared_config
 from dpool.protocol.endpoints import endpoint_problem
 from dpool.protocol.logs import Quiet, RotatingFile, configure_logging, get_logger
+from dpool.protocol.payloads import name_from_host
 from dpool.protocol.security import (
     ClientKeys,
     KeysError,
@@ -198,7 +199,7 @@ def settings(args: argparse.Namespace) -> Settings:
     hb, liveness = checked("heartbeat_interval", float(pick("heartbeat_interval", 0.25))), checked("liveness", int(pick("liveness", 6)))
     stop_grace = checked("stop_grace", float(pick("stop_grace", 10.0)))
     rate = checked("heartbeat_rate", float(pick("heartbeat_rate", HEARTBEAT_RATE)))
-    name = checked("name", pick("name", None) or socket.gethostname().split(".")[0].lower())
+    name = checked("name", pick("name", None) or name_from_host(socket.gethostname()))
     try:
         node_keys = client_keys(kdir, "node", name) if kdir else None
         coord_keys = server_keys(kdir) if kdir and serve else None

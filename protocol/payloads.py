@@ -13,6 +13,7 @@ The bounds are the real ranges where there is one (a slot of a node, a port, an 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, TypeAlias
 
@@ -65,6 +66,14 @@ NodeName: TypeAlias = Annotated[str, Str(63, 1)]
 NODE_NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
 NODE_NAME_MEANS = "1-63 lower-case letters, digits, '.', '_' and '-', starting with a letter or a digit"
 JoiningName: TypeAlias = Annotated[str, Str(63, 1, NODE_NAME_PATTERN, NODE_NAME_MEANS)]
+
+
+def name_from_host(host: str) -> str:
+    """A host name (`Johns-MacBook-Pro.local`, `build_box`) as a node name by that rule: up to its
+    first dot, in lower case, any other character as '-' (dpd's default --name, and `dpctl keys
+    init`'s default node: a host name the rule refuses must not stop a dpd given no --name)."""
+    name = re.sub(r"[^a-z0-9._-]", "-", host.split(".")[0].lower()).lstrip("-._")[:63]
+    return name or "node"
 Token: TypeAlias = Annotated[str, Str(128, 1)]  # incarnations, export ids
 Name: TypeAlias = Annotated[str, Str(64)]  # short names: a state, a platform, a version
 Text: TypeAlias = Annotated[str, Str(4096)]  # a reason, a detail, an address

@@ -125,6 +125,25 @@ def test_keys_are_named_by_the_rule_dpd_names_nodes_by(tmp_path: Path) -> None:
         assert r.returncode == 2 and "a name of 1-63 lower-case letters, digits, '.', '_' and '-'" in r.stderr, r.stderr
 
 
+def test_a_host_name_the_rule_refuses_still_names_a_dpd_given_no_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dpd's default --name is the host name made to fit the rule, not a refusal at start."""
+    from dpool.daemon import cli
+    from dpool.protocol.payloads import name_from_host
+
+    assert [name_from_host(h) for h in ("Johns-MacBook-Pro.local", "build_box", "My Host", "..", "-x")] == [
+        "johns-macbook-pro", "build_box", "my-host", "node", "x"]
+    ran: list[cli.Settings] = []
+
+    async def fake_run(s: cli.Settings, zygote: object = None) -> int:
+        ran.append(s)
+        return 0
+
+    monkeypatch.setattr(cli, "serve_and_run", fake_run)
+    monkeypatch.setattr(cli.socket, "gethostname", lambda: "Lab Box #2.example.org")
+    assert cli.main(["run", "--serve", "--state-dir", str(tmp_path / "state")]) == 0
+    assert ran[-1].name == "lab-box--2"
+
+
 def test_a_client_named_client_is_refused_it_would_replace_the_default_clients_key(tmp_path: Path) -> None:
     """Its key took allowed/clients/client.key, and the serving machine's dpctl was locked out."""
     r = keys_init(tmp_path / "new", "--node", "mac1", "--client", "client")
