@@ -13,20 +13,19 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Rows under their headers, columns aligned. Every cell is on one line, with any control
     character written as its escape: a value from the pool (a node's chip, a reason) holding ESC
     or a newline would otherwise clear the terminal or print a row of its own."""
-    cells = [[str(h) for h in headers]] + [["-" if v is None else _one_line(str(v)) for v in row] for row in rows]
+    cells = [[str(h) for h in headers]] + [["-" if v is None else shown(str(v), keep="") for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
 
 
-def _one_line(text: str) -> str:
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def shown(text: str) -> str:
-    """Generated text for a terminal: lines and tabs as they are, any other control character
-    written as its escape (a model's sample may hold ESC, which a terminal would obey)."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+def shown(text: str, keep: str = "\n\t") -> str:
+    """Text for a terminal: the control characters in `keep` as they are (a sample's lines and
+    tabs), any other written as its escape (a model's sample, a node's chip may hold ESC, which a
+    terminal would obey)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 def num(v: float | None, digits: int = 4) -> str | None:

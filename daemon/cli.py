@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     if (problem := netif.loopback_for_remote(s.advertise, tcp_host(s.join) if s.join and not is_loopback(s.join) else None)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)
         return 2
-    if (problem := netif.not_here(s.advertise)) is not None:
+    if (problem := netif.foreign_address(s.advertise)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)
         return 1  # not 2: the address may come up later (a link still starting at boot), and a service manager retries 1
 

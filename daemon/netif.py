@@ -77,7 +77,7 @@ def resolve(value: str, ifaces: Addresses | None = None) -> str:
     return ifaces[value][0]
 
 
-def not_here(ip: str, ifaces: Addresses | None = None) -> str | None:
+def foreign_address(ip: str, ifaces: Addresses | None = None) -> str | None:
     """Why this machine cannot be reached at `ip` (the resolved --advertise): an IPv4 address it
     does not have, where its ring and data channel cannot listen (the daemon ended in a
     traceback). None for loopback, the wildcard, IPv6 and an address it has."""
@@ -86,7 +86,7 @@ def not_here(ip: str, ifaces: Addresses | None = None) -> str | None:
     except ValueError:
         return None
     ifaces = ipv4_addresses() if ifaces is None else ifaces
-    if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified and ip not in {a for ips in ifaces.values() for a in ips}:
+    if addr.version == 4 and not addr.is_loopback and not addr.is_unspecified and interface_of(ip, ifaces) is None:
         return f"--advertise {ip}: not an address of this machine (its ring and data channel listen there); its addresses: {describe(ifaces)}"
     return None
 
@@ -106,7 +106,7 @@ def loopback_for_remote(ip: str, remote_host: str | None, ifaces: Addresses | No
     except OSError:
         return None  # it cannot be reached either: the daemon says so as it joins
     ifaces = ipv4_addresses() if ifaces is None else ifaces
-    if coordinator in {a for ips in ifaces.values() for a in ips} or ipaddress.ip_address(coordinator).is_loopback:
+    if interface_of(coordinator, ifaces) is not None or ipaddress.ip_address(coordinator).is_loopback:
         return None
     return (f"--advertise {ip}: the pool's other machines cannot reach this one there (its coordinator, {remote_host}, is "
             "another machine); give this machine's address on their network, or leave --advertise out to take the one that "

@@ -136,7 +136,7 @@ def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], hos
             out.append(flag)
             continue
         if action.dest in PATH_FLAGS:
-            value = str(Path(value).expanduser().absolute())
+            value = str(_path(value))
         out += [flag, str(value)]
     if env_join is not None:
         out += ["--join", env_join]

@@ -750,8 +750,8 @@ def not_here(spec: JobSpec) -> tuple[str, str, str] | None:
         given = spec.data.source
         if given == "stdlib" or os.path.isabs(os.path.expanduser(given)) or os.path.abspath(given) == spec.resolved_source():
             return None  # (from the job file's own folder: the same place, and check_paths says what is missing there)
-        if data_files(spec) or not glob.glob(given, recursive=True):
-            return None
+        if not glob.glob(given, recursive=True) or data_files(spec):  # (the job folder's files listed only when it matters:
+            return None  # the trainer's and dpctl's own checks list them again)
         return "data.source", given, (
             f"no .txt or .jsonl files match it under the job file's folder ({spec.resolved_source()}), where a relative path is "
             f"taken from; {os.path.abspath(given)} under the current folder is not used: give the path from the job file's folder, "
