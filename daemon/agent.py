@@ -412,7 +412,7 @@ class Agent(WarmTrainers):
     def _heartbeat(self) -> m.NodeHeartbeat:
         """The workers alive here, and the period this node heartbeats at once the coordinator
         tells periods (an older one would refuse the field)."""
-        alive = [AliveWorker(job=w.job, generation=w.generation, slot=w.slot) for w in self.workers.values()]
+        alive = [AliveWorker(job=w.job, generation=w.generation, slot=w.slot, waiting=w.waiting) for w in self.workers.values()]
         return m.NodeHeartbeat(workers=alive, heartbeat_s=self.heartbeat_s if self.told else None)
 
     def _adopt_period(self, heartbeat_s: float, liveness: int) -> None:
@@ -968,6 +968,8 @@ class Agent(WarmTrainers):
                 w.last_step = step
                 if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:
                     self._spare_soon(w.job, w.slot)  # the slot's next generation starts warm
+            case m.WorkerWaiting(step=step):
+                w.waiting = step  # told with the next heartbeat (a stall names who never said it)
             case m.WorkerMetric(row=row):
                 self._send(m.NodeMetric(job=w.job, generation=w.generation, row=row))
             case m.WorkerSample(row=row):

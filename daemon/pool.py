@@ -61,6 +61,7 @@ from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
 from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import (
+    AliveWorker,
     ExitedWorker,
     NodeRow,
     RankSlot,
@@ -462,6 +463,7 @@ class Pool:
         if msg.heartbeat_s is not None:
             self.cadence.acknowledged(node.name, msg.heartbeat_s)
         alive = {(w.job, w.generation, w.slot) for w in msg.workers}
+        self._note_waiting(node, msg.workers)
         freed = False
         for slot, (job_id, gen) in list(node.used.items()):
             if (job_id, gen, slot) in alive:
@@ -475,6 +477,16 @@ class Pool:
                 del node.used[slot]
                 freed = True
         return self._drained(now, node) if freed else []
+
+    def _note_waiting(self, node: Node, workers: list[AliveWorker]) -> None:
+        """Which of the node's ranks wait on their peers, and for which step (see _check_progress)."""
+        for w in workers:
+            job = self.live.get(w.job)
+            if w.waiting is None or job is None or job.plan is None or job.plan.generation != w.generation:
+                continue
+            for rank, slot in job.plan.ranks_on(node.name):
+                if slot.index == w.slot and (run := job.ranks.get(rank)) is not None:
+                    run.waiting = w.waiting
 
     def bye(self, now: float, name: str) -> list[Action]:
         node = self.nodes.get(name)
@@ -840,13 +852,17 @@ class Pool:
         if now < deadline:
             return []
         # Name the rank(s) that reported least recently: a frozen rank's last report may never
-        # have left it, while its peers reported the step before they blocked. Its node is blamed
-        # (counted towards setting it aside) only when that tells it apart: nodes whose ranks
-        # reported a later step, or a group on one node. A rank that froze inside a step leaves
-        # every rank at the same step, and blaming the first of them set healthy nodes aside in turn.
+        # have left it, while its peers reported the step before they blocked. A rank that froze
+        # inside a step leaves every rank at the same step: then the ones named are those whose
+        # heartbeats never said they wait on their peers for the next step (worker.waiting). Their
+        # node is blamed (counted towards setting it aside) only when that tells it apart: nodes
+        # whose ranks are further on, or a group on one node. Blaming the first of level ranks
+        # set healthy nodes aside in turn.
         live = sorted(jm.live)
         low = min(job.ranks[r].step for r in live)
-        ranks = tuple((r, plan.ranks[r].node) for r in live if job.ranks[r].step == low)
+        behind = [r for r in live if job.ranks[r].step == low]
+        stuck = [r for r in behind if job.ranks[r].waiting != low + 1] or behind
+        ranks = tuple((r, plan.ranks[r].node) for r in stuck)
         late = {n for _, n in ranks}
         blame = (ranks[0][1],) if late < {plan.ranks[r].node for r in live} or len(late) == 1 else ()
         waited = now - (watch.last_at if watch.last_step is not None else watch.started_at)

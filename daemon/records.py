@@ -147,6 +147,7 @@ class RankRun:
     step: int = 0
     tokens_per_s: float = 0.0
     exit_code: int | None = None
+    waiting: int | None = None  # the newest step its dpd's heartbeat said it waits on its peers for
 
 
 @dataclass(slots=True)

@@ -190,6 +190,7 @@ class MsgType(enum.StrEnum):
     # trainer -> its dpd (over ipc), and the two messages back
     WORKER_HELLO = "worker.hello"
     WORKER_PROGRESS = "worker.progress"
+    WORKER_WAITING = "worker.waiting"
     WORKER_METRIC = "worker.metric"
     WORKER_SAMPLE = "worker.sample"
     WORKER_CHECKPOINT = "worker.checkpoint"
@@ -1089,6 +1090,17 @@ class WorkerProgress(Message):
     seconds: Seconds
     resplit: bool = False
     gather: bool = False
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class WorkerWaiting(Message):
+    """This rank's own part of step `step` is done and it now waits on its peers (the co-located
+    barrier, then the all_sum): a rank frozen inside a step never says it, so a stall can name
+    the rank that froze rather than the ranks that wait for it."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WORKER_WAITING
+    step: Step
 
 
 @message

@@ -38,6 +38,7 @@ from dpool.protocol.messages import (
     WorkerProgress,
     WorkerReady,
     WorkerSample,
+    WorkerWaiting,
     decode,
 )
 from dpool.protocol.payloads import SampleRow, metric_row
@@ -103,6 +104,10 @@ class WorkerLink:
         self._send(WorkerProgress(
             step=step, loss=loss if math.isfinite(loss) else None, tokens=int(tokens), seconds=float(seconds), resplit=bool(resplit), gather=bool(gather),
         ))
+
+    def waiting(self, step: int) -> None:
+        """This rank's part of step `step` is computed; it waits on its peers from now on."""
+        self._send(WorkerWaiting(step=step))
 
     def metric(self, row: dict[str, Any]) -> None:
         """A metrics.jsonl row (a non-finite number travels as null, as it is written there)."""

@@ -650,6 +650,41 @@ def test_a_stall_that_every_rank_reached_blames_no_node() -> None:
     assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
 
 
+def test_a_rank_that_froze_inside_a_step_is_told_by_the_ranks_that_wait_for_it() -> None:
+    """Every rank reported step 7. Ranks 0 and 2 then said (worker.waiting, on their dpds'
+    heartbeats) that their part of step 8 was done and they wait on their peers; rank 1 (node b)
+    never did: it froze inside step 8. b is counted, and named; the waiting ranks are not."""
+    pool = running_pool()
+    for n in "ac":  # ranks 0 and 2
+        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=1, slot=0, waiting=8)])
+    pool.heartbeat(1.6, "b", [AliveWorker(job="j", generation=1, slot=0, waiting=7)])  # said for step 7, not 8
+    for n in "abc":
+        pool.seen(3.5, n)
+    out = pool.tick(3.5)
+    assert pool.jobs["j"].state is JobState.RECOVERING
+    assert [(f["rank"], f["node"]) for f in records(out, "worker.failed")] == [(1, "b")]
+    assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 1, 0]
+
+
+def test_waiting_said_by_every_rank_or_by_another_generation_blames_no_node() -> None:
+    """All ranks wait in the all_sum (a link between them broke, not a rank): nothing tells a node
+    apart. Nor does a heartbeat about a generation that is not the running one."""
+    pool = running_pool()
+    for n in "abc":
+        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=1, slot=0, waiting=8)])
+    for n in "abc":
+        pool.seen(3.5, n)
+    out = pool.tick(3.5)
+    assert len(records(out, "worker.failed")) == 3 and [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
+    pool = running_pool()
+    for n in "ac":
+        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=2, slot=0, waiting=8)])
+    for n in "abc":
+        pool.seen(3.5, n)
+    pool.tick(3.5)
+    assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
+
+
 def test_a_stall_behind_the_other_ranks_blames_its_node() -> None:
     """Ranks 0 and 2 reported step 8, rank 1 (node b) did not: b is the one counted."""
     pool = running_pool()

@@ -118,19 +118,21 @@ def test_worker_link_reports_and_receives_stop(tmp_path: Any, monkeypatch: pytes
     assert link is not None
     try:
         link.hello(rank=1, world_size=3, generation=2, pid=4242, resume_step=10)
+        link.waiting(11)
         link.progress(step=11, loss=2.5, tokens=192, seconds=0.05)
         link.metric({"kind": "train", "step": 11})  # not a metrics row: dropped and counted, never raised
         link.metric(dict(TRAIN_ROW, loss=float("nan")))  # a diverged step: its loss travels as null
         link.sample({"step": 11, "text": "def f():"})
         link.checkpoint(step=15, seconds=0.2)
         got = []
-        for _ in range(5):
+        for _ in range(6):
             assert router.poll(5000)
             frames = router.recv_multipart()
             got.append(m.decode(frames[1:])[0])
         peer = frames[0]
         assert got == [
             m.WorkerHello(rank=1, world_size=3, generation=2, pid=4242, resume_step=10),
+            m.WorkerWaiting(step=11),
             m.WorkerProgress(step=11, loss=2.5, tokens=192, seconds=0.05),
             m.WorkerMetric(row=TrainRow.from_wire({**TRAIN_ROW, "loss": None})),
             m.WorkerSample(row=SampleRow(step=11, text="def f():")),

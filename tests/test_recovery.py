@@ -182,15 +182,34 @@ def test_sigkill_of_a_non_serving_dpd_takes_its_trainer_and_the_job_goes_on(pool
     assert lost and "to the stop of its failed group" in lost[0]["reason"], lost
 
 
+def computing(pid: int) -> bool:
+    """Whether a thread of process `pid` is running now: a trainer computes its share of a step on
+    its threads, and sleeps while it waits on its peers (the barrier, the all_sum's sockets)."""
+    tasks = Path(f"/proc/{pid}/task")
+    states = []
+    for t in tasks.iterdir():
+        try:
+            states.append((t / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue
+    return "R" in states
+
+
 def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes, tmp_path: Path, reference: Any) -> None:
-    """A rank that runs no code, as a deadlock would leave it (here SIGSTOP, with the dpds told
-    not to look at their trainers' process state): nothing exits, its peers spin inside all_sum,
-    and only the absence of step progress shows it."""
+    """A rank that runs no code, as a deadlock would leave it (here SIGSTOP while it computes, with
+    the dpds told not to look at their trainers' process state): nothing exits, its peers wait
+    inside the all_sum, and only the absence of step progress shows it. Every rank last reported
+    the same step; its peers said they wait for the next one and it did not: the stall names it."""
     pool = Pool(processes, tmp_path, env={"DPOOL_STOPPED_S": "0"}).start(3)
-    job, victim = signal_mid_run(pool, tmp_path, "stop-trainer", signal.SIGSTOP)
+    job = pool.submit(job_file(tmp_path, "stop-trainer"))
+    mid_run(pool, job)
+    (victim,) = pool.trainer_pids("n1", job)
+    wait_for("n1's trainer computing", lambda: computing(victim), 30, every=0.001)
+    os.kill(victim, signal.SIGSTOP)
     events = pool.finish(job, reference)
     failed = kinds(events, "worker.failed")
     assert failed and failed[0]["reason"] == "stalled", failed
+    assert [(f["rank"], f["node"]) for f in failed if f["reason"] == "stalled"] == [(1, "n1")], failed
     assert kinds(events, "group.resumed")
     wait_for("the stopped trainer reaped", lambda: not alive(victim), 10)
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -283,7 +284,7 @@ def run(
         lr = lr_of(step)
         stats = stepper.step(
             examples, lr, stop_requested=link.stop_requested if link else (hand or False), announce=announce,
-            checkpoint=bool(auto and auto.due(step)),
+            checkpoint=bool(auto and auto.due(step)), computed=partial(link.waiting, step) if link and world > 1 else None,
         )
         now = time.perf_counter()
         seconds, last = now - last, now

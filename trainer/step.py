@@ -148,15 +148,18 @@ class Stepper:
 
     def reduce_sums(
         self, examples: list[Example], stop_requested: StopFlag = False, announce: list[int] | None = None,
-        checkpoint: bool = False,
+        checkpoint: bool = False, computed: Callable[[], None] | None = None,
     ) -> tuple[list[mx.array], mx.array, float]:
         """The pool's gradient sums (in `names` order), the summed control vector, and the seconds
         the all_sum took this rank (its wait for slower ranks included; 0 alone): each bucket is
         summed as it is sent (Group.all_sum_fused), so this is what the step spends communicating,
-        measured rather than inferred (metrics' all_sum_s)."""
+        measured rather than inferred (metrics' all_sum_s). `computed` is called once this rank's
+        gradients are evaluated, before it waits on its peers."""
         t0 = time.perf_counter()
         flat, loss, tokens = self.grad_sums(examples)
         compute = time.perf_counter() - t0
+        if computed is not None:
+            computed()
         # Read after the compute, just before the all_sum: a stop asked for during this step's
         # micro batches still ends the group after this step, not the next.
         stop = stop_requested() if callable(stop_requested) else stop_requested
@@ -191,10 +194,10 @@ class Stepper:
 
     def step(
         self, examples: list[Example], lr: float, stop_requested: StopFlag = False, announce: list[int] | None = None,
-        checkpoint: bool = False,
+        checkpoint: bool = False, computed: Callable[[], None] | None = None,
     ) -> StepStats:
         """One optimizer step; `checkpoint` (read on rank 0 only) asks every rank to checkpoint after it."""
-        sums, ctl_sum, all_sum_s = self.reduce_sums(examples, stop_requested, announce, checkpoint)
+        sums, ctl_sum, all_sum_s = self.reduce_sums(examples, stop_requested, announce, checkpoint, computed)
         self.optimizer.learning_rate = mx.array(lr, dtype=mx.float32)
         norm = self.apply(sums, ctl_sum)
         # The step's sync point: parameters, optimizer state and the statistics, in one eval.
