@@ -57,7 +57,7 @@ def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
         print(f"{size(sum(e.held for e in entries if not e.adopted)) or '0B'} in {cache.root}")
         return 0
     try:
-        held = lock(state)
+        fd = lock(state)
     except Exception as e:  # StateDirBusy names the running dpd's pid
         print(f"dpd cache prune: {e}; a running dpd prunes its cache itself (--cache-max)", file=sys.stderr)
         return 2
@@ -72,6 +72,6 @@ def main(args: argparse.Namespace, lock: Callable[[Path], int]) -> int:
             digest = found[0]
         freed = cache.prune(digest)
     finally:
-        os.close(held)
+        os.close(fd)
     print(f"freed {freed / 1e6:.1f} MB")
     return 0

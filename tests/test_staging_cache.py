@@ -891,3 +891,20 @@ def test_a_budget_lowered_since_the_trees_were_fetched_applies_at_start(tmp_path
     assert [e.digest for e in smaller.entries()] == [mid.digest]  # old went first, then new; mid is pinned
     assert [e["event"] for e in logs] == ["cache.evicted", "cache.evicted", "cache.over_budget"]
     assert Cache(tmp_path / "cache", max_bytes=10 * size).trim() == 0
+
+
+def test_dpd_cache_lists_and_prunes_a_state_dirs_trees(tmp_path: Path) -> None:
+    """The command a user runs on a stopped dpd's state dir: a table of what it holds (it failed
+    with a NameError whenever the cache held a tree), then a prune that empties it."""
+    state = tmp_path / "state"
+    source, m = staged(tmp_path, "corpus", TREE)
+    cache = Cache(state / "cache")
+    fetch(cache, m, source)
+    cache.complete(m)
+    env = {**os.environ, "HOME": str(tmp_path)}
+    listed = subprocess.run(["dpd", "cache", "--state-dir", str(state)], capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert m.digest[:12] in listed.stdout and "DIGEST" in listed.stdout and f"in {state / 'cache'}" in listed.stdout
+    pruned = subprocess.run(["dpd", "cache", "prune", m.digest[:8], "--state-dir", str(state)], capture_output=True, text=True, env=env, timeout=60)
+    assert pruned.returncode == 0 and "freed" in pruned.stdout, pruned.stderr
+    assert Cache(state / "cache").entries() == []
