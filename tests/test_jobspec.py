@@ -276,6 +276,32 @@ def test_an_empty_file_is_not_the_document_held_out_when_none_falls_below_val_fr
     assert bytes(corpus.val).count(names[1].encode()) == 200  # the lowest-scoring document with text
 
 
+def test_a_file_replaced_with_its_size_and_time_kept_is_tokenized_again(tmp_path):
+    """A staged tree fetched again after damage holds new files of the same names, sizes and (the
+    cache's fixed) times: the tokens made from the damaged bytes must not be reused, or the node
+    differs from its peers for good."""
+    import os
+
+    from dpool.trainer.data import load_corpus
+
+    spec = parse_job({"name": "redo", "data": {"source": str(tmp_path / "d" / "*.txt")}, "train": {"steps": 5, "warmup_steps": 1}})
+    (tmp_path / "d").mkdir()
+    for i in range(4):
+        (tmp_path / "d" / f"doc{i}.txt").write_text(f"document {i} " * 300)
+    damaged = tmp_path / "d" / "doc1.txt"
+    good = damaged.read_bytes()
+    damaged.write_bytes(good.replace(b"document", b"documXnt", 1))
+    os.utime(damaged, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    before = load_corpus(spec, tmp_path / "cache")
+    fresh = tmp_path / "fresh.txt"  # the fetch writes a new file and moves it into place
+    fresh.write_bytes(good)
+    os.utime(fresh, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    os.replace(fresh, damaged)
+    after = load_corpus(spec, tmp_path / "cache")
+    assert after.key != before.key and after.fingerprint != before.fingerprint
+    assert b"documXnt" not in bytes(after.train) + bytes(after.val)
+
+
 def test_an_unset_warm_up_fits_a_short_run_and_a_given_one_is_checked():
     """The default warm-up (100 steps) is a tenth of a run shorter than that, not a refusal of a
     value the user never wrote; a warm-up the user gives longer than the run is still refused."""

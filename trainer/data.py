@@ -104,12 +104,20 @@ def is_validation(ident: str, seed: int, val_fraction: float) -> bool:
     return split_score(ident, seed) < val_fraction
 
 
+def file_stamp(path: Path) -> bytes:
+    """What a cache of tokens made from `path` is keyed on: its name, size, modification time, and
+    its inode and change time, which nobody can set back. A file replaced by another of the same
+    size with its time put back (a staged tree fetched again after damage: the cache gives every
+    file one fixed time) is a new stamp, so the tokens made from the damaged bytes are not reused."""
+    st = path.stat()
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}\n".encode()
+
+
 def sources_key(spec: JobSpec, files: list[Path]) -> str:
-    """Hash of what the token stream is made of: file names, sizes and times, and the split."""
+    """Hash of what the token stream is made of: the files' stamps, and the split."""
     h = hashlib.sha256(f"v{CACHE_FORMAT}:{spec.data.val_fraction}:{spec.train.seed}".encode())
     for p in files:
-        st = p.stat()
-        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(file_stamp(p))
     return h.hexdigest()[:20]
 
 

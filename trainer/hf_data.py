@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dpool.protocol.jobspec import JobSpec, data_location
-from dpool.trainer.data import DataError, is_validation
+from dpool.trainer.data import DataError, file_stamp, is_validation
 from dpool.trainer.lm_data import (
     CACHE_FORMAT,
     Features,
@@ -169,8 +169,7 @@ def _cache_key(spec: JobSpec, parts: dict[str, list[_Part]], tokenizer_files: li
         for p in ps:
             h.update(f"{name}:{p.label}:{p.fmt}:{getattr(p.ds, '_fingerprint', None)}:{len(p.ds)}\n".encode())
     for p in tokenizer_files:
-        st = p.stat()
-        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(file_stamp(p))
     return h.hexdigest()[:20]
 
 

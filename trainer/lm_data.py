@@ -31,7 +31,7 @@ import numpy as np
 
 from dpool.protocol.joberrors import one_line
 from dpool.protocol.jobspec import JobSpec, data_location
-from dpool.trainer.data import DataError, is_validation, split_score
+from dpool.trainer.data import DataError, file_stamp, is_validation, split_score
 
 CACHE_FORMAT = 3  # 2: a test.jsonl beside the data is read too; 3: the test split fingerprinted apart
 FORMATS = {
@@ -246,8 +246,7 @@ def _cache_key(spec: JobSpec, files: list[Path], tokenizer_files: list[Path]) ->
     if (f := features(spec)) != DEFAULT_FEATURES:
         h.update(f"{f}\n".encode())
     for p in files + tokenizer_files:
-        st = p.stat()
-        h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(file_stamp(p))
     return h.hexdigest()[:20]
 
 
