@@ -12,7 +12,8 @@ taken from the current folder as mlx-lm takes them, and mlx-lm's counts of itera
 `steps_per_eval`, `save_every`, `steps_per_report`) become optimizer steps (an iteration is one
 micro batch; with `grad_accumulation_steps = g`, g iterations make one update). A key dpool cannot
 honour is an error naming it, never dropped; a key that does not change what is trained (where
-mlx-lm writes its adapters, its cache threshold) is noted (`Converted.notes`), not refused.
+mlx-lm writes its adapters, its cache threshold) or that mlx-lm itself does not read (lora_parameters
+with fine_tune_type full, data beside hf_dataset) is noted (`Converted.notes`), not refused.
 
 Pure: no MLX, no file system beyond reading the config itself.
 """
@@ -166,12 +167,17 @@ def job_document(config: dict[str, Any], source: str, name: str) -> Converted:
     model["grad_checkpoint"] = c["grad_checkpoint"]
     if c["resume_adapter_file"] is not None:
         model["adapters"] = c["resume_adapter_file"]
-    _lora_parameters(c["lora_parameters"], model, source)
+    if c["fine_tune_type"] != "full":
+        _lora_parameters(c["lora_parameters"], model, source)
+    elif config.get("lora_parameters") is not None:
+        # mlx-lm's train_model sets lora_parameters to None for full: the weights themselves are trained.
+        out.notes.append("lora_parameters: fine_tune_type = full trains the model's own weights, not adapters; "
+                         "the adapters' rank, scale, dropout and keys are not used (mlx-lm ignores them too)")
 
-    if "hf_dataset" in config:
+    if config.get("hf_dataset") is not None:  # mlx-lm's load_dataset: hf_dataset wins, data is not read
         data["hf_dataset"] = config["hf_dataset"]
-        if "data" in config:
-            raise JobFileError(source, "data", config["data"], "give either data or hf_dataset, not both (mlx-lm reads hf_dataset and ignores data)")
+        if config.get("data") is not None:
+            out.notes.append(f"data = {config['data']!r}: the examples come from hf_dataset; data is not used (mlx-lm ignores it too)")
     else:
         data["source"] = c["data"]
         folder = Path(str(c["data"])).expanduser()  # relative: to the current folder, as mlx-lm and the job resolve it

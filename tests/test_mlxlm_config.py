@@ -169,6 +169,43 @@ def test_mlx_lms_example_config_is_the_hand_written_job(tmp_path: Path) -> None:
     assert any("adapter_path" in n for n in made.notes)  # where mlx-lm writes adapters: said, not dropped
 
 
+def test_full_fine_tuning_ignores_lora_parameters_as_mlx_lm_does(tmp_path: Path) -> None:
+    """mlx-lm's example config with `fine_tune_type: full` runs under `mlx_lm lora -c` (its
+    train_model drops lora_parameters for full): it is the hand-written full job, keys and all
+    ignored, and the note says so. A job file that itself asks for full with lora_keys is refused."""
+    text = EXAMPLE.format(model="/models/qwen", data="/data/sql").replace("fine_tune_type: lora", "fine_tune_type: full")
+    made = convert(text.replace("rank: 8", "rank: 16"), tmp_path)
+    spec = parse_job(made.job, source="lora_config.yaml", base_dir=str(tmp_path))
+    assert spec.model.fine_tune == "full" and spec.model.lora_keys is None
+    assert any("lora_parameters: fine_tune_type = full" in n and "not used" in n for n in made.notes), made.notes
+    hand = HAND_WRITTEN.format(model="/models/qwen", data="/data/sql").replace('fine_tune = "lora"', 'fine_tune = "full"')
+    hand = "\n".join(line for line in hand.splitlines() if not line.startswith("lora_") or line.startswith("lora_layers"))
+    (tmp_path / "hand.toml").write_text(hand)
+    assert spec.training_hash() == load_job(tmp_path / "hand.toml").training_hash()
+    (tmp_path / "keys.toml").write_text(hand.replace('fine_tune = "full"', 'fine_tune = "full"\nlora_keys = ["self_attn.q_proj"]'))
+    with pytest.raises(JobFileError, match=r"model\.lora_keys.*only for model\.fine_tune = 'lora' or 'dora'"):
+        load_job(tmp_path / "keys.toml")
+    assert not any("lora_parameters" in n for n in convert("model: m\nfine_tune_type: full\n", tmp_path).notes)
+
+
+def test_hf_dataset_wins_over_data_as_in_mlx_lm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example config's `data:` line with its `hf_dataset:` block uncommented: mlx-lm's
+    load_dataset reads hf_dataset and not data; so does the job, and the note says data is unused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"text": "x"}\n')  # no valid.jsonl: not the job's data, no note on it
+    text = EXAMPLE.format(model="/models/qwen", data="data") + (
+        "\nhf_dataset:\n  path: billsum\n  train_split: train[:1000]\n  valid_split: train[-100:]\n"
+        "  prompt_feature: text\n  completion_feature: summary\n"
+    )
+    made = convert(text, tmp_path)
+    spec = parse_job(made.job, source="lora_config.yaml", base_dir=str(tmp_path))
+    assert "source" not in made.job["data"] and spec.data.source == "stdlib"
+    assert [d.path for d in spec.data.hf_dataset or ()] == ["billsum"]
+    assert any("data = 'data'" in n and "hf_dataset" in n and "not used" in n for n in made.notes), made.notes
+    assert not any("valid.jsonl" in n for n in made.notes), made.notes
+
+
 def test_accumulation_turns_iterations_into_steps(tmp_path: Path) -> None:
     """mlx-lm counts iterations (micro batches); g of them make one update."""
     made = convert(
