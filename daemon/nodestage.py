@@ -211,7 +211,7 @@ class NodeStaging:
             asked = self.asked.get(job)
             if asked is not None:
                 self.on_stage(asked, send)
-            return f"{key}: this node's copy changed since it was staged ({why}); the node stages it again"
+            return f"{key}: this node's copy changed since it was staged ({why}); the node stages the job again (fetching the job's files where its copy is the pool's, else sitting the job out where its own folder now differs)"
         return None
 
     def verify(self, job: str, send: Callable[[Message], None]) -> None:
@@ -417,7 +417,7 @@ class NodeStaging:
         if not diffs:
             return f"the files at {root} hold extra files beside the submitted ones (content {digest[:12]})"
         more = f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else ""
-        return f"{diffs[0]}{more}, at {root}; the job was submitted with other files"
+        return f"{diffs[0]}{more}, at {root}; the job's files are other ones (content {digest[:12]})"
 
     def _sources(self, digest: str) -> Callable[[], list[Source]]:
         def current() -> list[Source]:
