@@ -12,13 +12,13 @@ returns what the pool must send or record.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from dpool.daemon import scheduler as sched
 from dpool.daemon.jobstate import JobState
-from dpool.daemon.plan import FreeSlot
-from dpool.daemon.records import Action, Job, Node, Record, Send, Warming
+from dpool.daemon.plan import FreeSlot, Slot
+from dpool.daemon.records import Action, Hold, Job, Node, Record, Send, Warming
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 
@@ -73,6 +73,36 @@ def job_view(job: Job, waiting: bool, held: int, capacity: int | None) -> sched.
 def free_slots(job: Job, nodes: Iterable[Node], eligible: Eligible) -> list[FreeSlot]:
     """The free slots of the nodes that may serve the job, each with the step it holds of it."""
     return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in nodes if eligible(job.id, job.spec, n.name) for i in n.free()]
+
+
+def donor(job: Job, chosen: list[Slot], nodes: Mapping[str, Node], eligible: Eligible) -> Slot | None:
+    """A free slot of a leaving node (drained, or yielding to its owner) that holds a newer step of
+    a restarting job than any of the `chosen` slots: it runs one more rank of the next group only.
+    Checkpoints stay on the machines that wrote them, so without it a job whose every rank moved
+    to machines without one (a one-machine job drained) started again from step 0. That rank's
+    state reaches the others through the group's collective at start (trainer/restore.py), and at
+    the group's first step the pool moves the job off the node as a drain does (Pool._donated),
+    with its newest step now held by the ranks that stay. None when no leaving node holds a newer
+    step, or one more rank would not fit the job (a sequence per rank; diloco: a replica), or that
+    step was offered so once already (a donor whose rank failed is not asked again)."""
+    if not job.machine.generation:
+        return None
+    world = len(chosen) + 1
+    if world > job.spec.train.global_batch or (job.spec.sync.mode == "diloco" and world > job.spec.sync.replicas):
+        return None
+    have = max((nodes[s.node].resumable.get((job.id, s.index), 0) for s in chosen), default=0)
+    best: tuple[int, Slot] | None = None
+    for n in nodes.values():
+        if n.lost or n.hold not in (Hold.DRAINED, Hold.YIELDING) or not eligible(job.id, job.spec, n.name):
+            continue
+        for i in range(n.slots):
+            step = n.resumable.get((job.id, i), 0)
+            if step > have and i not in n.used and (best is None or step > best[0]):
+                best = (step, Slot(n.name, i))
+    if best is None or best[0] == job.donated:
+        return None
+    job.donated = best[0]
+    return best[1]
 
 
 def holders_busy(job: Job, free: list[FreeSlot], usable: list[Node], now: float) -> str | None:

@@ -881,7 +881,7 @@ class Pool:
         is a planned restart (`_reshape`: checkpoint at the next step and exit, so 0 steps are
         recomputed), and a stopped job whose target is 0 goes back to the queue with its checkpoint.
         """
-        actions: list[Action] = self._ask_fitness(now)
+        actions: list[Action] = self._ask_fitness(now) + self._donated(now)
         if not self.live:  # nothing to admit or resize: a thousand registrations cost no pass over the nodes
             self.decision = None
             return actions
@@ -910,7 +910,9 @@ class Pool:
                 continue
             chosen = choose_slots(free, job.spec.workers.min, start.slots)
             if chosen is not None:
-                actions += self._admit(job, chosen, now)
+                given = admission.donor(job, chosen, self.nodes, self.fitness.eligible)
+                job.donor = given.node if given else None
+                actions += self._admit(job, [*chosen, given] if given else chosen, now)
         for job_id, why in d.waits.items():
             job = self.live[job_id]
             job.waiting = why
@@ -927,6 +929,20 @@ class Pool:
                 job.warming = None  # a later growth asks again
         for r in d.resizes:
             actions += self._resize(self.live[r.job], r, now, claimed)
+        return actions
+
+    def _donated(self, now: float) -> list[Action]:
+        """A group that started with a leaving node's rank for its newest checkpoint (admission.donor)
+        has made its first step, so every rank holds that state: it checkpoints at the next step and
+        restarts without the node, as a drain moves it (nothing recomputed)."""
+        actions: list[Action] = []
+        for job in self.live.values():
+            if job.donor is None or job.state is not JobState.RUNNING or job.watch is None or job.watch.last_step is None:
+                continue
+            name, job.donor = job.donor, None
+            node = self.nodes.get(name)
+            if node is not None and not node.lost and node.hold in (Hold.DRAINED, Hold.YIELDING):
+                actions += self._reshape(job, now, f"node {name} is leaving; it gave the group its newest checkpoint")
         return actions
 
     def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]]) -> list[Action]:
@@ -995,7 +1011,7 @@ class Pool:
                     lost.lost_blames += 1
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
-                if action.kind == "group.resumed" and job.resize is not None:
+                if action.kind == "group.resumed" and job.resize is not None and job.donor is None:
                     # The first step after a resize: its cost is known (job.shrunk, job.grown).
                     note, job.resize = job.resize, None
                     made = sched.resumed_event(note, job.plan.world_size if job.plan else 0, action.fields)

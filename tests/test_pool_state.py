@@ -963,6 +963,34 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     assert pool.jobs["j"].machine.restarts == 0
 
 
+@pytest.mark.parametrize("leaves", ["drain", "yield"])
+def test_a_leaving_node_with_the_only_checkpoint_gives_it_to_the_next_group_then_leaves(leaves: str) -> None:
+    """A one-machine job on a, b idle: checkpoints stay where they were written, so a group on b
+    alone started from step 0. a runs one rank of the next group (its state reaches b through the
+    group's collective), and at that group's first step the job checkpoints and moves to b alone."""
+    pool = running_pool(("a",), hi=1)
+    join(pool, "b", 1, now=1.5)
+    out = pool.drain(2.0, "a") if leaves == "drain" else pool._then_schedule(2.0, pool.owner_yield(2.0, pool.nodes["a"], "owner active"))
+    assert [s.node for s in sends(out, m.GroupStop)] == ["a"]
+    pool.checkpoint(2.1, "a", "j", 1, 0, 0, 8, 0.01)
+    out = pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
+    assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"]
+    out = restart(pool, out, 3.0, resume=8)
+    plan = pool.jobs["j"].plan
+    assert plan is not None and [s.node for s in plan.ranks] == ["b", "a"]  # the donor last
+    assert records(out, "group.resumed")[0]["from_step"] == 8 and records(out, "job.shrunk") == []
+    stop = sends(out + pool.schedule(5.0), m.GroupStop)
+    assert sorted(s.node for s in stop) == ["a", "b"] and all(s.msg.mode == "checkpoint" for s in stop)  # type: ignore[attr-defined]
+    pool.checkpoint(5.1, "b", "j", 2, 0, 0, 9, 0.01)
+    pool.checkpoint(5.1, "a", "j", 2, 1, 0, 9, 0.01)
+    pool.worker_exited(5.2, "a", "j", 2, 1, 0, 75, False)
+    out = pool.worker_exited(5.2, "b", "j", 2, 0, 0, 75, False)
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["b"]  # b holds step 9 now: no donor
+    out = restart(pool, out, 6.0, resume=9, gen=3)
+    assert records(out, "group.resumed")[0]["steps_recomputed"] == 0
+    assert pool.jobs["j"].machine.restarts == 0 and sends(out, m.GroupStop) == []
+
+
 def test_a_growth_waits_for_warm_trainers_no_longer_than_a_cold_start_may_take() -> None:
     pool = running_pool(("a", "b"), hi=3, start_timeout=1.0)
     assert sends(join(pool, "c", 1, now=2.0), m.JobWarm)  # c never answers

@@ -309,6 +309,23 @@ def test_drain_moves_work_off_a_node_without_recomputing(pool: Pool, tmp_path: P
     assert pool.dpctl("drain", "no-such-node").returncode == 2
 
 
+def test_drain_of_the_one_machine_a_job_runs_on_moves_its_checkpoint_too(pool: Pool, tmp_path: Path, reference: Any) -> None:
+    """Checkpoints stay where they were written: a one-machine job drained onto a machine that
+    holds none started again from step 0. The drained machine runs one rank of the next group,
+    whose collective carries its state to the new machine, and then leaves: nothing recomputed."""
+    pool.start(2)
+    job = pool.submit(job_file(tmp_path, "drain-one", hi=1))
+    mid_run(pool, job, step=6)
+    (here,) = [n for n in ("n0", "n1") if pool.trainer_pids(n, job)]
+    assert pool.dpctl("drain", here).returncode == 0
+    events = pool.finish(job, reference)
+    resumed = kinds(events, "group.resumed")
+    assert len(resumed) == 2 and all(r["steps_recomputed"] == 0 and r["from_step"] >= 6 for r in resumed), resumed
+    started = kinds(events, "group.started")
+    assert [s["world_size"] for s in started] == [1, 2, 1], started
+    assert kinds(events, "worker.failed") == [] and kinds(events, "node.drained"), events
+
+
 def test_below_workers_min_the_job_waits_queued_then_finishes(pool: Pool, tmp_path: Path, reference: Any) -> None:
     pool.start(2)
     job = pool.submit(job_file(tmp_path, "below-min", lo=2, hi=2))
