@@ -7,9 +7,17 @@ looks (a page open and streaming, a page loaded, a /metrics scrape in the last I
 `nodes`, the first page of `status`, and for each job a page shows, its `status` and the rows that
 came since the last poll (metrics, events, logs and samples, by their cursors; at most
 PAGES_PER_POLL pages of each a poll, so a long history is caught up over a few polls rather than
-in one burst). An older page of the job list is read when it is asked for, and again at most every
-OLD_PAGE_S seconds while it is shown. With nobody looking the thread sleeps and the coordinator
-sees nothing.
+in one burst). A job that ended and was read whole costs its page one `status` a poll: nothing
+else of it will change, but it can be removed (`dpctl rm`), or its name come to name a newer job.
+An older page of the job list is read when it is asked for, and again at most every OLD_PAGE_S
+seconds while it is shown. With nobody looking the thread sleeps and the coordinator sees nothing.
+
+For /metrics: the whole job list every METRICS_LIST_S seconds (however long the history, a
+PAGE_LIMIT page a request), and every poll the first page, as for the pages, and the status and
+events of the jobs that have series of their own (at most 110; one that ended and was read whole is
+not asked again, its row of the list says all). Its counts and series are the list's as last read,
+with what was read since laid over it: never an older answer over a newer one, never a job the
+list no longer holds.
 
 A coordinator that does not answer (it restarts) is asked again at the next poll, on a new socket
 (ZeroMQ's reconnection would not drop what was queued for the old peer); the pages keep what they
@@ -37,7 +45,7 @@ from dpool.protocol.security import ClientKeys
 INTEREST_S = 10.0  # a page loaded (or a scrape) keeps the poller busy this long; a stream as long as it is open
 PAGES_PER_POLL = 4  # pages of one kind of row read for one job in one poll
 JOBS_PAGE = 50  # jobs a page of the list shows
-FOLLOWED_MAX = 160  # jobs followed at once: the pages asked for, then for /metrics the jobs it shows (events only)
+FOLLOWED_MAX = 160  # job pages followed at once, the newest asked (one asked for again reads only what came since); /metrics' jobs apart
 METRICS_LIST_S = 15.0  # while /metrics is scraped, the whole job list is read again this often (a page of
 METRICS_JOBS_MAX = 20_000  # PAGE_LIMIT jobs a request, up to this many): the counts of jobs by state
 OLD_PAGE_S = 10.0  # an older page of the job list, while shown, is read again this often
@@ -119,7 +127,8 @@ class Poller:
         self.nodes: list[NodeRow] = []
         self.first = ListPage(None)
         self.pages: collections.OrderedDict[str, ListPage] = collections.OrderedDict()
-        self.follows: collections.OrderedDict[str, JobFollow] = collections.OrderedDict()
+        self.follows: collections.OrderedDict[str, JobFollow] = collections.OrderedDict()  # by the ref a page asked for
+        self.series: dict[str, JobFollow] = {}  # by id: the jobs with series of their own in /metrics (prometheus.series_jobs)
         self.paged = True  # the coordinator takes status with a limit (an older one lists every job at once)
         self.polls = 0
         self.requests = 0  # sent to the coordinator, in all
@@ -237,11 +246,15 @@ class Poller:
             if "metrics" in wanted and time.monotonic() - self._all_read_at > METRICS_LIST_S:
                 self._all_jobs, self._all_read_at = self.read_all(), time.monotonic()
                 self._all_wire = {j.id: status_object(j, JobTimes.of(j), now) for j in self._all_jobs}
-            pages = {views.job_ref(v) for v in wanted if v.startswith("job:")}
-            for follow in self.followed(wanted):
-                self.read_job(follow, full=follow.ref in pages)
             if "metrics" in wanted:
-                self.metrics_snapshot = self.for_metrics(now)
+                self.series = self.series_follows()
+            pages = {views.job_ref(v) for v in wanted if v.startswith("job:")}
+            said: dict[str, JobStatus | None] = {}  # the status each job read this poll has now, by its ref (None: no such job now)
+            for follow in self.followed(wanted):
+                if self.read_job(follow, full=follow.ref in pages):
+                    said[follow.ref] = follow.status
+            if "metrics" in wanted:
+                self.metrics_snapshot = self.for_metrics(now, said)
         except Unreachable as e:
             if self.conn.ok or self.conn.since is None:
                 self.conn = Conn(False, str(e), now, self.conn.polled)
@@ -309,41 +322,51 @@ class Poller:
     # -- one job ---------------------------------------------------------------------------------
 
     def followed(self, wanted: list[str]) -> list[JobFollow]:
-        """The jobs to read this poll: those whose page is wanted, then (for /metrics) the active
-        jobs of the list's first page; at most FOLLOWED_MAX, the least recently wanted dropped."""
-        refs = [views.job_ref(v) for v in wanted if v.startswith("job:")]
-        if "metrics" in wanted:
-            from dpool.dashboard.prometheus import series_jobs
-
-            refs += series_jobs([{"id": j.id, "state": j.state, "submitted": j.submitted, "finished": j.finished} for j in self._all_jobs])
-        out = []
-        for ref in list(dict.fromkeys(refs))[:FOLLOWED_MAX]:
-            follow = self.follows.get(ref)
-            if follow is None:
-                follow = self.follows[ref] = JobFollow(ref)
+        """The jobs to read this poll, each once: those whose page is wanted (the FOLLOWED_MAX
+        wanted last are kept, the others forgotten), then for /metrics the jobs of its series."""
+        out: dict[int, JobFollow] = {}
+        for ref in list(dict.fromkeys(views.job_ref(v) for v in wanted if v.startswith("job:")))[:FOLLOWED_MAX]:
+            follow = self.follows.get(ref) or self.series.get(ref) or JobFollow(ref)
+            self.follows[ref] = follow
             self.follows.move_to_end(ref)
-            out.append(follow)
+            out[id(follow)] = follow
         while len(self.follows) > FOLLOWED_MAX:
             self.follows.popitem(last=False)
-        return out
+        if "metrics" in wanted:
+            out.update((id(f), f) for f in self.series.values())
+        return list(out.values())
 
-    def read_job(self, f: JobFollow, *, full: bool = True) -> None:
+    def series_follows(self) -> dict[str, JobFollow]:
+        """The jobs with series of their own in /metrics, as the whole list says (the first page's
+        rows over it: they are newer), each with what was read of it before; a job that left the
+        set, or the list, is forgotten."""
+        from dpool.dashboard.prometheus import series_jobs
+
+        listed = {j.id: j for j in self._all_jobs} | {j.id: j for j in self.first.jobs}
+        ids = series_jobs([{"id": j.id, "state": j.state, "submitted": j.submitted, "finished": j.finished} for j in listed.values()])
+        return {i: self.series.get(i) or self.follows.get(i) or JobFollow(i) for i in ids}
+
+    def read_job(self, f: JobFollow, *, full: bool = True) -> bool:
         """Read what came of the job since the last poll: its status and events, and with `full`
-        (a page shows it) its metrics, output and samples too."""
-        if f.settled:
-            return  # ended and read whole: nothing will change
+        (a page shows it) its metrics, output and samples too. Whether its status was read: a job
+        that ended and was read whole is asked nothing more for /metrics alone (its row of the
+        list says all), and only its status for a page."""
+        if f.settled and not full:
+            return False
         try:
             status = self.call(m.Status(job=f.ref), m.StatusReply).jobs[0]
         except RemoteError as e:
             if e.code != m.ErrorCode.NOT_FOUND:
                 raise
-            f.not_found(e.message)
-            return
-        f.saw_status(status)
+            f.not_found(e.message)  # removed (`dpctl rm`): the page says so, /metrics no longer counts it
+            return True
+        f.saw_status(status)  # a name that now names a newer job starts it over, unsettled
+        if f.settled:
+            return True
         job, ended = status.id, status.state in TERMINAL
         done = self._pages(lambda after: m.Events(job=job, after=after), m.EventsReply, f.cursors.events, lambda r: f.saw_events(r.events, r.cursor))
         if not full:
-            return
+            return True
         done = all(
             (
                 done,
@@ -353,6 +376,7 @@ class Poller:
             )
         )
         f.settled = ended and done
+        return True
 
     def _pages(self, ask: Callable[[int], m.Message], expect: type[Any], after: int, take: Callable[[Any], None]) -> bool:
         """Up to PAGES_PER_POLL pages from cursor `after`; whether the last one said no more."""
@@ -366,19 +390,23 @@ class Poller:
 
     # -- what /metrics reads ---------------------------------------------------------------------
 
-    def for_metrics(self, now: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    def for_metrics(self, now: float, said: dict[str, JobStatus | None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
         """(nodes, jobs, events by job) as `dpctl nodes --json`, `status --json` and `events
-        JOB --json` print them: what dashboard/prometheus.py renders."""
+        JOB --json` print them: what dashboard/prometheus.py renders. The jobs are the whole list
+        as last read, with the rows read this poll over it: the first page's, then the status of
+        each job read (`said`, by the ref it was read by; None: the coordinator knows no such job
+        now, and it goes). A status read in an earlier poll is never laid over the list: a job
+        that left a page or the series is the list's to say."""
         nodes = [n.to_wire() for n in self.nodes]
-        fresh = {j.id: j for j in self.first.jobs}
+        fresh = {j.id: j for j in self.first.jobs} | {s.id: s for s in said.values() if s is not None}
+        gone = {ref for ref, s in said.items() if s is None}
+        jobs = {k: v for k, v in self._all_wire.items() if k not in gone} | {k: status_object(j, JobTimes.of(j), now) for k, j in fresh.items() if k not in gone}
         events: dict[str, list[dict[str, Any]]] = {}
-        for f in self.follows.values():
-            if f.status is not None:
-                fresh[f.status.id] = f.status
+        for f in self.series.values():
+            if f.status is not None and f.status.id in jobs:
                 # every restart (the newest RESTARTS_MAX), though the other events kept are the newest only
                 kept = sorted([*f.resumed, *(e for e in f.events if e.kind != "group.resumed")], key=lambda e: e.t)
                 events[f.status.id] = [e.to_wire() for e in kept]
-        jobs = dict(self._all_wire) | {k: status_object(j, JobTimes.of(j), now) for k, j in fresh.items()}
         return nodes, list(jobs.values()), events
 
     # -- rendering -------------------------------------------------------------------------------

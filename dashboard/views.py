@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 EVENTS_SHOWN = 100
 NODES_SHOWN = 500
+TITLE_CHARS = 4096  # of a cell's text cut short, its tooltip holds this many
 ACTIVE = ("queued", "starting", "running", "recovering")
 
 
@@ -115,10 +116,27 @@ def moment(t: float | None, now: float, *, ms: bool = False) -> str:
 
 
 def table(headers: list[str], rows: list[list[str]], cls: str = "") -> str:
-    """Cells are HTML already (escape what goes in)."""
+    """Cells are HTML already (escape what goes in). In a box of its own that scrolls sideways
+    when the table is wider than the screen (a phone): the page itself never does."""
     head = "".join(f"<th>{escape(h)}</th>" for h in headers)
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="scroll"><table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
+
+
+def clipped(text: str | None, chars: int) -> str:
+    """Text for a cell of a table: whole when it has at most `chars` characters, else cut at the
+    last space before them with an ellipsis, the whole of it in the tooltip (`title`; at most
+    TITLE_CHARS, the most a job's error holds: an event's details can hold more, `dpctl events`
+    shows them)."""
+    if not text:
+        return "-"
+    if len(text) <= chars:
+        return html_text(text)
+    head = text[:chars]
+    if not text[chars].isspace() and len(words := head.rsplit(None, 1)) == 2:
+        head = words[0]  # the word the cut falls in is left out (a word longer than the cell is cut)
+    whole = text if len(text) <= TITLE_CHARS else text[:TITLE_CHARS] + " …"
+    return f'<span title="{html_text(whole)}">{html_text(head.rstrip())}…</span>'
 
 
 def state_badge(state: str) -> str:
@@ -195,7 +213,7 @@ def jobs_table(root: str, jobs: list[JobStatus], now: float) -> str:
         eta = eta_of(j, now)
         rows.append([
             job_link(root, j.id), e(j.name), state_badge(j.state), progress(j), e(num(j.loss)), e(num(j.val_loss)),
-            e(duration(eta)), str(j.world_size or "-"), str(j.generation), moment(j.submitted, now), e(j.error[:200] if j.error else None),
+            e(duration(eta)), str(j.world_size or "-"), str(j.generation), moment(j.submitted, now), clipped(j.error, 200),
         ])
     return table(["job", "name", "state", "step", "loss", "val loss", "ETA", "workers", "gen", "submitted", "error"], rows, "jobs")
 
@@ -311,7 +329,7 @@ def events_html(f: JobFollow, now: float) -> str:
     for ev in newest:
         details = " ".join(f"{k}={value_text(v)}" for k, v in ev.fields.items())
         cls = "failure" if ev.kind in ("worker.failed", "group.aborted") else ("restart" if ev.kind == "group.resumed" else "")
-        rows.append([f'<span class="{cls}">{moment(ev.t, now, ms=True)}</span>', f'<span class="{cls}">{html_text(ev.kind)}</span>', html_text(details[:400]), escape(cost(ev))])
+        rows.append([f'<span class="{cls}">{moment(ev.t, now, ms=True)}</span>', f'<span class="{cls}">{html_text(ev.kind)}</span>', clipped(details, 400), escape(cost(ev))])
     more = f.event_count - len(newest)
     note = f'<p class="quiet">the newest {len(newest)} of {f.event_count} events (`dpctl events {escape(f.status.id if f.status else f.ref)}` lists them all)</p>' if more > 0 else ""
     return table(["time", "event", "details", "cost"], rows, "events") + note

@@ -471,6 +471,34 @@ def test_an_ended_job_has_no_world_size_in_metrics(told: tuple[Running, str, str
     assert not [s for s in families["dpool_job_world_size"].samples if s.labels["job"] == job], got
 
 
+def test_a_removed_job_leaves_its_page_and_metrics_within_a_poll_or_two(tmp_path: Path, processes: Processes) -> None:
+    """A job's page seen while it was there, then `dpctl rm JOB`: the page answers 404 and
+    /metrics no longer counts the job nor gives it a series, as `dpctl status` no longer lists it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    coordinator = Running(tmp_path / "coordinator")
+    try:
+        gone, kept = (coordinator.call(m.Submit(job=QUEUED, source="test"), m.Submitted).job_id for _ in range(2))
+        for job in (gone, kept):
+            coordinator.call(m.Cancel(job=job), m.CancelReply)
+        d = start_dashboard(processes, tmp_path, coordinator.addr, poll=0.2)
+
+        def scraped() -> tuple[float, set[str]]:
+            families = {f.name: f for f in text_string_to_metric_families(get(d.url + "metrics")[2])}
+            cancelled = next(s.value for s in families["dpool_jobs"].samples if s.labels["state"] == "cancelled")
+            return cancelled, {s.labels["job"] for s in families["dpool_job_step"].samples}
+
+        wait_page(d.url + f"jobs/{gone}", [f"<h1>{gone}</h1>", "cancelled"])  # ended, and read whole: nothing else of it will change
+        assert wait_for("both jobs in /metrics", lambda: (got := scraped()) == (2, {gone, kept}) and got, 30)
+        coordinator.call(m.Rm(job=gone), m.RmReply)
+        assert [j.id for j in coordinator.call(m.Status(), m.StatusReply).jobs] == [kept]
+        wait_for("the removed job's page to answer 404", lambda: get(d.url + f"jobs/{gone}")[0] == 404, 10)
+        assert wait_for("the removed job gone from /metrics", lambda: (got := scraped()) == (1, {kept}) and got, 30)  # the whole list is read every 15 s
+        assert get(d.url + f"jobs/{kept}")[0] == 200
+    finally:
+        coordinator.stop()
+
+
 # -- keys and tokens ------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ of dpds training a small GPT job: the pool page lists the nodes; the job's page 
 curve; the step advances on screen without a reload; after a trainer is killed a restart marker
 appears (still without a reload); the pages ask nothing of any other host; /metrics counts the
 restart. The three pages are saved as screenshots under the test's folder (and copied to
-$DPOOL_SCREENSHOTS, when set, as the README's docs/dashboard-*.png are made)."""
+$DPOOL_SCREENSHOTS, when set, as the README's docs/dashboard-*.png are made). No page is wider than
+a phone's screen or a desktop's window, whatever a job's error says."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 from conftest import LocalPool, Processes, wait_for
 from dashboard_harness import get, start_dashboard
+from fakenode import FakeRank0
 from jobs import write_job
+from peers import Running
+
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import parse_job
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -171,3 +178,74 @@ def test_a_page_rides_out_a_restart_of_the_coordinator_and_of_the_dashboard(brow
     wait_for("the page streaming again", lambda: js("return document.body.getAttribute('data-live') || ''") == "live", 60)
     wait_for("an update from the new dashboard", lambda: js("return document.body.getAttribute('data-updated') || ''") != seen, 30)
     assert js("return window.__stillHere") == "not reloaded"
+
+
+# the last line a trainer printed, as long as a node carries one (ERROR_LINE_MAX): a path with no
+# space to break it at, then words
+LONG_ERROR = (
+    "FileNotFoundError: /srv/datasets/" + "/".join(f"corpus-shard-{i:04d}" for i in range(9))
+    + "/train.jsonl is not on this machine; " + " ".join(["copy the data folder to every node or name a folder they share"] * 3)
+)[:400]
+
+
+def test_no_page_is_wider_than_a_phone_or_a_desktop_window_and_a_long_error_can_be_read_whole(browser, tmp_path: Path, processes: Processes) -> None:  # type: ignore[no-untyped-def]
+    """A job failed with a long error, jobs queued behind it, a node: at 400 px (a phone) and at
+    1400 px, no page scrolls sideways; a table wider than the screen scrolls in its own box, where
+    its last column can be reached; the list cuts a long error with an ellipsis and holds the whole
+    of it in a tooltip. A real coordinator, its node a test's own (tests/fakenode.py)."""
+    coordinator = Running(tmp_path / "coordinator")
+    node = None
+    try:
+        node = FakeRank0(coordinator.addr, name="node-with-a-rather-long-name-0001")
+        spec = parse_job({"name": "fails", "workers": {"min": 1, "max": 1}, "train": {"steps": 5, "warmup_steps": 1}, "recovery": {"max_restarts": 0}}).to_dict()
+        failed = coordinator.call(m.Submit(job=spec, source="fails.toml"), m.Submitted).job_id
+        generation = node.take(failed)
+        node.report(m.NodeWorkerExited(job=failed, generation=generation, rank=0, slot=node.slot, code=3, stopped=False, error=LONG_ERROR))
+        error = wait_for("the job failed", lambda: (s := coordinator.call(m.Status(job=failed), m.StatusReply).jobs[0]).state == "failed" and s.error, 20)
+        assert LONG_ERROR in error
+        queued = parse_job({"name": "waits", "workers": {"min": 64, "max": 64}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()
+        for _ in range(3):
+            coordinator.call(m.Submit(job=queued, source="waits.toml"), m.Submitted)
+        d = start_dashboard(processes, tmp_path, coordinator.addr, poll=0.2)
+        pages = {  # each page, and what it shows once it read the pool
+            d.url: ("#nodes .node-name", "#active .state-queued"),
+            d.url + "jobs": ("#jobs .state-failed",),
+            d.url + f"jobs/{failed}": ("#events .failure", "#summary .error"),
+        }
+
+        def js(script: str, *args: object) -> Any:
+            return browser.execute_script(script, *args)
+
+        for width in (400, 1400):
+            browser.set_window_size(width, 900)
+            assert js("return window.innerWidth") == width
+            for url, shown in pages.items():
+                browser.get(url)
+                wait_for(f"{url} drawn", lambda: all(js("return !!document.querySelector(arguments[0])", css) for css in shown), 30)  # noqa: B023
+                wide, window = js("return [document.documentElement.scrollWidth, window.innerWidth]")
+                assert wide <= window, (url, width, wide)
+                # every table's last column can be brought on screen: the box around it scrolls
+                cut = js("""
+                    const out = [];
+                    for (const table of document.querySelectorAll('main table')) {
+                      let box = table.parentElement;
+                      while (box && box !== document.body && !['auto', 'scroll'].includes(getComputedStyle(box).overflowX)) box = box.parentElement;
+                      if (box && box !== document.body) box.scrollLeft = box.scrollWidth;
+                      const last = table.querySelector('tr > :last-child').getBoundingClientRect();
+                      if (last.right > window.innerWidth + 1) out.push([table.className, last.right]);
+                    }
+                    return out;""")
+                assert cut == [], (url, width, cut)
+        # the list's error column: cut with an ellipsis, the whole error in its tooltip
+        browser.get(d.url + "jobs")
+        wait_for("the list drawn", lambda: js("return !!document.querySelector('#jobs .state-failed')"), 30)
+        text, title = js("const td = [...document.querySelectorAll('#jobs tr')].find(r => r.textContent.includes(arguments[0])).lastElementChild;"
+                         "const t = td.querySelector('[title]'); return [td.textContent, t ? t.getAttribute('title') : null];", failed)
+        assert title == error, (text, title)
+        head = text.removesuffix("…").rstrip()
+        assert text.endswith("…") and error.startswith(head) and len(head) < len(error), text
+        assert error[len(head)].isspace(), text  # cut between two words, not in one
+    finally:
+        if node is not None:
+            node.close()
+        coordinator.stop()

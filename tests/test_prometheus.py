@@ -13,12 +13,17 @@ import pytest
 from conftest import LocalPool, Processes, free_port, wait_for
 from dashboard_harness import get, start_dashboard
 from jobs import write_job
+from peers import Running
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
+from dpool.dashboard import poller as poller_module
+from dpool.dashboard.poller import Poller
 from dpool.dashboard.prometheus import MAX_ACTIVE, MAX_ENDED, render, series_jobs
+from dpool.protocol import messages as m
+from dpool.protocol.jobspec import parse_job
 
 NODES = [
     {"name": "m1", "state": "busy", "memory_bytes": 68719476736, "slots": 2, "busy_slots": 2, "heartbeat_age_s": 0.25},
@@ -236,3 +241,51 @@ def test_a_scrape_of_a_pool_holds_its_nodes_and_job_and_counts_the_restart_after
     down = wait_for("dpool_up 0", lambda: (got := scrape_url(d.url + "metrics"))[("dpool_up", ())] == 0 and got, 60)
     assert after["dpool_coordinator_answered_timestamp_seconds", ()] <= down["dpool_coordinator_answered_timestamp_seconds", ()] <= time.time()
     assert down["dpool_nodes", (("state", "busy"),)] >= 0
+
+
+QUEUES = parse_job({"name": "waits", "workers": {"min": 64, "max": 64}, "train": {"steps": 5, "warmup_steps": 1}}).to_dict()  # more workers than any pool here
+
+
+def test_jobs_that_queued_and_were_cancelled_are_counted_as_the_coordinator_lists_them_with_no_series_left_from_the_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """199 jobs queue (a coordinator with no node) and /metrics gives series to the 100 newest.
+    Half of those are cancelled: read every poll, they count as cancelled at once, before the
+    whole list is read again. Then every job is cancelled: the scrape counts 199 cancelled and none
+    queued, as `dpctl status` does, and only the 10 that ended last keep series, none left from
+    when they queued. The dashboard's poller, in this process, against a real coordinator."""
+    coordinator = Running(tmp_path / "coordinator")
+    try:
+        ids = [coordinator.call(m.Submit(job=QUEUES, source="test"), m.Submitted).job_id for _ in range(199)]
+        p = Poller(coordinator.addr, None, lambda view, rendered: None, poll_s=1.0, timeout_s=5.0)
+
+        def scraped() -> tuple[dict[str, float], set[str]]:
+            p.round(["metrics"])
+            assert p.conn.ok and p.metrics_snapshot is not None, p.conn
+            body, _ = render(*p.metrics_snapshot)
+            families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+            counts = {s.labels["state"]: s.value for s in families["dpool_jobs"].samples}
+            return counts, {s.labels["job"] for s in families["dpool_job_step"].samples}
+
+        counts, labelled = scraped()
+        assert counts["queued"] == 199 and labelled == set(ids[-MAX_ACTIVE:]), (counts, len(labelled))
+        monkeypatch.setattr(poller_module, "METRICS_LIST_S", 1e9)  # the whole list is not read again
+        shown = ids[-MAX_ACTIVE:-50]  # with series, older than the newest page of the list (50)
+        for job in shown:
+            coordinator.call(m.Cancel(job=job), m.CancelReply)
+        counts, labelled = scraped()
+        assert (counts["cancelled"], counts["queued"]) == (len(shown), 199 - len(shown)), counts
+        assert len(labelled & set(shown)) == MAX_ENDED and len(labelled) == MAX_ACTIVE + MAX_ENDED, labelled  # 10 of them: the last that ended
+        monkeypatch.setattr(poller_module, "METRICS_LIST_S", 0.0)  # now read every poll (15 s apart otherwise)
+        for job in ids:
+            if job not in shown:
+                coordinator.call(m.Cancel(job=job), m.CancelReply)
+        listed = coordinator.call(m.Status(), m.StatusReply).jobs
+        assert {j.state for j in listed} == {"cancelled"} and len(listed) == 199
+        finished = {j.id: j.finished or 0.0 for j in listed}
+        for _ in range(3):
+            counts, labelled = scraped()
+            assert counts["cancelled"] == 199 and counts["queued"] == 0, counts
+            assert len(labelled) == MAX_ENDED and min(finished[j] for j in labelled) >= max(t for j, t in finished.items() if j not in labelled), labelled
+    finally:
+        coordinator.stop()
