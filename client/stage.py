@@ -23,6 +23,7 @@ from typing import Any
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 
 from dpool.client.rpc import Client
+from dpool.client.tables import size
 from dpool.protocol.content import TREES, source_root
 from dpool.protocol.jobspec import JobSpec, data_files, data_location, model_location, not_here
 from dpool.protocol.modeldir import model_dir_problem
@@ -116,7 +117,7 @@ def _send_all(reply: StageOfferReply, todo: list[tuple[Path, Manifest]], keys: C
     from dpool.staging.channel import Source
 
     total = sum(m.total_bytes for _, m in todo)
-    say(f"sending {total / 1e6:.1f} MB of the job's files to node {reply.target} (once; the pool copies them on)")
+    say(f"sending {size(total) or '0B'} of the job's files to node {reply.target} (once; the pool copies them on)")
     sent = 0
     source = Source(reply.endpoint, reply.key.encode() if reply.key else None, reply.target)
     for root, manifest in todo:
