@@ -70,9 +70,33 @@ def job_view(job: Job, waiting: bool, held: int, capacity: int | None) -> sched.
     )
 
 
-def free_slots(job: Job, nodes: Iterable[Node], eligible: Eligible) -> list[FreeSlot]:
-    """The free slots of the nodes that may serve the job, each with the step it holds of it."""
-    return [FreeSlot(n.name, i, n.resumable.get((job.id, i))) for n in nodes if eligible(job.id, job.spec, n.name) for i in n.free()]
+def free_slots(job: Job, nodes: Iterable[Node], eligible: Eligible, kept: dict[tuple[str, int], str] | None = None) -> list[FreeSlot]:
+    """The free slots of the nodes that may serve the job, each with the step it holds of it and
+    whether it is `kept` for another job (kept_for_resumes)."""
+    kept = kept or {}
+    return [
+        FreeSlot(n.name, i, n.resumable.get((job.id, i)), kept.get((n.name, i), job.id) != job.id)
+        for n in nodes if eligible(job.id, job.spec, n.name) for i in n.free()
+    ]
+
+
+def kept_for_resumes(jobs: Iterable[Job], usable: list[Node]) -> dict[tuple[str, int], str]:
+    """The slots holding the newest checkpoint of a job back in the queue (preempted, or below
+    its minimum), by job: another job's start or growth takes them last, so that the job resumes
+    there from its newest step rather than waiting HOLDER_WAIT_S and then starting further back."""
+    queued = {j.id for j in jobs if j.state is JobState.QUEUED and j.machine.generation}
+    if not queued:
+        return {}
+    holds: dict[str, list[tuple[str, int, int]]] = collections.defaultdict(list)
+    for n in usable:
+        for (j, i), step in n.resumable.items():
+            if j in queued:
+                holds[j].append((n.name, i, step))
+    out: dict[tuple[str, int], str] = {}
+    for j, slots in holds.items():
+        newest = max(step for _, _, step in slots)
+        out.update(((name, i), j) for name, i, step in slots if step == newest)
+    return out
 
 
 def donor(job: Job, chosen: list[Slot], nodes: Mapping[str, Node], eligible: Eligible) -> Slot | None:

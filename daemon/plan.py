@@ -25,6 +25,7 @@ class FreeSlot:
     node: str
     index: int
     holds_step: int | None
+    kept: bool = False  # it holds the newest checkpoint of another job waiting to resume: taken last
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,8 @@ class GroupPlan:
 def choose_slots(free: Sequence[FreeSlot], lo: int, hi: int) -> list[Slot] | None:
     """Up to `hi` slots (None when fewer than `lo` are free), in rank order.
 
-    Which: slots holding the newest checkpoint of the job first (no copy needed to resume), then one
+    Which: slots holding the newest checkpoint of the job first (no copy needed to resume), then
+    those that hold no other waiting job's newest checkpoint (`kept`: it resumes there), then one
     slot per node before a second on any node (nodes are the unit of compute). Rank order is
     stable: rank 0 on the slot holding the newest checkpoint (it loads and broadcasts it), the
     others by (node name, slot index), so a re-plan of the same membership gives the same ranks.
@@ -65,9 +67,9 @@ def choose_slots(free: Sequence[FreeSlot], lo: int, hi: int) -> list[Slot] | Non
         return None
     newest = max((f.holds_step for f in free if f.holds_step is not None), default=None)
 
-    def preference(f: FreeSlot) -> tuple[int, int, int, str]:
+    def preference(f: FreeSlot) -> tuple[int, bool, int, int, str]:
         holds = f.holds_step if f.holds_step is not None else -1
-        return (0 if newest is not None and holds == newest else 1, -holds, f.index, f.node)
+        return (0 if newest is not None and holds == newest else 1, f.kept, -holds, f.index, f.node)
 
     chosen = sorted(free, key=preference)[:hi]
     first = chosen[0] if newest is not None and chosen[0].holds_step == newest else None

@@ -902,9 +902,10 @@ class Pool:
             capacity = sum(n.slots for n in usable if fit(job.id, job.spec, n.name)) if needs_files(job.spec) or self.fitness.fits.get(job.id) else None
             views.append(admission.job_view(job, waiting, c.held[job.id], capacity))
         d = self.decision = sched.plan(now, c.total, c.free, views, self.policy)
+        kept = admission.kept_for_resumes(self.live.values(), usable) if d.starts or d.resizes else {}
         for start in d.starts:
             job = self.live[start.job]
-            free = admission.free_slots(job, self.nodes.values(), self.fitness.eligible)
+            free = admission.free_slots(job, self.nodes.values(), self.fitness.eligible, kept)
             if (held_by := admission.holders_busy(job, free, usable, now)) is not None:
                 job.waiting = f"a free slot on a node holding its newest checkpoint ({held_by}), for at most {admission.HOLDER_WAIT_S:g} s"
                 continue
@@ -928,7 +929,7 @@ class Pool:
             if job.id not in growing:
                 job.warming = None  # a later growth asks again
         for r in d.resizes:
-            actions += self._resize(self.live[r.job], r, now, claimed)
+            actions += self._resize(self.live[r.job], r, now, claimed, kept)
         return actions
 
     def _donated(self, now: float) -> list[Action]:
@@ -945,16 +946,18 @@ class Pool:
                 actions += self._reshape(job, now, f"node {name} is leaving; it gave the group its newest checkpoint")
         return actions
 
-    def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]]) -> list[Action]:
+    def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]], kept: dict[tuple[str, int], str]) -> list[Action]:
         """Stop a running group at its next step to restart it on `r.to` slots (0: requeue it).
-        A growth first warms trainers on the slots it adds (job.warm) while the group trains on."""
+        A growth first warms trainers on the slots it adds (job.warm) while the group trains on,
+        the slots `kept` for another job's resume last."""
         plan = job.plan
         assert plan is not None
         actions: list[Action] = []
         if r.how is sched.How.GROW:
             own = {(s.node, s.index) for s in plan.ranks} | claimed
             fit = self.fitness.eligible
-            new = sorted((name, i) for name, n in self.nodes.items() if fit(job.id, job.spec, name) for i in n.free() if (name, i) not in own)
+            free = [(name, i) for name, n in self.nodes.items() if fit(job.id, job.spec, name) for i in n.free() if (name, i) not in own]
+            new = sorted(free, key=lambda s: (kept.get(s, job.id) != job.id, s))
             new = new[: r.to - plan.world_size]
             if not new:
                 return []  # only this job's own slots are free (its ranks are exiting)

@@ -214,3 +214,23 @@ def test_the_queue_table_says_what_each_job_waits_for_and_takes(capsys: Any) -> 
     assert [r["id"] for r in json.loads(capsys.readouterr().out)] == ["high-1", "low-1"]
     assert client_queue.cmd_priority(Stub(), SimpleNamespace(job="low", priority=4, json=False)) == 0  # type: ignore[arg-type]
     assert capsys.readouterr().out.startswith("job low-1 (running): priority 0 -> 4")
+
+
+def test_a_start_leaves_a_requeued_job_the_slot_that_holds_its_checkpoint() -> None:
+    """j was preempted with its newest checkpoint (step 8) on a. When slots free up, k, ahead of
+    it, needs one: it takes another than a, so j resumes on a from step 8 at once, instead of
+    waiting out HOLDER_WAIT_S and then starting from step 0 elsewhere."""
+    pool = running_pool(("a",), hi=1)
+    for n in "bc":
+        join(pool, n, 1, now=1.5)
+    out = pool.submit(2.0, "h", prio_spec("h", 3, 3, priority=5))  # needs every slot: j goes back to the queue
+    pool.checkpoint(2.1, "a", "j", 1, 0, 0, 8, 0.01)
+    out = exit_all(pool, "j", 2.2)
+    assert pool.jobs["j"].state is JobState.QUEUED and slots_prepared(out) == {"h": 3}
+    up(pool, "h", out, 2.3)
+    pool.submit(3.0, "k", prio_spec("k", 1, 1, priority=9))  # preempts h in turn
+    for r, n in enumerate("ab"):  # h's ranks exit together: the coordinator schedules once for the batch
+        pool.from_node(3.2, n, m.NodeWorkerExited(job="h", generation=1, rank=r, slot=0, code=75, stopped=False))
+    out = pool.worker_exited(3.2, "c", "h", 1, 2, 0, 75, False)
+    prepared = {s.msg.job: s.node for s in sends(out, m.GroupPrepare)}  # type: ignore[attr-defined]
+    assert prepared["j"] == "a" and prepared["k"] != "a", prepared
