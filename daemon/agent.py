@@ -85,6 +85,7 @@ LOG_FLUSH_S = 0.2
 # A trainer whose process stays stopped (SIGSTOP, SIGTSTP, a terminal's job control) this long is
 # killed as failed: its group waits for it in all_sum and would only be freed by the progress
 # deadline, seconds later. A hang inside a running process is still the deadline's to find.
+WAITING_SAID_S = 0.5  # a rank that has waited on its peers this long is said to (node.waiting): a group that stalls names who froze
 ENV_STOPPED = "DPOOL_STOPPED_S"  # seconds; "0": leave stopped trainers to the progress deadline
 STOPPED_S = 0.25
 LOG_BATCH_LINES = 500
@@ -405,14 +406,29 @@ class Agent(WarmTrainers):
         while True:
             try:
                 self._send(self._heartbeat())
+                self._say_waiting()
             except zmq.ZMQError as e:  # said at once, not when the connection ends (the task's end)
                 self.log.warning("heartbeat.not_sent", error=str(e))
             await asyncio.sleep(self.heartbeat_s)
 
+    def _say_waiting(self) -> None:
+        """node.waiting for each rank that has waited on its peers WAITING_SAID_S or more for a
+        step it has not finished: at most once per rank and step, and only for a long wait (a
+        rank frozen elsewhere, a compile, a slow link, a split far from the ranks' speeds), so a
+        balanced group of short steps sends none."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            if w.waiting is None or w.warm:
+                continue
+            step, since = w.waiting
+            if step > (w.last_step or 0) and now - since >= WAITING_SAID_S and w.waiting_said != step:
+                w.waiting_said = step
+                self._send(m.NodeWaiting(job=w.job, generation=w.generation, rank=w.rank, step=step))
+
     def _heartbeat(self) -> m.NodeHeartbeat:
         """The workers alive here, and the period this node heartbeats at once the coordinator
         tells periods (an older one would refuse the field)."""
-        alive = [AliveWorker(job=w.job, generation=w.generation, slot=w.slot, waiting=w.waiting) for w in self.workers.values()]
+        alive = [AliveWorker(job=w.job, generation=w.generation, slot=w.slot) for w in self.workers.values()]
         return m.NodeHeartbeat(workers=alive, heartbeat_s=self.heartbeat_s if self.told else None)
 
     def _adopt_period(self, heartbeat_s: float, liveness: int) -> None:
@@ -969,7 +985,7 @@ class Agent(WarmTrainers):
                 if w.steps == SPARE_AFTER_STEPS and not w.stopping and not w.stop_at_checkpoint:
                     self._spare_soon(w.job, w.slot)  # the slot's next generation starts warm
             case m.WorkerWaiting(step=step):
-                w.waiting = step  # told with the next heartbeat (a stall names who never said it)
+                w.waiting = (step, time.monotonic())  # relayed only if it waits long (_say_waiting)
             case m.WorkerMetric(row=row):
                 self._send(m.NodeMetric(job=w.job, generation=w.generation, row=row))
             case m.WorkerSample(row=row):

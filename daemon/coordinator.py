@@ -649,7 +649,7 @@ class Coordinator:
                 else:
                     self.log.warning("node.error", node=name, code=code, error=text[:300])
                 return []  # never answered: an error about an error would echo forever
-            case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeCheckpoint()
+            case (m.NodeHeartbeat() | m.NodePrepared() | m.NodeWorkerStarted() | m.NodeWorkerHello() | m.NodeWaiting() | m.NodeCheckpoint()
                   | m.NodeWorkerExited() | m.NodeWarmed() | NodeStaged() | NodeLink() | NodeYield()):
                 pass
             case _:

@@ -61,7 +61,6 @@ from dpool.protocol.link_messages import NodeLink
 from dpool.protocol.messages import GroupPrepare, GroupStart, GroupStop
 from dpool.protocol.owner_messages import NodeYield
 from dpool.protocol.payloads import (
-    AliveWorker,
     ExitedWorker,
     NodeRow,
     RankSlot,
@@ -82,11 +81,11 @@ PLACED_KEPT = 8  # generations per job whose placement is remembered, to check r
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
 
 NodeMessage: TypeAlias = (
-    m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeMetric
+    m.NodeHeartbeat | m.NodePrepared | m.NodeWorkerStarted | m.NodeWorkerHello | m.NodeProgress | m.NodeWaiting | m.NodeMetric
     | m.NodeCheckpoint | m.NodeWorkerExited | m.NodeWarmed | NodeStaged | NodeLink | NodeYield
 )
 
-RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeCheckpoint, m.NodeWorkerExited, NodeLink)  # each names its rank
+RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeWaiting, m.NodeCheckpoint, m.NodeWorkerExited, NodeLink)  # each names its rank
 
 
 class Pool:
@@ -401,6 +400,11 @@ class Pool:
                 return self._worker_up(now, msg)
             case m.NodeProgress():
                 return self._progress(now, msg)
+            case m.NodeWaiting(job=job_id, generation=gen, rank=rank, step=step):
+                job = self.live.get(job_id)
+                if job is not None and job.plan is not None and job.plan.generation == gen and (run := job.ranks.get(rank)) is not None:
+                    run.waiting = max(step, run.waiting or 0)
+                return []
             case m.NodeMetric():
                 return self._metric(now, msg)
             case m.NodeCheckpoint():
@@ -463,7 +467,6 @@ class Pool:
         if msg.heartbeat_s is not None:
             self.cadence.acknowledged(node.name, msg.heartbeat_s)
         alive = {(w.job, w.generation, w.slot) for w in msg.workers}
-        self._note_waiting(node, msg.workers)
         freed = False
         for slot, (job_id, gen) in list(node.used.items()):
             if (job_id, gen, slot) in alive:
@@ -477,16 +480,6 @@ class Pool:
                 del node.used[slot]
                 freed = True
         return self._drained(now, node) if freed else []
-
-    def _note_waiting(self, node: Node, workers: list[AliveWorker]) -> None:
-        """Which of the node's ranks wait on their peers, and for which step (see _check_progress)."""
-        for w in workers:
-            job = self.live.get(w.job)
-            if w.waiting is None or job is None or job.plan is None or job.plan.generation != w.generation:
-                continue
-            for rank, slot in job.plan.ranks_on(node.name):
-                if slot.index == w.slot and (run := job.ranks.get(rank)) is not None:
-                    run.waiting = w.waiting
 
     def bye(self, now: float, name: str) -> list[Action]:
         node = self.nodes.get(name)
@@ -852,19 +845,22 @@ class Pool:
         if now < deadline:
             return []
         # Name the rank(s) that reported least recently: a frozen rank's last report may never
-        # have left it, while its peers reported the step before they blocked. A rank that froze
-        # inside a step leaves every rank at the same step: then the ones named are those whose
-        # heartbeats never said they wait on their peers for the next step (worker.waiting). Their
-        # node is blamed (counted towards setting it aside) only when that tells it apart: nodes
-        # whose ranks are further on, or a group on one node. Blaming the first of level ranks
-        # set healthy nodes aside in turn.
+        # have left it, while its peers reported the step before they blocked. Its node is blamed
+        # (counted towards setting it aside) only when that tells it apart: nodes whose ranks
+        # reported a later step, or a group on one node. A rank that froze inside a step leaves
+        # every rank at the same step (blaming the first of them set healthy nodes aside in
+        # turn): then its peers' node.waiting tell it, the ranks that never said they wait on the
+        # others for the next step, when those are all on one node.
         live = sorted(jm.live)
         low = min(job.ranks[r].step for r in live)
-        behind = [r for r in live if job.ranks[r].step == low]
-        stuck = [r for r in behind if job.ranks[r].waiting != low + 1] or behind
-        ranks = tuple((r, plan.ranks[r].node) for r in stuck)
+        ranks = tuple((r, plan.ranks[r].node) for r in live if job.ranks[r].step == low)
+        nodes = {plan.ranks[r].node for r in live}
         late = {n for _, n in ranks}
-        blame = (ranks[0][1],) if late < {plan.ranks[r].node for r in live} or len(late) == 1 else ()
+        blame = (ranks[0][1],) if late < nodes or len(nodes) == 1 else ()
+        if not blame and len(ranks) == len(live):
+            stuck = tuple((r, n) for r, n in ranks if (job.ranks[r].waiting or 0) <= low)
+            if stuck and len(stuck) < len(ranks) and len({n for _, n in stuck}) == 1:
+                ranks, blame = stuck, (stuck[0][1],)
         waited = now - (watch.last_at if watch.last_step is not None else watch.started_at)
         detail = f"no step after step {watch.last_step or 0} for {waited:.1f}s (deadline {watch.allowance():.1f}s)"
         return self._feed(job, js.Stalled(ranks, detail, blame), now)

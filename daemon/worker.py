@@ -41,7 +41,8 @@ class Worker:
     idle_since: float | None = None  # a spare: since when no worker of its job runs on this node
     steps: int = 0  # steps it reported
     last_step: int | None = None  # the newest of them
-    waiting: int | None = None  # the newest step it said it waits on its peers for (worker.waiting)
+    waiting: tuple[int, float] | None = None  # the newest step it said it waits on its peers for (worker.waiting), and since when
+    waiting_said: int | None = None  # the step a node.waiting was sent for
     stopped_since: float | None = None  # since when its process is seen stopped (SIGSTOP, job control)
 
     @property

@@ -145,6 +145,7 @@ class MsgType(enum.StrEnum):
     NODE_WORKER_STARTED = "node.worker_started"
     NODE_WORKER_HELLO = "node.worker_hello"
     NODE_PROGRESS = "node.progress"
+    NODE_WAITING = "node.waiting"
     NODE_METRIC = "node.metric"
     NODE_SAMPLE = "node.sample"
     NODE_CHECKPOINT = "node.checkpoint"
@@ -806,6 +807,20 @@ class NodeWorkerHello(Message):
     rank: Rank
     pid: Pid
     resume_step: Step
+
+
+@message
+@dataclass(frozen=True, slots=True)
+class NodeWaiting(Message):
+    """One rank has computed its part of step `step` and waited on its peers for a while
+    (relayed worker.waiting, once per rank and step, only after WAITING_SAID_S): when the group
+    stalls, the ranks that never said it for the next step are the ones that froze."""
+
+    TYPE: ClassVar[MsgType] = MsgType.NODE_WAITING
+    job: JobId
+    generation: Generation
+    rank: Rank
+    step: Step
 
 
 @message

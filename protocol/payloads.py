@@ -147,13 +147,11 @@ class Holding(Record):
 @record
 @dataclass(frozen=True, slots=True)
 class AliveWorker(Record):
-    """A worker alive now (node.heartbeat's `workers`). `waiting`: the newest step whose own part
-    it has done and for whose all_sum it waits on its peers (left off while it has said none)."""
+    """A worker alive now (node.heartbeat's `workers`)."""
 
     job: JobId
     generation: Generation
     slot: SlotIndex
-    waiting: Step | None = field(default=None, metadata=OMIT_NONE)
 
 
 @record

@@ -650,14 +650,18 @@ def test_a_stall_that_every_rank_reached_blames_no_node() -> None:
     assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
 
 
+def waiting(pool: Driven, now: float, node: str, rank: int, step: int, gen: int = 1) -> list[Any]:
+    return pool.from_node(now, node, m.NodeWaiting(job="j", generation=gen, rank=rank, step=step))
+
+
 def test_a_rank_that_froze_inside_a_step_is_told_by_the_ranks_that_wait_for_it() -> None:
-    """Every rank reported step 7. Ranks 0 and 2 then said (worker.waiting, on their dpds'
-    heartbeats) that their part of step 8 was done and they wait on their peers; rank 1 (node b)
-    never did: it froze inside step 8. b is counted, and named; the waiting ranks are not."""
+    """Every rank reported step 7. Ranks 0 and 2 then said (node.waiting) that their part of step
+    8 was done and they had waited on their peers a while; rank 1 (node b) never did: it froze
+    inside step 8. b is counted, and named; the waiting ranks are not."""
     pool = running_pool()
-    for n in "ac":  # ranks 0 and 2
-        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=1, slot=0, waiting=8)])
-    pool.heartbeat(1.6, "b", [AliveWorker(job="j", generation=1, slot=0, waiting=7)])  # said for step 7, not 8
+    for r, n in ((0, "a"), (2, "c")):
+        assert waiting(pool, 1.9, n, r, 8) == []
+    waiting(pool, 1.2, "b", 1, 7)  # said for step 7 (before its report of it), not 8
     for n in "abc":
         pool.seen(3.5, n)
     out = pool.tick(3.5)
@@ -666,19 +670,21 @@ def test_a_rank_that_froze_inside_a_step_is_told_by_the_ranks_that_wait_for_it()
     assert [pool.nodes[n].fail_streak for n in "abc"] == [0, 1, 0]
 
 
-def test_waiting_said_by_every_rank_or_by_another_generation_blames_no_node() -> None:
+def test_waiting_said_by_every_rank_or_about_another_generation_or_rank_blames_no_node() -> None:
     """All ranks wait in the all_sum (a link between them broke, not a rank): nothing tells a node
-    apart. Nor does a heartbeat about a generation that is not the running one."""
+    apart. Nor does a report about a generation that is not the running one, and a node may not
+    speak for a rank the plan gave another node."""
     pool = running_pool()
-    for n in "abc":
-        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=1, slot=0, waiting=8)])
+    for r, n in enumerate("abc"):
+        waiting(pool, 1.9, n, r, 8)
     for n in "abc":
         pool.seen(3.5, n)
     out = pool.tick(3.5)
     assert len(records(out, "worker.failed")) == 3 and [pool.nodes[n].fail_streak for n in "abc"] == [0, 0, 0]
     pool = running_pool()
-    for n in "ac":
-        pool.heartbeat(1.6, n, [AliveWorker(job="j", generation=2, slot=0, waiting=8)])
+    for r, n in ((0, "a"), (2, "c")):
+        waiting(pool, 1.9, n, r, 8, gen=2)
+    assert isinstance(waiting(pool, 1.9, "a", 1, 8)[0], Refused)  # rank 1 is b's
     for n in "abc":
         pool.seen(3.5, n)
     pool.tick(3.5)

@@ -200,8 +200,13 @@ def test_a_hung_trainer_is_caught_by_the_progress_deadline(processes: Processes,
     the dpds told not to look at their trainers' process state): nothing exits, its peers wait
     inside the all_sum, and only the absence of step progress shows it. Every rank last reported
     the same step; its peers said they wait for the next one and it did not: the stall names it."""
-    pool = Pool(processes, tmp_path, env={"DPOOL_STOPPED_S": "0"}).start(3)
-    job = pool.submit(job_file(tmp_path, "stop-trainer"))
+    # Rank 1 (n1) computes 8 of each step's 12 sequences, so it is computing, not waiting, nearly
+    # all the time its peers wait for it; it is stopped at a moment one of its threads runs.
+    pool = Pool(processes, tmp_path, env={"DPOOL_STOPPED_S": "0", "DPOOL_SHARES": "2,8,2"}).start(3)
+    job = pool.submit(write_job(
+        tmp_path, "stop-trainer", base=TINY, workers={"min": 1, "max": 3, "balance": False}, model={"layers": 2, "dim": 64},
+        train={"steps": STEPS, "global_batch": 12}, checkpoint={"every_steps": 4},
+    ))
     mid_run(pool, job)
     (victim,) = pool.trainer_pids("n1", job)
     wait_for("n1's trainer computing", lambda: computing(victim), 30, every=0.001)
