@@ -16,12 +16,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from dpool.daemon import scheduler as sched
+from dpool.daemon.conditions import LABELS
 from dpool.daemon.jobstate import JobState
 from dpool.daemon.plan import FreeSlot, Slot
 from dpool.daemon.records import Action, Hold, Job, Node, Record, Send, Warming
 from dpool.protocol import messages as m
 from dpool.protocol.jobspec import JobSpec
 
+MEMORY_PRESSURE = LABELS["memory"]
+DONOR_TRIES = 2  # groups started with a leaving node's rank for the same checkpoint step (admission.donor)
 HOLDER_WAIT_S = 60.0  # a restarting job waits this long for a free slot that holds its newest step
 
 Eligible = Callable[[str, JobSpec, str], bool]  # (job id, spec, node name): may the node serve the job
@@ -99,16 +102,22 @@ def kept_for_resumes(jobs: Iterable[Job], usable: list[Node]) -> dict[tuple[str,
     return out
 
 
+def leaving(n: Node) -> bool:
+    """A node its work moves off: drained, or yielding to its owner (not set aside, not lost)."""
+    return not n.lost and n.hold in (Hold.DRAINED, Hold.YIELDING)
+
+
 def donor(job: Job, chosen: list[Slot], nodes: Mapping[str, Node], eligible: Eligible) -> Slot | None:
-    """A free slot of a leaving node (drained, or yielding to its owner) that holds a newer step of
-    a restarting job than any of the `chosen` slots: it runs one more rank of the next group only.
-    Checkpoints stay on the machines that wrote them, so without it a job whose every rank moved
-    to machines without one (a one-machine job drained) started again from step 0. That rank's
-    state reaches the others through the group's collective at start (trainer/restore.py), and at
-    the group's first step the pool moves the job off the node as a drain does (Pool._donated),
-    with its newest step now held by the ranks that stay. None when no leaving node holds a newer
-    step, or one more rank would not fit the job (a sequence per rank; diloco: a replica), or that
-    step was offered so once already (a donor whose rank failed is not asked again)."""
+    """A free slot of a leaving node that holds a newer step of a restarting job than any of the
+    `chosen` slots: it runs one more rank of the next group only. Checkpoints stay on the machines
+    that wrote them, so without it a job whose every rank moved to machines without one (a
+    one-machine job drained) started again from step 0. That rank's state reaches the others
+    through the group's collective at start (trainer/restore.py), and at the group's first step
+    the pool moves the job off the node as a drain does (Pool._off_leaving), with its newest step
+    now held by the ranks that stay. None when no leaving node holds a newer step; or one more
+    rank would not fit the job (a sequence per rank; diloco: a replica); or the node yields for
+    memory pressure (a trainer's model would add to it); or that step was offered DONOR_TRIES
+    times already (a donor whose group keeps failing is not asked again)."""
     if not job.machine.generation:
         return None
     world = len(chosen) + 1
@@ -117,15 +126,18 @@ def donor(job: Job, chosen: list[Slot], nodes: Mapping[str, Node], eligible: Eli
     have = max((nodes[s.node].resumable.get((job.id, s.index), 0) for s in chosen), default=0)
     best: tuple[int, Slot] | None = None
     for n in nodes.values():
-        if n.lost or n.hold not in (Hold.DRAINED, Hold.YIELDING) or not eligible(job.id, job.spec, n.name):
+        if not leaving(n) or MEMORY_PRESSURE in (n.yielding or "") or not eligible(job.id, job.spec, n.name):
             continue
         for i in range(n.slots):
             step = n.resumable.get((job.id, i), 0)
             if step > have and i not in n.used and (best is None or step > best[0]):
                 best = (step, Slot(n.name, i))
-    if best is None or best[0] == job.donated:
+    if best is None:
         return None
-    job.donated = best[0]
+    tries = job.donated[1] + 1 if job.donated is not None and job.donated[0] == best[0] else 1
+    if tries > DONOR_TRIES:
+        return None
+    job.donated = (best[0], tries)
     return best[1]
 
 

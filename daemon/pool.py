@@ -877,7 +877,7 @@ class Pool:
         is a planned restart (`_reshape`: checkpoint at the next step and exit, so 0 steps are
         recomputed), and a stopped job whose target is 0 goes back to the queue with its checkpoint.
         """
-        actions: list[Action] = self._ask_fitness(now) + self._donated(now)
+        actions: list[Action] = self._ask_fitness(now) + self._off_leaving(now)
         if not self.live:  # nothing to admit or resize: a thousand registrations cost no pass over the nodes
             self.decision = None
             return actions
@@ -908,7 +908,8 @@ class Pool:
             chosen = choose_slots(free, job.spec.workers.min, start.slots)
             if chosen is not None:
                 given = admission.donor(job, chosen, self.nodes, self.fitness.eligible)
-                job.donor = given.node if given else None
+                if given is not None:
+                    self.nodes[given.node].drained_reported = False  # node.drained again once this rank leaves
                 actions += self._admit(job, [*chosen, given] if given else chosen, now)
         for job_id, why in d.waits.items():
             job = self.live[job_id]
@@ -928,19 +929,27 @@ class Pool:
             actions += self._resize(self.live[r.job], r, now, claimed, kept)
         return actions
 
-    def _donated(self, now: float) -> list[Action]:
-        """A group that started with a leaving node's rank for its newest checkpoint (admission.donor)
-        has made its first step, so every rank holds that state: it checkpoints at the next step and
-        restarts without the node, as a drain moves it (nothing recomputed)."""
+    def _off_leaving(self, now: float) -> list[Action]:
+        """A running group with a rank on a leaving node (one started there for its newest
+        checkpoint: admission.donor; or found so by a coordinator that restarted), or with more
+        ranks than `workers.max` (that node undrained meanwhile), once it has made a step (every
+        rank holds that state): it checkpoints at the next step and restarts without it, as a
+        drain moves it (nothing recomputed)."""
         actions: list[Action] = []
         for job in self.live.values():
-            if job.donor is None or job.state is not JobState.RUNNING or job.watch is None or job.watch.last_step is None:
+            watch, plan = job.watch, job.plan
+            if job.state is not JobState.RUNNING or watch is None or watch.last_step is None or watch.stopping or plan is None:
                 continue
-            name, job.donor = job.donor, None
-            node = self.nodes.get(name)
-            if node is not None and not node.lost and node.hold in (Hold.DRAINED, Hold.YIELDING):
-                actions += self._reshape(job, now, f"node {name} is leaving; it gave the group its newest checkpoint")
+            off = self._on_leaving(job)
+            if off or plan.world_size > job.spec.workers.max:
+                why = f"node {off} is leaving; it gave the group its newest checkpoint" if off else f"{plan.world_size} workers, above workers.max"
+                actions += self._reshape(job, now, why)
         return actions
+
+    def _on_leaving(self, job: Job) -> str | None:
+        """The leaving node one of the job's ranks runs on, if any."""
+        plan = job.plan
+        return next((s.node for s in plan.ranks if s.node in self.nodes and admission.leaving(self.nodes[s.node])), None) if plan else None
 
     def _resize(self, job: Job, r: sched.Resize, now: float, claimed: set[tuple[str, int]], kept: dict[tuple[str, int], str]) -> list[Action]:
         """Stop a running group at its next step to restart it on `r.to` slots (0: requeue it).
@@ -1010,7 +1019,7 @@ class Pool:
                     lost.lost_blames += 1
             else:
                 out.append(Record(job.id, action.kind, now, action.fields))
-                if action.kind == "group.resumed" and job.resize is not None and job.donor is None:
+                if action.kind == "group.resumed" and job.resize is not None and self._on_leaving(job) is None:
                     # The first step after a resize: its cost is known (job.shrunk, job.grown).
                     note, job.resize = job.resize, None
                     made = sched.resumed_event(note, job.plan.world_size if job.plan else 0, action.fields)

@@ -216,8 +216,7 @@ class Job:
     resize: Note | None = None  # a resize the scheduler asked of it, until it restarts (its event then says the cost)
     resized_at: float | None = None  # its last start or resize (the scheduler's damping)
     holders_wait: float | None = None  # restarting: it waits until then for a free slot holding its newest step
-    donor: str | None = None  # a leaving node given one rank of this generation only, for its newest checkpoint (admission.donor)
-    donated: int | None = None  # the step a donor was last given for
+    donated: tuple[int, int] | None = None  # the step a leaving node's rank was last given for (admission.donor), and how often
     _doc: dict[str, Any] | None = None
 
     def resume_max(self) -> int:

@@ -969,6 +969,29 @@ def test_drain_moves_the_group_off_the_node_and_undrain_brings_it_back() -> None
     assert pool.jobs["j"].machine.restarts == 0
 
 
+def test_a_node_yielding_for_memory_pressure_gives_no_rank_and_a_failing_donor_is_tried_twice() -> None:
+    pool = running_pool(("a",), hi=1)
+    join(pool, "b", 1, now=1.5)
+    pool._then_schedule(2.0, pool.owner_yield(2.0, pool.nodes["a"], "memory pressure"))
+    pool.checkpoint(2.1, "a", "j", 1, 0, 0, 8, 0.01)
+    out = pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["b"]  # from step 0: its owner needs the memory
+    pool = running_pool(("a",), hi=1)
+    join(pool, "b", 1, now=1.5)
+    pool.drain(2.0, "a")
+    pool.checkpoint(2.1, "a", "j", 1, 0, 0, 8, 0.01)
+    out = pool.worker_exited(2.2, "a", "j", 1, 0, 0, 75, False)
+    for gen, t in ((2, 3.0), (3, 5.0)):
+        assert sorted(s.node for s in sends(out, m.GroupPrepare)) == ["a", "b"], gen
+        out = prepare_all(pool, out, t)
+        pool.worker_exited(t + 0.1, "a", "j", gen, 1, 0, 1, False, "out of memory")
+        out = pool.worker_exited(t + 0.1, "b", "j", gen, 0, 0, 1, False)
+        for n in "ab":
+            pool.seen(t + 2.0, n)
+        out += pool.tick(t + 2.0)
+    assert [s.node for s in sends(out, m.GroupPrepare)] == ["b"]  # twice is enough
+
+
 @pytest.mark.parametrize("leaves", ["drain", "yield"])
 def test_a_leaving_node_with_the_only_checkpoint_gives_it_to_the_next_group_then_leaves(leaves: str) -> None:
     """A one-machine job on a, b idle: checkpoints stay where they were written, so a group on b
@@ -989,7 +1012,8 @@ def test_a_leaving_node_with_the_only_checkpoint_gives_it_to_the_next_group_then
     assert sorted(s.node for s in stop) == ["a", "b"] and all(s.msg.mode == "checkpoint" for s in stop)  # type: ignore[attr-defined]
     pool.checkpoint(5.1, "b", "j", 2, 0, 0, 9, 0.01)
     pool.checkpoint(5.1, "a", "j", 2, 1, 0, 9, 0.01)
-    pool.worker_exited(5.2, "a", "j", 2, 1, 0, 75, False)
+    drained = records(pool.worker_exited(5.2, "a", "j", 2, 1, 0, 75, False), "node.drained")
+    assert drained == ([{"node": "a"}] if leaves == "drain" else [])  # said (again) once a's last rank has left
     out = pool.worker_exited(5.2, "b", "j", 2, 0, 0, 75, False)
     assert [s.node for s in sends(out, m.GroupPrepare)] == ["b"]  # b holds step 9 now: no donor
     out = restart(pool, out, 6.0, resume=9, gen=3)
