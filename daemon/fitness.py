@@ -70,6 +70,7 @@ class Fit:
     fetch_failed: bool = False  # UNFIT from STAGING: its fetch failed; asked again when the content's holders change
     told: bool = False  # STAGING: its `node.staging` event is recorded (once the bytes to fetch are known)
     unsaid: bool = False  # UNFIT, its `node.unfit` held back: another node's answer may yet name the content it lacks
+    said: str | None = None  # the reason of the last `node.unfit` said for it since it was last ready (said once)
 
 
 @dataclass(slots=True)
@@ -248,6 +249,7 @@ class Fitness:
         fit.told = state is FitState.STAGING and old is not None and old.state is FitState.STAGING and old.told
         fit.fetch_failed = state is FitState.UNFIT and old is not None and old.state is FitState.STAGING
         fit.unsaid = state is FitState.UNFIT and old is not None and old.unsaid and same_reason(old.reason, msg.reason)  # still to be said
+        fit.said = None if state is FitState.READY or old is None else old.said  # a fetch tried again between two refusals keeps it
         if state is FitState.READY and old is not None and old.state is FitState.STAGING and not fit.rate and now > fit.started > 0:
             fit.rate = msg.total_bytes / (now - fit.started)  # a fetch done: its row shows the pace it kept, not 0
         fits[node] = fit
@@ -257,7 +259,7 @@ class Fitness:
             actions.append(Found(msg.job, node, data, model))
         if old is not None and old.state is FitState.STAGING and state is FitState.UNFIT:
             actions += self._resend(set(digests(spec)), exclude=node)  # the fetchers behind it read elsewhere now
-        if state is FitState.UNFIT and (old is None or old.state is not FitState.UNFIT or not same_reason(old.reason, msg.reason)):
+        if state is FitState.UNFIT and not fit.unsaid and not same_reason(fit.said, msg.reason):
             # -> UNFIT: the node sits this job out, and says why (once per reason). Not yet where
             # the job names no content and other nodes still check theirs: one of them may find
             # the files, and then this node fetches them instead (it said node.unfit, then
@@ -265,6 +267,7 @@ class Fitness:
             if unnamed(spec):
                 fit.unsaid = True  # said below, once no other node may name the content
             else:
+                fit.said = msg.reason
                 actions.append(Record(msg.job, "node.unfit", now, {"node": node, "reason": msg.reason or "unfit"}))
         elif state is FitState.READY and old is not None and old.state is FitState.STAGING:
             # STAGING -> READY: it fetched what it lacked (`total_bytes`: how much)
@@ -292,8 +295,9 @@ class Fitness:
         """A rank of the job refused its input on `node` (exit 2): that node sits the job out."""
         fits = self.fits.setdefault(job_id, {})
         old = fits.get(node)
-        fits[node] = Fit(FitState.UNFIT, now, reason)
-        if old is not None and old.state is FitState.UNFIT and same_reason(old.reason, reason):
+        fit = fits[node] = Fit(FitState.UNFIT, now, reason, said=reason)
+        if old is not None and ((old.state is FitState.UNFIT and same_reason(old.reason, reason)) or same_reason(old.said, reason)):
+            fit.said = old.said
             return []
         return [Record(job_id, "node.unfit", now, {"node": node, "reason": reason})]
 
@@ -316,7 +320,7 @@ class Fitness:
         out: list[Record | Send] = []
         for name, held in sorted(self.fits.get(job_id, {}).items()):
             if held.unsaid and held.state is FitState.UNFIT:
-                held.unsaid = False
+                held.unsaid, held.said = False, held.reason
                 out.append(Record(job_id, "node.unfit", now, {"node": name, "reason": held.reason or "unfit"}))
         return out
 

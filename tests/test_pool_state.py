@@ -1464,6 +1464,9 @@ def test_an_unfit_reason_said_again_with_other_figures_is_one_event() -> None:
     full = "the cache at /s/cache has no room for 2eef70da248b: {} more bytes needed, a budget of 200000 bytes"
     assert len(records(staged(pool, 0.2, "b", "unfit", full.format(23999000)), "node.unfit")) == 1
     assert records(staged(pool, 0.3, "b", "unfit", full.format(23998112)), "node.unfit") == []
+    # asked again (new sources), it tries a fetch and finds no room again: the same reason, unsaid
+    assert records(staged(pool, 0.35, "b", "staging", total_bytes=24_000_000), "node.unfit") == []
+    assert records(staged(pool, 0.36, "b", "unfit", full.format(23997000)), "node.unfit") == []
     assert len(records(staged(pool, 0.4, "b", "unfit", "data.source: corpus/a.txt: content differs"), "node.unfit")) == 1
     # digits inside a name are the name's: another file is another reason
     assert len(records(staged(pool, 0.5, "b", "unfit", "data.source: corpus/part-0001.txt: content differs"), "node.unfit")) == 1
