@@ -325,9 +325,11 @@ def test_drain_of_the_one_machine_a_job_runs_on_moves_its_checkpoint_too(pool: P
     assert pool.dpctl("drain", here).returncode == 0
     events = pool.finish(job, reference)
     resumed = kinds(events, "group.resumed")
-    assert len(resumed) == 2 and all(r["steps_recomputed"] == 0 and r["from_step"] >= 6 for r in resumed), resumed
-    started = kinds(events, "group.started")
-    assert [s["world_size"] for s in started] == [1, 2, 1], started
+    assert resumed and all(r["steps_recomputed"] == 0 and r["from_step"] >= 6 for r in resumed), resumed
+    # One rank more while the drained machine hands its state over, then without it (unless the
+    # job, near its end on a loaded machine, finished first).
+    started = [s["world_size"] for s in kinds(events, "group.started")]
+    assert started in ([1, 2, 1], [1, 2]), started
     assert kinds(events, "worker.failed") == [] and kinds(events, "node.drained"), events
 
 
