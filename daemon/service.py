@@ -129,7 +129,7 @@ def flags_from(args: argparse.Namespace, actions: Sequence[argparse.Action], hos
         if not action.option_strings or action.dest in ("help", "print", "target"):
             continue
         value = getattr(args, action.dest, None)
-        if value is None or value is False:
+        if value is None or value is False or value == "":  # an empty value is no value, as `dpd run` reads it ('--keys "$UNSET"')
             continue
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreTrueAction):
@@ -216,12 +216,25 @@ SAFE = re.compile(r"[A-Za-z0-9_@%$+=:,./-]+")  # after % and $ are doubled
 
 def systemd_quote(arg: str) -> str:
     """One ExecStart= word: specifiers (%) and variables ($) escaped, quoted unless plain."""
-    if any(ord(c) < 32 for c in arg):
-        raise ValueError(f"{arg!r}: control characters cannot go into a unit file")
-    arg = arg.replace("%", "%%").replace("$", "$$")
-    if SAFE.fullmatch(arg):
-        return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _unit_text(arg, dollars=True, quote=True)
+
+
+def systemd_path(path: Path, *, word: bool) -> str:
+    """A path in a unit's path setting: specifiers (%) escaped, `$` as it is (only ExecStart=
+    expands variables). WorkingDirectory= takes the rest of its line as the path, quotes
+    included (`word` False); ReadWritePaths= a list of words, each quoted unless plain."""
+    return _unit_text(str(path), dollars=False, quote=word)
+
+
+def _unit_text(text: str, *, dollars: bool, quote: bool) -> str:
+    if any(ord(c) < 32 for c in text):
+        raise ValueError(f"{text!r}: control characters cannot go into a unit file")
+    text = text.replace("%", "%%")
+    if dollars:
+        text = text.replace("$", "$$")
+    if not quote or SAFE.fullmatch(text):
+        return text
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def render_unit(argv: Sequence[str], *, system: bool, state_dir: Path, working_directory: Path, timeout_stop_s: int, log_dir: Path | None = None) -> str:
@@ -229,10 +242,10 @@ def render_unit(argv: Sequence[str], *, system: bool, state_dir: Path, working_d
     leaves every other folder read-only)."""
     writable = [d for d in (state_dir, log_dir) if d is not None and d != SYSTEM_STATE_DIR and SYSTEM_STATE_DIR not in d.parents]
     writable = [d for d in writable if not any(o in d.parents for o in writable)]
-    extra = f"ReadWritePaths={' '.join(systemd_quote(str(d)) for d in dict.fromkeys(writable))}\n" if writable else ""
+    extra = f"ReadWritePaths={' '.join(systemd_path(d, word=True) for d in dict.fromkeys(writable))}\n" if writable else ""
     values = {
         "exec_start": " ".join(systemd_quote(a) for a in argv),
-        "working_directory": systemd_quote(str(working_directory)),
+        "working_directory": systemd_path(working_directory, word=False),
         "timeout_stop": f"{timeout_stop_s}s",
         "read_write_paths": extra,
     }

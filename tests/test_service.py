@@ -209,6 +209,32 @@ def test_user_unit_is_installed_enabled_and_verifies(fake, tmp_path: Path) -> No
     assert fake.recorder.calls == [["systemctl", "--user", "disable", "--now", "dpd.service"], ["systemctl", "--user", "daemon-reload"]]
 
 
+def test_an_empty_flag_value_is_left_out_of_the_service_as_dpd_run_leaves_it(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """'--state-dir "$UNSET"': the unit said '--state-dir None', and the service kept its state in ~/None."""
+    fake("linux", uid=1000)
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--state-dir", "", "--keys", "", "--log-file", "", "--print"]) == 0
+    out = capsys.readouterr().out
+    assert "None" not in out and f"--state-dir {fake.home / '.local' / 'state' / 'dpool'}" in out
+
+
+def test_unit_paths_with_spaces_letters_and_signs_verify(tmp_path: Path) -> None:
+    """A home such as /home/josé or 'my home': WorkingDirectory= takes the path as the rest of its
+    line (quoted, systemd refused it: 'path is not absolute'); ReadWritePaths= never expands `$`,
+    so a '$' there is written once."""
+    home = tmp_path / "jo sé %h $HOME"
+    state, logs = tmp_path / "st é $x", tmp_path / "logs"
+    text = service.render_unit(
+        [sys.executable, "-m", "dpool.daemon.boot", "run", "--state-dir", str(state)], system=True, state_dir=state,
+        working_directory=home, timeout_stop_s=90, log_dir=logs,
+    )
+    lines = dict(line.split("=", 1) for line in text.splitlines() if "=" in line and not line.startswith("#"))
+    assert lines["WorkingDirectory"] == str(home).replace("%", "%%")
+    assert lines["ReadWritePaths"] == f'"{state}" {logs}'
+    path = tmp_path / "dpd.service"
+    path.write_text(text)
+    verify_unit(path, user=False, tmp=tmp_path)
+
+
 def test_system_unit_as_root_is_hardened_and_verifies(fake, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     fake("linux", uid=0)
     monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp
