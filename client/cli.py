@@ -105,7 +105,9 @@ def coordinator_address(flag: str | None) -> str:
         if key is None:
             return DEFAULT_COORDINATOR
         addr, where = (DEFAULT_COORDINATOR if cfg[key] is True else cfg[key]), f"{DEFAULT_CONFIG}: {key}"
-    problem = endpoint_problem(addr)
+        if key == "serve":  # the coordinator this machine serves, bound maybe to every interface: reached here
+            addr = addr.replace("tcp://*:", "tcp://127.0.0.1:", 1)
+    problem = endpoint_problem(addr, connect=True)
     if problem is not None:
         raise BadInput(f"{where} {addr!r}: {problem}")
     return addr

@@ -134,7 +134,7 @@ def is_loopback(addr: str) -> bool:
 
 
 def _check_addr(flag: str, addr: str) -> None:
-    problem = endpoint_problem(addr)
+    problem = endpoint_problem(addr, connect=flag == "--join")
     if problem is not None:
         raise UsageError(f"{flag} {addr!r}: {problem}")
 

@@ -9,9 +9,10 @@ SCHEMES = ("tcp", "ipc", "inproc")
 EXAMPLE = "tcp://127.0.0.1:7340"
 
 
-def endpoint_problem(addr: str) -> str | None:
+def endpoint_problem(addr: str, *, connect: bool = False) -> str | None:
     """What is wrong with `addr` as a ZeroMQ endpoint (tcp://HOST:PORT, ipc://PATH, inproc://NAME),
-    or None when nothing is."""
+    or None when nothing is. `connect`: an address to reach, where the wildcards a bind takes
+    (`*` for every interface or any port) mean nothing."""
     try:
         parts = urlsplit(addr)
     except ValueError as e:
@@ -23,6 +24,8 @@ def endpoint_problem(addr: str) -> str | None:
     host, sep, port = parts.netloc.rpartition(":")
     if not sep or not host or parts.path or parts.query or parts.fragment:
         return f"a tcp address is tcp://HOST:PORT, such as {EXAMPLE}"
+    if connect and "*" in (host, port):
+        return f"'*' is for binding (every interface, any port); to reach a coordinator name its host and port, such as {EXAMPLE}"
     if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
         return f"port {port!r}: must be 1-65535"
     return None

@@ -655,6 +655,7 @@ def test_every_flag_has_a_spelling_in_the_config_file(tmp_path: Path) -> None:
     (["--stop-grace", "nan"], "--stop-grace nan"),
     (["--serve", "tcp://127.0.0.1"], "tcp://HOST:PORT"),
     (["--serve", "tcp://127.0.0.1:99999"], "must be 1-65535"),
+    (["--join", "tcp://*:7340"], "--join 'tcp://*:7340': '*' is for binding"),
 ])
 def test_out_of_range_flags_are_refused_with_exit_2_and_one_line(tmp_path: Path, flags: list[str], said: str) -> None:
     """Refused before anything starts, dpd run and dpd install alike (a service with
