@@ -20,6 +20,7 @@ import zmq.asyncio
 from zmq.utils import z85
 
 from dpool.protocol.logs import Throttle
+from dpool.protocol.peerbudget import PEER_BYTES, PeerBudget
 from dpool.protocol.security import ZAP_ENDPOINT, zap_answer
 from dpool.staging.cache import CacheFull
 from dpool.staging.manifest import Entry, Manifest, ManifestError
@@ -92,6 +93,7 @@ class Server:
         self.manifests: collections.OrderedDict[str, tuple[Manifest, dict[str, Entry]]] = collections.OrderedDict()
         self.manifests_lock = threading.Lock()  # the I/O threads share those
         self.throttle = Throttle(lines=5, every=1.0)
+        self.budget: PeerBudget | None = None  # what one connection may have queued inbound (protocol/peerbudget.py)
 
     def open(self, bind: str) -> str:
         sock = self.sock
@@ -107,7 +109,16 @@ class Server:
             sock.curve_publickey = self.s.keys.public
             sock.zap_domain = b"dpool.data"
             self.tasks.append(asyncio.create_task(self._answer_zap(self.zap)))
-        sock.bind(bind)
+        # A peer that starts a message and never ends it: libzmq holds its parts out of sight
+        # (an attack grew a dpd by 2 GB). Dropped past the budget, which a peer sending one
+        # message of the largest size at a time stays under. Made before bind: it sees every connection.
+        self.budget = PeerBudget(self.ctx, sock, self.log, curve=self.curve, budget=PEER_BYTES + MAX_DATA_BYTES)
+        try:
+            sock.bind(bind)
+        except zmq.ZMQError:
+            self.budget.close()
+            self.budget = None
+            raise
         self.tasks.append(asyncio.create_task(self._serve()))
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -119,6 +130,8 @@ class Server:
             for h in holds:
                 if h.timer is not None:
                     h.timer.cancel()
+        if self.budget is not None:
+            self.budget.close()
         self.sock.close(linger=0)
         if self.zap is not None:
             self.zap.close(linger=0)
@@ -183,7 +196,9 @@ class Server:
     async def _serve(self) -> None:
         while True:
             await self.sock.poll(500)  # a timeout: the descriptor is edge-triggered (protocol/sockets.py)
-            for inc in pending(self.raw, BATCH, keep=1 + MAX_FRAMES, metadata=self.curve):
+            for inc in pending(self.raw, BATCH, keep=1 + MAX_FRAMES, metadata=self.curve, curve=self.curve):
+                if self.budget is not None and not self.budget.read(inc.frames[0].bytes, inc.fd, inc.size):
+                    continue  # from a connection dropped past its budget: not served
                 self.s.count("requests")
                 try:
                     self._request(inc)

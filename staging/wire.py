@@ -26,6 +26,7 @@ from typing import Annotated, Any, ClassVar, TypeAlias
 import msgpack
 import zmq
 
+from dpool.protocol.peerbudget import wire_size
 from dpool.protocol.schema import (
     MAX_INT,
     Field,
@@ -329,19 +330,25 @@ class Incoming:
     key: str | None = None
     cut: bool = False
     keep: int = 0  # frames kept while it is read (the rest only counted as `cut`)
+    fd: int | None = None  # the connection it came by (ZMQ_SRCFD), for the per-peer budget
+    size: int = 0  # its bytes on the wire, counted as its frames are read
+    curve: bool | None = None  # whether that connection uses CURVE (None: not counted)
 
     def take(self, frame: zmq.Frame) -> None:
+        if self.curve is not None:
+            self.size += wire_size(len(frame), self.curve)
         if len(self.frames) < self.keep:
             self.frames.append(frame)
         else:
             self.cut = True
 
 
-def pending(sock: zmq.Socket[Any], limit: int, *, keep: int, metadata: bool) -> Iterator[Incoming]:
+def pending(sock: zmq.Socket[Any], limit: int, *, keep: int, metadata: bool, curve: bool | None = None) -> Iterator[Incoming]:
     """The messages waiting on `sock`, without blocking, at most `limit`. Frames are not copied (a
     chunk is hashed and written where libzmq put it); only the first `keep` are kept. ZeroMQ's
     descriptor is edge-triggered, so a reader takes every message there before it waits again, and
-    a message of very many frames is read over several calls (protocol/sockets.py)."""
+    a message of very many frames is read over several calls (protocol/sockets.py). `curve` (not
+    None): each message names its connection and its size on the wire (protocol/peerbudget.py)."""
     for _ in range(limit):
         got = unfinished(sock)
         if got is None:
@@ -349,7 +356,10 @@ def pending(sock: zmq.Socket[Any], limit: int, *, keep: int, metadata: bool) -> 
                 first = sock.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            got = Incoming([first], keep=keep)
+            got = Incoming([first], keep=keep, curve=curve)
+            if curve is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    got.fd = int(first.get(zmq.SRCFD))
             if metadata:
                 with contextlib.suppress(zmq.ZMQError):  # EINVAL: a connection without CURVE
                     got.user, got.key = str(first.get("User-Id")), str(first.get("X-Key"))

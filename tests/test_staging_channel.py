@@ -613,3 +613,26 @@ def test_with_keys_a_client_puts_only_what_it_submitted_and_a_viewer_reads_nothi
         assert isinstance(msg, Error) and msg.code == "refused" and "may not read" in msg.message
     finally:
         peer.close()
+
+
+def test_a_peer_that_never_ends_a_message_is_dropped_and_the_server_serves_on(nodes: Nodes, src: tuple[Path, Manifest]) -> None:
+    """Parts of one message sent without its last frame: libzmq holds them out of the reader's
+    sight, and 2,000 parts of 1 MiB grew a dpd by 2.2 GB. Past the peer budget (one message of the
+    largest size, and some) the connection is dropped; a fetch from the same server still works."""
+    from zmtp import RawPeer
+
+    from dpool.protocol.peerbudget import PEER_BYTES
+    from dpool.staging.wire import MAX_DATA_BYTES
+
+    a = nodes.node("a", holds=src)
+    host, port = a.endpoint.removeprefix("tcp://").rsplit(":", 1)
+    raw = RawPeer(host, int(port))
+    try:
+        sent = raw.send_parts(400, 1 << 20)  # 400 MiB, unless dropped on the way
+        closed = raw.closed_by_peer()
+    finally:
+        raw.close()
+    assert closed and sent < PEER_BYTES + MAX_DATA_BYTES + (128 << 20), f"{sent >> 20} MiB sent before the server closed"
+    b = nodes.node("b")
+    got = b.stager.fetch(src[1].digest, lambda: [Source(a.endpoint, None, "a")]).result(timeout=60)
+    assert_same_files(got, src[0], src[1])
