@@ -76,6 +76,7 @@ __all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeFo
 
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 MAX_NODES = 4096  # nodes the pool holds, lost ones included; beyond it a lost one is forgotten, else a new name is refused
+REPLACE_SILENT_PARTS = 3  # a new dpd with a node's key replaces the live one only once it has been silent a third of its expiry (two periods)
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
@@ -233,6 +234,16 @@ class Pool:
             return (
                 f"node name {name!r} is held by a live dpd with the same key at {old.info.advertise or '?'} (pid {old.info.pid or '?'}); "
                 f"two machines hold node {name}'s key: give each machine its own (`dpctl keys add-node NAME`, and its bundle)",
+                [],
+            )
+        if alive and bound and old is not None and now - old.last_seen < self.cadence.expiry_s(name) / REPLACE_SILENT_PARTS:
+            # Its own key and this machine, but the node's dpd heartbeats still: a second dpd on
+            # the machine, not a restart (a dpd restarted after a crash or a hang has been silent
+            # for periods by the time its successor registers). Replacing it made the two take
+            # turns under a service manager, each turn breaking the node's groups.
+            return (
+                f"node name {name!r} is held by a live dpd with the same key on this machine (pid {old.info.pid or '?'}, "
+                f"last heard {now - old.last_seen:.1f}s ago); stop that dpd first (one dpd per node), or give this one its own key",
                 [],
             )
         if alive and not bound:

@@ -1367,9 +1367,15 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once() -> 
     refusal, _ = pool.register(1.2, again)  # without keys: a duplicate until the old one is lost
     assert refusal is not None and "already in the pool" in refusal and pool.nodes["a"].incarnation == "inc-a"
 
-    refusal, actions = pool.register(1.2, again, bound=True)  # its own name-bound key: it is a's new dpd
+    # Its own name-bound key, on a's machine, while a's dpd still heartbeats: a second dpd there
+    # (the two took turns under a service manager), refused.
+    refusal, _ = pool.register(1.2, again, bound=True)
+    assert refusal is not None and "held by a live dpd with the same key on this machine" in refusal and pool.nodes["a"].incarnation == "inc-a"
+    # Once a's dpd has been silent two periods (a restart after a crash or a hang): a's new dpd.
+    t = pool.nodes["a"].last_seen + pool.cadence.expiry_s("a") / 3 + 0.01
+    refusal, actions = pool.register(t, again, bound=True)
     assert refusal is None and pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
-    assert Record(None, "node.lost", 1.2, {"node": "a", "reason": "replaced by a new dpd process"}) in actions
+    assert Record(None, "node.lost", t, {"node": "a", "reason": "replaced by a new dpd process"}) in actions
     job = pool.jobs["j-1"]
     assert job.state is JobState.RECOVERING and not set(mine) & job.machine.live  # its ranks died with the old dpd
 
@@ -1386,9 +1392,10 @@ def test_one_nodes_key_on_two_machines_never_takes_the_node_from_its_live_dpd() 
     assert refusal is not None and "held by a live dpd with the same key at 127.0.0.1" in refusal and "two machines hold node a's key" in refusal
     assert actions == [] and pool.nodes["a"].incarnation == "inc-a" and pool.jobs["j-1"].state is JobState.STARTING
     restarted = m.NodeRegister(name="a", incarnation="inc-a-2", info=NodeInfo(slots=1, pid=43, advertise="127.0.0.1"))
-    assert pool.register(1.3, restarted, bound=True)[0] is None and pool.nodes["a"].incarnation == "inc-a-2"
-    # The process it replaced, still alive (two dpds of one key on one machine): refused, it exits.
-    refusal, _ = pool.register(1.4, m.NodeRegister(name="a", incarnation="inc-a", info=NodeInfo(slots=1, advertise="127.0.0.1")), bound=True)
+    t = pool.nodes["a"].last_seen + pool.cadence.expiry_s("a") / 3 + 0.01  # a's dpd silent two periods: restarted
+    assert pool.register(t, restarted, bound=True)[0] is None and pool.nodes["a"].incarnation == "inc-a-2"
+    # The process it replaced, alive after all (it hung): refused, it exits.
+    refusal, _ = pool.register(t + 0.1, m.NodeRegister(name="a", incarnation="inc-a", info=NodeInfo(slots=1, advertise="127.0.0.1")), bound=True)
     assert refusal is not None and "another dpd with this node's key replaced this one (dpd pid 43 at 127.0.0.1)" in refusal, refusal
     assert pool.nodes["a"].incarnation == "inc-a-2" and not pool.nodes["a"].lost
 

@@ -147,11 +147,18 @@ def test_a_node_cannot_report_another_nodes_ranks(coord: Running, connect: Calla
     wait_for("the owner's report to restart the job", lambda: coord.call(m.Status(job=job), m.StatusReply).jobs[0].state == "recovering", 10)
 
 
-def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_at_once(coord: Running, connect: Callable[..., Peer]) -> None:
+def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_once_that_is_silent(coord: Running, connect: Callable[..., Peer]) -> None:
     old = connect("node", "a")
     assert isinstance(old.register("a", incarnation="first", slots=1), m.NodeRegistered)
-    new = connect("node", "a")  # the same machine's dpd, restarted: its old process's heartbeats are fresh
-    assert isinstance(new.register("a", incarnation="second", slots=1), m.NodeRegistered)
+    second = connect("node", "a").register("a", incarnation="second", slots=1)  # while the old one was just heard
+    assert isinstance(second, m.Error) and "held by a live dpd with the same key on this machine" in second.message, second
+    # The old process heartbeats no more (it crashed, or hangs): two periods on, the same machine's
+    # new dpd replaces it.
+    def registered() -> Peer | None:
+        peer = connect("node", "a")
+        return peer if isinstance(peer.register("a", incarnation="second", slots=1), m.NodeRegistered) else None
+
+    wait_for("the new dpd registered", registered, 10, every=0.2)
     assert logged(coord, "node.replaced", node="a")
     (row,) = coord.call(m.Nodes(), m.NodesReply).nodes
     assert row.name == "a" and row.state == "idle"
