@@ -215,6 +215,8 @@ def settings(args: argparse.Namespace) -> Settings:
     if advertise:
         try:
             advertise = netif.resolve(advertise)  # an interface name (bridge0) becomes its IPv4 address
+        except netif.NoAddressYet:
+            pass  # kept as the name: `install` writes it so, and `run` waits for its address (exit 1)
         except netif.AdvertiseError as e:
             raise UsageError(str(e)) from None
     return Settings(
@@ -460,6 +462,12 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
         print(f"dpd: {e}", file=sys.stderr)
         return 2
     # Here, not in settings: `install` may prepare another machine's service.
+    if not netif.is_ip(s.advertise):
+        try:
+            netif.resolve(s.advertise)
+        except netif.AdvertiseError as e:  # an interface whose address has not come up yet
+            print(f"dpd: {e}", file=sys.stderr)
+            return 1  # not 2: a service manager retries 1, and the link may be up by then
     if (problem := netif.loopback_for_remote(s.advertise, tcp_host(s.join) if s.join and not is_loopback(s.join) else None)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)
         return 2

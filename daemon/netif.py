@@ -34,6 +34,10 @@ class AdvertiseError(ValueError):
     """`--advertise` names no IP address and no interface with an IPv4 address."""
 
 
+class NoAddressYet(AdvertiseError):
+    """The interface exists but holds no IPv4 address (yet: a link still coming up at boot)."""
+
+
 def ipv4_addresses() -> dict[str, list[str]]:
     """Every interface of this machine, with its IPv4 addresses (routable first, then link-local);
     an interface without one maps to []."""
@@ -70,7 +74,7 @@ def resolve(value: str, ifaces: Addresses | None = None) -> str:
             f"interfaces with an IPv4 address: {describe(ifaces)}"
         )
     if not ifaces[value]:
-        raise AdvertiseError(
+        raise NoAddressYet(
             f"--advertise {value}: interface {value} has no IPv4 address; "
             f"interfaces with one: {describe(ifaces)}"
         )

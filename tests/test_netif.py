@@ -105,6 +105,24 @@ def test_an_interface_without_ipv4_or_an_unknown_one_is_refused_naming_the_ones_
         netif.resolve("bridge9", IFACES)
 
 
+def test_an_interface_whose_address_has_not_come_up_is_exit_1_and_installs_as_its_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A link still coming up at boot: the interface is there, its address not yet. Exit 2 told
+    systemd (RestartPreventExitStatus=2) never to try again; exit 1 is retried. And a service may
+    be installed for it meanwhile, with the name (resolved as dpd starts)."""
+    from dpool.daemon import cli, service
+
+    monkeypatch.setattr(netif, "ipv4_addresses", lambda: IFACES)
+    monkeypatch.setattr(service, "PRIVATE_TMPS", ())  # this test's folders are under /tmp (a system unit, as root, refuses them)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "dpd.toml"
+    config.write_text("")
+    state = tmp_path / "state"
+    assert cli.main(["run", "--config", str(config), "--serve", "--advertise", "awdl0", "--state-dir", str(state)]) == 1
+    assert "--advertise awdl0: interface awdl0 has no IPv4 address" in capsys.readouterr().err and not state.exists()
+    assert cli.main(["install", "--print", "--config", str(config), "--serve", "--advertise", "awdl0", "--state-dir", str(state)]) == 0
+    assert "--advertise awdl0" in capsys.readouterr().out
+
+
 def test_the_interface_of_an_address() -> None:
     assert netif.interface_of("169.254.10.2", IFACES) == "bridge0"
     assert netif.interface_of("10.9.9.9", IFACES) is None
