@@ -93,6 +93,7 @@ class Settings:
     dashboard: str | None = None  # with --serve: where the dashboard's child process listens (dashboard/child.py)
     heartbeat_rate: float = HEARTBEAT_RATE  # with --serve: heartbeats a second from all nodes together (daemon/cadence.py)
     keys_dir: Path | None = None  # the key directory (the dashboard's keys come from there)
+    state_dir_given: bool = False  # by --state-dir or the config file (else the default: `install` picks the service's)
 
 
 def _lines(text: str) -> int:
@@ -226,6 +227,7 @@ def settings(args: argparse.Namespace) -> Settings:
         advertise=advertise or _advertise_for(join or serve),
         workers=workers,
         state_dir=Path(pick("state_dir", None) or default_state_dir()).expanduser().absolute(),
+        state_dir_given=bool(pick("state_dir", None)),
         insecure=insecure,
         heartbeat_interval=hb,
         liveness=liveness,

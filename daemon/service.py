@@ -687,7 +687,7 @@ def main(args: argparse.Namespace, run_parser: argparse.ArgumentParser, host: Ho
     except UsageError as e:
         print(f"dpd: {e}", file=sys.stderr)
         return 2
-    state_dir = state_dir_for(host, args)
+    state_dir = s.state_dir if s.state_dir_given else state_dir_for(host, args)  # the flag, the config file's, or the service's default
     given = [("--state-dir", state_dir), ("--keys", s.keys_dir), ("--log-file", s.log_file), ("--config", _path(args.config))]
     if (problem := private_tmp_problem(host, given)) is not None:
         print(f"dpd: {problem}", file=sys.stderr)

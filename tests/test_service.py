@@ -217,6 +217,16 @@ def test_an_empty_flag_value_is_left_out_of_the_service_as_dpd_run_leaves_it(fak
     assert "None" not in out and f"--state-dir {fake.home / '.local' / 'state' / 'dpool'}" in out
 
 
+def test_install_keeps_the_state_dir_the_config_file_names(fake, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """The service's default --state-dir was written over the config file's state_dir (a flag beats
+    the file): its checkpoints went elsewhere than the user asked."""
+    fake("linux", uid=1000)
+    mine = fake.home / "dpool-state"
+    fake.config.write_text(f'state_dir = "{mine}"\n')
+    assert cli.main(["install", "--config", str(fake.config), "--serve", "--print"]) == 0
+    assert f"--state-dir {mine}" in capsys.readouterr().out
+
+
 def test_unit_paths_with_spaces_letters_and_signs_verify(tmp_path: Path) -> None:
     """A home such as /home/josé or 'my home': WorkingDirectory= takes the path as the rest of its
     line (quoted, systemd refused it: 'path is not absolute'); ReadWritePaths= never expands `$`,
