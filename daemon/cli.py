@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import faulthandler
 import fcntl
 import importlib.metadata
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None, zygote: StartedZygote | None = None) -> 
     # Here, not in settings: `install` may prepare another machine's service.
     if not netif.is_ip(s.advertise):
         try:
-            netif.resolve(s.advertise)
+            s = dataclasses.replace(s, advertise=netif.resolve(s.advertise))  # up since settings() looked
         except netif.AdvertiseError as e:  # an interface whose address has not come up yet
             print(f"dpd: {e}", file=sys.stderr)
             return 1  # not 2: a service manager retries 1, and the link may be up by then

@@ -44,7 +44,16 @@ from dpool.daemon import statuspage
 from dpool.daemon.cadence import HEARTBEAT_RATE
 from dpool.daemon.export_relay import ExportRelay
 from dpool.daemon.fitness import TRAINING_RATE_BPS
-from dpool.daemon.pool import JobChanged, NodeChanged, NodeForgotten, Pool, Record, Refused, Send
+from dpool.daemon.pool import (
+    Busy,
+    JobChanged,
+    NodeChanged,
+    NodeForgotten,
+    Pool,
+    Record,
+    Refused,
+    Send,
+)
 from dpool.daemon.records import JobRef
 from dpool.daemon.sharing import queue_reply, set_priority
 from dpool.daemon.store import Store
@@ -729,8 +738,7 @@ class Coordinator:
             msg = dataclasses.replace(msg, holdings=[h for h in msg.holdings if h.job not in gone])
         known = self.pool.nodes.get(msg.name)
         restarted = known is not None and known.incarnation != msg.incarnation
-        if restarted and bound and known is not None and not known.lost:
-            self.log.info("node.replaced", node=msg.name, old_pid=known.info.pid, pid=msg.info.pid)
+        replacing = restarted and bound and known is not None and not known.lost
         refusal, room = self.pool.admit_name(now, msg.name)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)
@@ -739,7 +747,9 @@ class Coordinator:
         refusal, actions = self.pool.register(now, msg, bound=bound)
         if refusal is not None:
             self.log.warning("node.refused", node=msg.name, reason=refusal)
-            return m.Error(code=str(ErrorCode.DUPLICATE_NAME), message=refusal), []
+            return m.Error(code=str(ErrorCode.NODE_BUSY if isinstance(refusal, Busy) else ErrorCode.DUPLICATE_NAME), message=str(refusal)), []
+        if replacing and known is not None:
+            self.log.info("node.replaced", node=msg.name, old_pid=known.info.pid, pid=msg.info.pid)
         old = self.peer_of.get(msg.name)
         if old is not None and old != peer:
             self.node_of.pop(old, None)

@@ -72,11 +72,11 @@ from dpool.protocol.payloads import (
 from dpool.protocol.shares import replica_shares
 from dpool.protocol.stage_messages import NodeStaged
 
-__all__ = ["Action", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeForgotten", "NodeState", "Pool", "Record", "Refused", "Send"]
+__all__ = ["Action", "Busy", "Hold", "Job", "JobChanged", "Node", "NodeChanged", "NodeForgotten", "NodeState", "Pool", "Record", "Refused", "Send"]
 
 SET_ASIDE_AFTER = 3  # workers failing on a node in a row before it takes no more work
 MAX_NODES = 4096  # nodes the pool holds, lost ones included; beyond it a lost one is forgotten, else a new name is refused
-REPLACE_SILENT_PARTS = 3  # a new dpd with a node's key replaces the live one only once it has been silent a third of its expiry (two periods)
+REPLACE_SILENT_PARTS = 3  # a new dpd with a node's key replaces the live one only once it has been silent a third of its expiry (two periods at the default liveness)
 RECENT_FINISHED = 64  # finished jobs kept in memory (for late reports); older ones are in the store only
 PLACED_KEPT = 8  # generations per job whose placement is remembered, to check reports that arrive late
 TOKENS_PER_S_MAX = 1e12  # a rank's measured rate is capped here: no machine is faster, and a report's quotient can be inf
@@ -87,6 +87,11 @@ NodeMessage: TypeAlias = (
 )
 
 RANK_REPORTS = (m.NodeWorkerStarted, m.NodeWorkerHello, m.NodeProgress, m.NodeWaiting, m.NodeCheckpoint, m.NodeWorkerExited, NodeLink)  # each names its rank
+
+
+class Busy(str):
+    """A registration refused while the node's live dpd heartbeats (Pool.register): the new dpd
+    asks again (`node_busy`), and takes the node once that one falls silent."""
 
 
 class Pool:
@@ -242,8 +247,11 @@ class Pool:
             # for periods by the time its successor registers). Replacing it made the two take
             # turns under a service manager, each turn breaking the node's groups.
             return (
-                f"node name {name!r} is held by a live dpd with the same key on this machine (pid {old.info.pid or '?'}, "
-                f"last heard {now - old.last_seen:.1f}s ago); stop that dpd first (one dpd per node), or give this one its own key",
+                Busy(
+                    f"node name {name!r} is held by a live dpd with the same key on this machine (pid {old.info.pid or '?'}, "
+                    f"last heard {now - old.last_seen:.1f}s ago); this dpd takes the node once that one falls silent "
+                    "(one dpd per node: stop the other, or give this one its own key)"
+                ),
                 [],
             )
         if alive and not bound:

@@ -97,10 +97,6 @@ def _endpoint(v: Any) -> str | None:
     return None if isinstance(v, bool) else endpoint_problem(v)
 
 
-def _reached(v: Any) -> str | None:
-    return endpoint_problem(v, connect=True)
-
-
 # What a value may be, beyond its type: the same rule as the flag's (daemon/cli.py, client/cli.py
 # use these bounds), checked whatever flag overrides the key, so that a file one program refuses
 # the other refuses too. (yield_when and dashboard are read by dpd alone, which names the key.)
@@ -115,8 +111,8 @@ VALUES: dict[str, Any] = {
     "stage_rate": _rate,
     "log_level": lambda v: None if v in LOG_LEVELS else "must be one of " + ", ".join(LOG_LEVELS),
     "name": _name,
-    "coordinator": _reached,
-    "join": _reached,
+    "coordinator": _endpoint,  # a bind's '*' is refused where the address is used to reach a coordinator
+    "join": _endpoint,
     "serve": _endpoint,
 }
 

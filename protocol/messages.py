@@ -212,6 +212,7 @@ class ErrorCode(enum.StrEnum):
     NOT_REGISTERED = "not_registered"  # a node message from a peer that has not registered
     DUPLICATE_NAME = "duplicate_name"
     POOL_FULL = "pool_full"  # a node.register of a new name in a pool of MAX_NODES nodes, none of them forgettable
+    NODE_BUSY = "node_busy"  # a node.register with a node's own key while that node's dpd still heartbeats: asked again
     FORBIDDEN = "forbidden"  # a message this peer's key may not send (its role, or another node's name)
     NOT_FOUND = "not_found"
     BAD_JOB = "bad_job"

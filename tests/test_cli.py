@@ -280,7 +280,7 @@ def test_the_demo_progress_on_a_terminal_is_a_live_bar_in_colors_unless_no_color
     ("", ["DPOOL_COORDINATOR=tcp://pool"], "$DPOOL_COORDINATOR 'tcp://pool': a tcp address is tcp://HOST:PORT"),
     # a bind's wildcard, copied from a --serve line: libzmq's 'Invalid argument' and a traceback before
     ("", ["--coordinator", "tcp://*:8316"], "--coordinator 'tcp://*:8316': '*' is for binding"),
-    ('join = "tcp://*:7340"\n', [], "config.toml: join = 'tcp://*:7340': '*' is for binding"),
+    ('join = "tcp://*:7340"\n', [], "config.toml: join 'tcp://*:7340': '*' is for binding"),
     # the file read for its keys alone (the coordinator given): said once, as above, not after a "keys in" prefix
     ("bogus = 1\n", ["--coordinator", "tcp://127.0.0.1:9"], "dpctl: /"),
 ])

@@ -151,7 +151,8 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_once_that_is_
     old = connect("node", "a")
     assert isinstance(old.register("a", incarnation="first", slots=1), m.NodeRegistered)
     second = connect("node", "a").register("a", incarnation="second", slots=1)  # while the old one was just heard
-    assert isinstance(second, m.Error) and "held by a live dpd with the same key on this machine" in second.message, second
+    assert isinstance(second, m.Error) and second.code == "node_busy" and "held by a live dpd with the same key on this machine" in second.message, second
+    assert not logged(coord, "node.replaced", node="a")
     # The old process heartbeats no more (it crashed, or hangs): two periods on, the same machine's
     # new dpd replaces it.
     def registered() -> Peer | None:
@@ -159,7 +160,7 @@ def test_a_restarted_dpd_with_its_own_key_replaces_its_old_process_once_that_is_
         return peer if isinstance(peer.register("a", incarnation="second", slots=1), m.NodeRegistered) else None
 
     wait_for("the new dpd registered", registered, 10, every=0.2)
-    assert logged(coord, "node.replaced", node="a")
+    wait_for("node.replaced logged", lambda: logged(coord, "node.replaced", node="a"), 10)
     (row,) = coord.call(m.Nodes(), m.NodesReply).nodes
     assert row.name == "a" and row.state == "idle"
     # The old connection is no longer node a's: it is told to register again.

@@ -298,8 +298,9 @@ def test_a_pool_with_keys_trains_and_refuses_peers_without_them(processes: Proce
     # a peer without keys: which side notices the mismatch first is a race, so either reason
     assert ("does not use CURVE" in reasons or "without --keys?" in reasons) and "another pool's coordinator.key" in reasons, failed
 
-    # a dpd killed and started again under its own key replaces its old process at once (it was
-    # refused as a duplicate until the old one was lost: under systemd, a restart loop)
+    # a dpd killed and started again under its own key replaces its old process once that has
+    # been silent two heartbeat periods, asking again meanwhile (node_busy); it was refused as a
+    # duplicate until the old one was lost (under systemd, a restart loop)
     n1 = pool.daemons["n1"]
     before = len(json_lines(coord_log))
     os.killpg(n1.pid, signal.SIGKILL)
