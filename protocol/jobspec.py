@@ -481,6 +481,14 @@ class JobSpec:
             body["sync"] = sync  # absent in the default mode: jobs from before [sync] keep their hash
         return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
+    def schedule_hash(self) -> str:
+        """Hash of what decides when the ranks of a group meet in a collective beyond the step
+        (the evaluations, samples and test; the checkpoints' interval): equal on every rank of a
+        group, or one rank waits in an all_sum the others never enter (trainer/agreement.py)."""
+        d = self.to_dict()
+        body = {"eval": d["eval"], "checkpoint": d["checkpoint"]}
+        return hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
     def _model_fields(self) -> dict[str, Any]:
         """The model keys that apply to this kind (the others are refused in the job file)."""
         model = dataclasses.asdict(self.model)

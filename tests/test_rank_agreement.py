@@ -47,6 +47,17 @@ def test_ranks_given_different_shares_all_exit_2_naming_both(tmp_path):
     assert not list(tmp_path.glob("m-*/checkpoints/step-*"))
 
 
+def test_ranks_whose_job_files_differ_in_eval_exit_2_instead_of_waiting_for_each_other(tmp_path):
+    """The same training, evaluations every 2 steps on one rank and every 3 on the other: the first
+    evaluation's all_sum had one rank waiting for good (its peer trained on into the next step's)."""
+    job = write_job(tmp_path, "agree", file="job.toml", train={"steps": 3, "global_batch": 8}, eval={"every_steps": 2})
+    other = write_job(tmp_path, "agree", file="copy.toml", train={"steps": 3, "global_batch": 8}, eval={"every_steps": 3})
+    g = ring.start_ranks(tmp_path, [[str(j), "--run-dir", str(tmp_path / "m-{rank}")] for j in (job, other)])
+    assert ring.finish(g, TIMEOUT_S) == [2, 2], g.output(0)[-2000:] + g.output(1)[-2000:]
+    for rank in range(2):
+        assert "rank 1's job file differs from rank 0's in [eval] or [checkpoint]" in error_line(g.output(rank)), g.output(rank)[-2000:]
+
+
 def test_ranks_given_different_job_files_all_exit_2_naming_the_hashes(tmp_path):
     from dpool.protocol.jobspec import load_job
 
@@ -108,9 +119,9 @@ def test_agreeing_ranks_train(tmp_path):
 def test_the_message_names_every_rank_that_differs_and_both_kinds_of_difference():
     from dpool.trainer.agreement import OK, REFUSED, describe
 
-    def row(h: str, shares: list[int], status: int = OK) -> list[int]:
-        v = int(h, 16)
-        return [status, v >> 32, v & 0xFFFFFFFF, *shares]
+    def row(h: str, shares: list[int], status: int = OK, schedule: str = "0") -> list[int]:
+        v, w = int(h, 16), int(schedule, 16)
+        return [status, v >> 32, v & 0xFFFFFFFF, w >> 32, w & 0xFFFFFFFF, *shares]
 
     a, b = "0123456789abcdef", "fedcba9876543210"
     assert describe([row(a, [4, 2, 2])] * 3) is None
@@ -120,6 +131,11 @@ def test_the_message_names_every_rank_that_differs_and_both_kinds_of_difference(
     assert describe([row(a, [4, 2, 2]), row(b, [2, 2, 4]), row(b, [4, 2, 2])]) == (
         f"rank 1's job file differs from rank 0's (training hash {b} vs {a}) (rank 2 too): every rank must run the same job file; "
         "rank 1's --shares 2,2,4 differ from rank 0's 4,2,2: every rank must be given the same --shares"
+    )
+    # [eval] every 5 steps on rank 2, 10 on the others: both waited for good in the evaluation's all_sum
+    assert describe([row(a, [4, 2, 2], schedule=a), row(a, [4, 2, 2], schedule=a), row(a, [4, 2, 2], schedule=b)]) == (
+        "rank 2's job file differs from rank 0's in [eval] or [checkpoint]: every rank must run the same job file "
+        "(they decide when the ranks meet to evaluate and checkpoint)"
     )
     assert describe([row(a, [0, 0, 0], REFUSED), row(a, [4, 2, 2]), row(a, [0, 0, 0], REFUSED)]) == (
         "rank 0 refused its --shares (its own error says why) (rank 2 too): every rank must be given the same --shares"

@@ -9,11 +9,14 @@ gives every rank the whole table (the other rows are zeros). Every rank finds th
 and exits 2 with the same message. Under dpd every rank gets the same job and shares, and the check
 is one all_sum of a few hundred bytes on top of the group's start-up.
 
-A row is [status, hash high, hash low, share of rank 0, ..., share of rank n-1]:
-  status  OK, or REFUSED: this rank refused its own --shares (it says why; its peers name it, so
-          no rank is left waiting for it in a later collective);
-  hash    the job's training hash (`JobSpec.training_hash()`, 16 hex digits: what checkpoints keep
-          as `job_hash`), in two 32-bit halves, exact in int64.
+A row is [status, hash high, hash low, schedule high, schedule low, share of rank 0, ..., share of rank n-1]:
+  status    OK, or REFUSED: this rank refused its own --shares (it says why; its peers name it, so
+            no rank is left waiting for it in a later collective);
+  hash      the job's training hash (`JobSpec.training_hash()`, 16 hex digits: what checkpoints keep
+            as `job_hash`), in two 32-bit halves, exact in int64;
+  schedule  `JobSpec.schedule_hash()`: the [eval] and [checkpoint] settings, which decide when the
+            ranks meet in an all_sum beyond the step (an evaluation every 5 steps on one rank and
+            every 10 on the other left both waiting for good), the same way.
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ from collections.abc import Sequence
 from dpool.trainer.dist import Group
 
 OK, REFUSED = 1, 2
-HEAD = 3  # status and the hash's two halves, before the shares
+HEAD = 5  # status and the two hashes' halves, before the shares
 
 
-def disagreement(group: Group, training_hash: str, shares: Sequence[int] | None) -> str | None:
+def disagreement(group: Group, training_hash: str, shares: Sequence[int] | None, schedule_hash: str = "0") -> str | None:
     """What the ranks of `group` disagree on, as the message every rank prints, or None. `shares`:
     this rank's --shares, or None where it refused them (it raises its own error after this).
     Every rank of the group must call it, at the same point (one all_sum); alone, nothing is sent."""
     world = group.size
     if world == 1:
         return None
-    digest = int(training_hash[:16], 16)
-    row = [OK if shares is not None else REFUSED, digest >> 32, digest & 0xFFFFFFFF, *(shares or [0] * world)]
+    digest, schedule = int(training_hash[:16], 16), int(schedule_hash[:16], 16)
+    row = [OK if shares is not None else REFUSED, digest >> 32, digest & 0xFFFFFFFF, schedule >> 32, schedule & 0xFFFFFFFF, *(shares or [0] * world)]
     width = HEAD + world
     table = [0] * (world * width)
     table[group.rank * width : (group.rank + 1) * width] = row
@@ -52,6 +55,11 @@ def describe(rows: list[list[int]]) -> str | None:
         problems.append(
             f"rank {first}'s job file differs from rank 0's (training hash {hashes[first]} vs {hashes[0]}){_more(differ)}: "
             "every rank must run the same job file"
+        )
+    elif differ := [r for r in range(1, len(rows)) if rows[r][3:5] != rows[0][3:5]]:
+        problems.append(
+            f"rank {differ[0]}'s job file differs from rank 0's in [eval] or [checkpoint]{_more(differ)}: "
+            "every rank must run the same job file (they decide when the ranks meet to evaluate and checkpoint)"
         )
     refused = [r for r, row in enumerate(rows) if row[0] == REFUSED]
     if refused:

@@ -150,7 +150,7 @@ def run(
     # Before anything is built: every rank was given the same job file and shares, or all exit 2
     # saying what differs (one small all_sum; trainer/agreement.py). A rank that refused its own
     # --shares takes part too, so that its peers exit with it instead of waiting for it.
-    differs = agreement.disagreement(group, spec.training_hash(), None if shares_refused else shares)
+    differs = agreement.disagreement(group, spec.training_hash(), None if shares_refused else shares, spec.schedule_hash())
     if shares_refused or differs:
         raise shares_refused or UsageError(differs)
     if not spec.workers.balance:
