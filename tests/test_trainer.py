@@ -95,6 +95,17 @@ def test_three_unequal_ranks_match_one_rank(reference, work, env):
     assert '"shares":[4,8,12]' in g.output(0)
 
 
+def test_export_reads_the_run_dir_of_rank_0_when_it_names_rank(reference, work, env):
+    """`--run-dir 'runs/x-{rank}'`, as the README trains by hand, with --export added: it read the
+    folder literally named '{rank}' and said there was no checkpoint (rank 0's, or MLX_RANK's)."""
+    out = work / "export-rank"
+    shutil.copytree(reference, work / "solo-0")
+    cmd = [sys.executable, "-m", "dpool.trainer", str(tiny_job(work)), "--run-dir", str(work / "solo-{rank}"), "--export", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert r.returncode == 0 and "exported step 15" in r.stdout, r.stderr[-2000:]
+    assert (out / "model.safetensors").is_file()
+
+
 def test_runs_under_plain_mlx_launch(reference, work, env):
     """Users can run the trainer under `mlx.launch --backend ring`, without any daemon."""
     launcher = shutil.which("mlx.launch")

@@ -105,14 +105,16 @@ def _main(argv: list[str]) -> int:
     configure_logging(args.log_level)
     try:
         spec = load_job(args.job)
+        # `{rank}` as a training run reads it: this process's MLX_RANK, rank 0's folder by hand.
+        own_dir = Path(args.run_dir.replace("{rank}", os.environ.get("MLX_RANK", "0").strip() or "0"))
         if args.export:
             step, files = loop.export(
-                spec, Path(args.run_dir), Path(args.export), args.step, source=args.job, fuse=args.fuse, dequantize=args.dequantize,
+                spec, own_dir, Path(args.export), args.step, source=args.job, fuse=args.fuse, dequantize=args.dequantize,
             )
             print(f"exported step {step} of {spec.name} to {args.export}: {', '.join(files)}")
             return loop.EXIT_DONE
         if args.test:
-            step, _ = loop.export(spec, Path(args.run_dir), Path(args.test), args.step, source=args.job, test=True)
+            step, _ = loop.export(spec, own_dir, Path(args.test), args.step, source=args.job, test=True)
             print(f"test loss of step {step} of {spec.name}: {(Path(args.test) / 'test.json').read_text().strip()}")
             return loop.EXIT_DONE
         return loop.run(spec, args.run_dir, args.shares, args.generation, source=args.job, warm=args.warm, resume_max=args.resume_max, at_go=at_go)
