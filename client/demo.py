@@ -454,6 +454,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if steps < 2:
         print(f"dpctl demo: --steps {steps}: must be at least 2, so that a worker can be killed mid-run", file=sys.stderr)
         return EXIT_BAD_INPUT
+    here = Path.cwd()
+    if not os.access(here, os.W_OK | os.X_OK):  # before training: the figure (and --lm's model) is written here at the end
+        print(f"dpctl demo: cannot write {PLOT_FILE} in {here} (the current folder is not writable); run the demo from a folder you can write to", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return Demo(a, sys.stdout).main()
 
 

@@ -64,6 +64,17 @@ def test_demo_refuses_bad_flags() -> None:
     assert r.returncode == 2 and "--workers 0" in r.stderr
 
 
+def test_demo_in_a_folder_it_cannot_write_is_refused_before_it_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """From a read-only folder it trained the whole job, then failed writing demo-loss.png naming
+    a `-o` flag nobody gave (exit 2), and left its pool's state behind."""
+    from dpool.client import cli, demo
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo.os, "access", lambda path, mode: False)  # as a read-only mount answers (root passes mode bits)
+    assert cli.main(["demo", "--steps", "10"]) == 2
+    assert f"cannot write demo-loss.png in {tmp_path}" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_demo_kills_a_worker_resumes_and_leaves_nothing_running(processes: Processes, tmp_path: Path) -> None:
     env = demo_env(tmp_path)
