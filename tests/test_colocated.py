@@ -57,6 +57,19 @@ def test_an_explicit_thread_count_wins_and_a_rank_alone_keeps_the_default():
     assert "ignored" in split_blas_threads(3, {"DPOOL_BLAS_THREADS": "lots"})["blas_threads_from"]
 
 
+def test_the_blas_named_is_the_one_preloaded_by_the_user_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's own LD_PRELOAD of OpenBLAS: the trainer skips its re-exec, and said 'bundled'."""
+    from dpool.trainer.blas import active_blas
+
+    monkeypatch.delenv(MARK, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libfoo.so:/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+    assert active_blas() == "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libfoo.so")
+    assert active_blas() == "bundled"
+    monkeypatch.setenv(MARK, "/opt/libopenblas.so")
+    assert active_blas() == "/opt/libopenblas.so"
+
+
 def blas_threads_in_child(env: dict[str, str], ranks_here: int) -> dict:
     """What split_blas_threads chooses in a fresh process that has MLX (and its BLAS) loaded."""
     code = (

@@ -67,4 +67,7 @@ def reexec_with_openblas(module: str, argv: list[str]) -> None:
 
 
 def active_blas() -> str:
-    return os.environ.get(MARK) or "bundled"
+    """The BLAS this process computes with: the OpenBLAS preloaded (by the re-exec, or by the user's
+    own LD_PRELOAD), else the wheel's bundled one."""
+    preloaded = [p for p in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if "openblas" in os.path.basename(p)]
+    return os.environ.get(MARK) or (preloaded[0] if preloaded else "bundled")

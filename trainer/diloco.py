@@ -55,6 +55,7 @@ from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import optimizers
 from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, machine_memory_bytes, micro_from_memory
+from dpool.trainer.blas import active_blas
 from dpool.trainer.data import split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
@@ -289,7 +290,7 @@ def train(
         log.info("shares.rounded", asked=asked, shares=shares, why=f"diloco moves whole replicas ({K} of {t.global_batch // K}-{-(-t.global_batch // K)} sequences)")
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, mode="diloco",
-        replicas=list(ranges[rank]), inner_steps=H, micro_batch=micro, blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"),
+        replicas=list(ranges[rank]), inner_steps=H, micro_batch=micro, blas=active_blas(),
         **describe,
     )
     if link:

@@ -26,6 +26,7 @@ from dpool.trainer import agreement, diloco, handstop, optimizers
 from dpool.trainer import checkpoint as ckpt
 from dpool.trainer import report as reporting
 from dpool.trainer.balance import Balancer, fixed_shares, machine_memory_bytes, micro_from_memory
+from dpool.trainer.blas import active_blas
 from dpool.trainer.data import DataError, split_shares
 from dpool.trainer.dist import Group
 from dpool.trainer.interval import AutoInterval, overhead_target
@@ -206,7 +207,7 @@ def run(
     stepper.micro = micro_for(share)
     log.info(
         "trainer.started", world_size=world, shares=shares, resume_step=start, restored=how, **task.describe(),
-        blas=os.environ.get("DPOOL_BLAS_PRELOADED", "bundled"), micro_batch=stepper.micro,
+        blas=active_blas(), micro_batch=stepper.micro,
         probe_bytes_per_example=per_example or None, startup_s=marks, warm=warm,
     )
     if link:
